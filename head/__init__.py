@@ -1,0 +1,1 @@
+"""tether: RL post-training on Megatron-core and SGLang, without Ray."""
