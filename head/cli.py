@@ -1,7 +1,8 @@
 """The `tether` command line: a table of subcommands, each imported only when used.
 
 Start-up speed is part of the product, so `tether --help` imports nothing heavy: each
-subcommand lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`.
+subcommand lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`,
+or `main_argv(argv) -> int` when it parses the run configuration (with its pass-through flags).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name, rest = args[0], args[1:]
     module = importlib.import_module(COMMANDS[name].module)
+    if hasattr(module, "main_argv"):  # commands that take the run configuration parse it themselves
+        return int(module.main_argv(rest) or 0)
     parser = argparse.ArgumentParser(prog=f"tether {name}", description=COMMANDS[name].help)
     module.add_arguments(parser)
     parsed = parser.parse_args(rest)

@@ -1,0 +1,359 @@
+"""tether's one configuration: typed slices per component, slime's flag names, YAML, checks.
+
+Each component owns the slice it consumes (`tether.rollout.config.RolloutConfig`, ...). This
+module composes them into `Config`, derives every command-line flag from the slices' fields
+(`--` + field name with dashes; the field's Meta description is the `--help` text), loads a
+YAML file given with `--config` (snake_case keys, flat as in slime or nested by slice), and
+runs the checks that span slices. Everything is resolved once, before any process starts;
+the result serialises to JSON for the run's receipt and loads back equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from tether.placement.config import ClusterConfig
+from tether.rollout.config import DataConfig, RolloutConfig
+from tether.runtime.config import FaultToleranceConfig
+from tether.runtime.errors import ConfigError
+from tether.sync.config import WeightSyncConfig
+from tether.train.config import AlgorithmConfig, MegatronConfig, check_algorithm_against_megatron
+
+
+class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Run only one side of the loop, and save or replay rollouts."""
+
+    debug_rollout_only: Annotated[bool, Meta(description="Generate rollouts without starting a trainer.")] = False
+    debug_train_only: Annotated[bool, Meta(description="Train without starting engines (needs saved rollouts).")] = False
+    save_debug_rollout_data: Annotated[
+        str | None, Meta(description="Path template for each rollout's Samples, with {rollout_id}.")
+    ] = None
+    load_debug_rollout_data: Annotated[
+        str | None, Meta(description="Path template of saved rollouts to train on, with {rollout_id}.")
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.debug_train_only and self.load_debug_rollout_data is None:
+            raise ConfigError("--debug-train-only", True, "needs --load-debug-rollout-data to train on saved rollouts")
+
+
+class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the head runs the job: loop mode, run directory, progress and metrics outputs."""
+
+    loop: Annotated[
+        Literal["sync", "async", "fully-async"], Meta(description="Training loop: sync, async or fully-async.")
+    ] = "sync"
+    run_dir: Annotated[
+        str | None, Meta(description="Directory for this run's receipt, metrics, logs (default: runs/<time>).")
+    ] = None
+    auto_resume: Annotated[
+        bool, Meta(description="Resume from the latest complete checkpoint under --save when one exists.")
+    ] = False
+    metrics_port: Annotated[
+        Annotated[int, Meta(ge=1, le=65535)] | None, Meta(description="Serve Prometheus /metrics on this port of the head.")
+    ] = None
+    use_wandb: Annotated[bool, Meta(description="Log metrics to Weights & Biases (WANDB_MODE=offline works).")] = False
+    wandb_project: Annotated[str | None, Meta(description="W&B project name.")] = None
+    wandb_group: Annotated[str | None, Meta(description="W&B group name.")] = None
+    use_tensorboard: Annotated[bool, Meta(description="Also write TensorBoard events (when installed).")] = False
+    progress: Annotated[
+        Literal["auto", "rich", "plain"], Meta(description="Progress display: rich bars, plain lines, or auto.")
+    ] = "auto"
+
+
+SLICES: dict[str, type[msgspec.Struct]] = {
+    "cluster": ClusterConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "megatron": MegatronConfig,
+    "weight_sync": WeightSyncConfig,
+    "fault_tolerance": FaultToleranceConfig,
+    "debug": DebugConfig,
+    "run": RunConfig,
+}
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The resolved configuration of one run; each component receives its own slice."""
+
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
+    weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    fault_tolerance: FaultToleranceConfig = msgspec.field(default_factory=FaultToleranceConfig)
+    debug: DebugConfig = msgspec.field(default_factory=DebugConfig)
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    sglang_args: list[str] = msgspec.field(default_factory=list)
+    """Flags passed through to SGLang: each `--sglang-<flag> [values]` becomes `--<flag> [values]`."""
+
+    def __post_init__(self) -> None:
+        check_contradictions(self)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Config:
+        return msgspec.json.decode(data, type=cls)
+
+
+def check_contradictions(cfg: Config) -> None:
+    """Checks that span slices; each names the flags involved and their values."""
+    if cfg.debug.debug_rollout_only and cfg.debug.debug_train_only:
+        raise ConfigError("--debug-rollout-only", True, "contradicts --debug-train-only (nothing would run)")
+    cfg.weight_sync.check_colocate(cfg.cluster.colocate)
+    check_algorithm_against_megatron(cfg.algorithm, cfg.megatron)
+    if cfg.run.loop != "sync" and cfg.cluster.colocate:
+        raise ConfigError("--loop", cfg.run.loop, "overlaps generation and training, so it rejects --colocate")
+    samples = cfg.data.rollout_batch_size * cfg.data.n_samples_per_prompt
+    gbs = cfg.data.global_batch_size
+    if gbs is not None:
+        if gbs > samples or samples % gbs:
+            raise ConfigError(
+                "--global-batch-size", gbs,
+                f"must divide --rollout-batch-size x --n-samples-per-prompt = "
+                f"{cfg.data.rollout_batch_size} x {cfg.data.n_samples_per_prompt} = {samples}",
+            )
+        if gbs % cfg.data.micro_batch_size and not cfg.data.use_dynamic_batch_size:
+            raise ConfigError(
+                "--global-batch-size", gbs, f"is not a multiple of --micro-batch-size={cfg.data.micro_batch_size}"
+            )
+    over = cfg.rollout.over_sampling_batch_size
+    if over is not None and over < cfg.data.rollout_batch_size:
+        raise ConfigError(
+            "--over-sampling-batch-size", over, f"is below --rollout-batch-size={cfg.data.rollout_batch_size}"
+        )
+
+
+# --- flags derived from the slices -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    slice: str
+    field: str
+    flag: str
+    kind: Literal["bool", "optbool", "list", "scalar"]
+    help: str
+    choices: tuple[str, ...] | None
+
+
+def _unwrap(hint: Any) -> tuple[Any, str]:
+    """The bare type of a field and its Meta description."""
+    description = ""
+    if typing.get_origin(hint) is Annotated:
+        base, *extras = typing.get_args(hint)
+        for extra in extras:
+            if isinstance(extra, Meta) and extra.description:
+                description = extra.description
+        hint = base
+    return hint, description
+
+
+def _kind(hint: Any) -> tuple[Literal["bool", "optbool", "list", "scalar"], tuple[str, ...] | None]:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    optional = False
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        hint, origin, optional = args[0], typing.get_origin(args[0]), True
+    if typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+        origin = typing.get_origin(hint)
+    if hint is bool:
+        return ("optbool" if optional else "bool"), None
+    if origin is list:
+        return "list", None
+    if origin is Literal:
+        return "scalar", tuple(str(a) for a in typing.get_args(hint))
+    return "scalar", None
+
+
+def flag_specs() -> list[FlagSpec]:
+    specs: list[FlagSpec] = []
+    for slice_name, cls in SLICES.items():
+        hints = typing.get_type_hints(cls, include_extras=True)
+        for name in cls.__struct_fields__:
+            base, description = _unwrap(hints[name])
+            kind, choices = _kind(base)
+            specs.append(FlagSpec(slice_name, name, "--" + name.replace("_", "-"), kind, description, choices))
+    seen: dict[str, FlagSpec] = {}
+    for spec in specs:
+        if spec.flag in seen:  # a programming error: two slices claim one flag
+            raise RuntimeError(f"flag {spec.flag} is declared by both {seen[spec.flag].slice} and {spec.slice}")
+        seen[spec.flag] = spec
+    return specs
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every configuration flag, grouped by slice, for `--help`; values are parsed by `resolve`."""
+    parser.add_argument("--config", metavar="YAML", help="YAML file with the same keys (snake_case); flags override it.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in flag_specs():
+        group = groups.get(spec.slice)
+        if group is None:
+            doc = (SLICES[spec.slice].__doc__ or "").strip().splitlines()[0]
+            group = groups[spec.slice] = parser.add_argument_group(spec.slice, doc)
+        dest = f"{spec.slice}.{spec.field}"
+        if spec.kind == "bool":
+            group.add_argument(spec.flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=spec.help)
+        elif spec.kind == "optbool":  # unset means "decide from other flags"; --no-x says no
+            group.add_argument(
+                spec.flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=spec.help
+            )
+        elif spec.kind == "list":
+            group.add_argument(spec.flag, dest=dest, nargs="*", default=argparse.SUPPRESS, help=spec.help)
+        else:
+            # Choices are checked by msgspec with the slice, so the error names the flag and the value.
+            metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else spec.field.upper()
+            group.add_argument(spec.flag, dest=dest, default=argparse.SUPPRESS, help=spec.help, metavar=metavar)
+    parser.add_argument_group("sglang", "Any --sglang-<flag> [values] goes to SGLang as --<flag> [values].")
+
+
+_SGLANG_PREFIX = "--sglang-"
+
+
+def split_sglang_args(argv: Sequence[str], known_flags: set[str]) -> tuple[list[str], list[str]]:
+    """Separate pass-through `--sglang-*` flags (with their values) from tether's own flags."""
+    ours: list[str] = []
+    passthrough: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if name.startswith(_SGLANG_PREFIX) and name not in known_flags:
+            passthrough.append("--" + token[len(_SGLANG_PREFIX) :])
+            i += 1
+            while "=" not in token and i < len(argv) and not argv[i].startswith("--"):
+                passthrough.append(argv[i])
+                i += 1
+            continue
+        ours.append(token)
+        i += 1
+    return ours, passthrough
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        match = re.search(r"unrecognized arguments: (\S+)", message)
+        if match:
+            raise ConfigError(match.group(1), None, "is not a tether, slime or Megatron flag")
+        match = re.search(r"argument (--[\w-]+)(?:/\S+)?: (.*)", message)
+        if match:
+            raise ConfigError(match.group(1), None, match.group(2))
+        raise ConfigError("command line", None, message)
+
+
+def _yaml_values(path: Path, by_field: dict[str, list[FlagSpec]]) -> tuple[dict[tuple[str, str], Any], list[str]]:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError("--config", str(path), f"cannot be read as YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError("--config", str(path), f"must hold a mapping of keys to values, not {type(loaded).__name__}")
+    values: dict[tuple[str, str], Any] = {}
+    sglang: list[str] = []
+
+    def put(key: str, value: Any, section: str | None) -> None:
+        if key == "sglang_args" and section is None:
+            if not isinstance(value, list):
+                raise ConfigError(f"{path}: sglang_args", value, "must be a list of strings")
+            sglang.extend(str(v) for v in value)
+            return
+        specs = [s for s in by_field.get(key, []) if section is None or s.slice == section]
+        if not specs:
+            if key.startswith("sglang_") and section is None:
+                flag = "--" + key[len("sglang_") :].replace("_", "-")
+                if value is True:
+                    sglang.append(flag)
+                elif value is not False and value is not None:
+                    sglang.extend([flag, *(map(str, value) if isinstance(value, list) else [str(value)])])
+                return
+            where = f"{section}.{key}" if section else key
+            raise ConfigError(f"{path}: {where}", value, "is not a configuration key")
+        values[(specs[0].slice, key)] = value
+
+    for key, value in loaded.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{path}: key", key, "must be a string")
+        if key in SLICES and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                put(str(sub_key), sub_value, key)
+        else:
+            put(key, value, None)
+    return values, sglang
+
+
+def resolve(argv: Sequence[str]) -> Config:
+    """The Config from a command line (and the YAML file it names); raises ConfigError."""
+    specs = flag_specs()
+    by_flag = {s.flag: s for s in specs}
+    by_field: dict[str, list[FlagSpec]] = {}
+    for s in specs:
+        by_field.setdefault(s.field, []).append(s)
+    argv, sglang_cli = split_sglang_args(argv, set(by_flag))
+    parser = _Parser(prog="tether run", add_help=False, allow_abbrev=False)
+    add_config_arguments(parser)
+    namespace = parser.parse_args(list(argv))
+    values: dict[tuple[str, str], Any] = {}
+    origin: dict[tuple[str, str], str] = {}
+    sglang: list[str] = []
+    config_path = getattr(namespace, "config", None)
+    if config_path:
+        yaml_values, sglang = _yaml_values(Path(config_path), by_field)
+        values.update(yaml_values)
+        origin.update({k: f"{config_path}: {k[1]}" for k in yaml_values})
+    for dest, value in vars(namespace).items():
+        if dest == "config":
+            continue
+        slice_name, field = dest.split(".", 1)
+        values[(slice_name, field)] = value
+        origin[(slice_name, field)] = "--" + field.replace("_", "-")
+    return build_config(values, origin, sglang + sglang_cli)
+
+
+def build_config(
+    values: dict[tuple[str, str], Any], origin: dict[tuple[str, str], str] | None = None, sglang_args: list[str] | None = None
+) -> Config:
+    """A Config from (slice, field) → value, converting strings and checking every slice."""
+    origin = origin or {}
+    per_slice: dict[str, dict[str, Any]] = {name: {} for name in SLICES}
+    for (slice_name, field), value in values.items():
+        per_slice[slice_name][field] = value
+    built: dict[str, Any] = {}
+    for slice_name, cls in SLICES.items():
+        data = per_slice[slice_name]
+        try:
+            built[slice_name] = msgspec.convert(data, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            if isinstance(exc.__cause__, ConfigError):
+                raise exc.__cause__ from None
+            match = re.search(r"at `\$\.(\w+)", str(exc))
+            field = match.group(1) if match else None
+            if field is None:
+                raise ConfigError(slice_name, data, str(exc)) from None
+            key = origin.get((slice_name, field), "--" + field.replace("_", "-"))
+            reason = str(exc).split(" - at ")[0]
+            raise ConfigError(key, data.get(field), reason) from None
+    return Config(**built, sglang_args=list(sglang_args or []))
+
+
+def help_text() -> str:
+    parser = argparse.ArgumentParser(prog="tether run", add_help=False)
+    add_config_arguments(parser)
+    return parser.format_help()

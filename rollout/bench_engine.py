@@ -1,0 +1,143 @@
+"""`tether bench engine`: CPU engine throughput at 1, 8 and 64 concurrent requests, and weight
+reload time from disk, on the default `tether init-model` model. Prints JSON.
+
+Each level sends `concurrency` requests of `--new-tokens` tokens at once (ignore_eos, so every
+request generates exactly that many) and reports generated tokens per wall-clock second; the
+ratio of the 64-request level to the single request is the batching gain (target: >= 5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="Print only the JSON result.")
+    parser.add_argument("--levels", default="1,8,64", help="Comma-separated concurrency levels.")
+    parser.add_argument("--new-tokens", type=int, default=64, help="New tokens per request.")
+    parser.add_argument("--reloads", type=int, default=5, help="update_weights_from_disk calls to time.")
+    parser.add_argument("--threads", type=int, default=1, help="Engine torch threads.")
+    parser.add_argument("--model-path", default=None, help="Model to serve (default: a fresh init-model).")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_ready(
+    session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], log: Path
+) -> None:
+    async with asyncio.timeout(120):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode}; see its log {log}")
+            try:
+                async with session.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+
+
+async def _level(
+    session: aiohttp.ClientSession, url: str, concurrency: int, new_tokens: int
+) -> dict[str, Any]:
+    sp = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+
+    async def one(i: int) -> int:
+        payload = {"input_ids": [1, 2, 3, 4 + i % 200], "sampling_params": {**sp, "sampling_seed": i}}
+        async with session.post(url + "/generate", json=payload) as r:
+            body = await r.json()
+            return int(body["meta_info"]["completion_tokens"])
+
+    start = time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(one(i)) for i in range(concurrency)]
+    elapsed = time.perf_counter() - start
+    tokens = sum(t.result() for t in tasks)
+    return {
+        "concurrency": concurrency,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+    }
+
+
+def _start_engine(model_path: str, threads: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tether.rollout.cpu_engine", "--model-path", model_path, "--port", str(port)]
+    cmd += ["--threads", str(threads)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _bench(args: argparse.Namespace, model_path: str, log: Path) -> dict[str, Any]:
+    proc, url = await asyncio.to_thread(_start_engine, model_path, args.threads, log)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            await _wait_ready(session, url, proc, log)
+            await _level(session, url, 4, 8)  # warm-up: first-call allocations and code paths
+            levels = [await _level(session, url, int(c), args.new_tokens) for c in args.levels.split(",")]
+            reloads = []
+            for i in range(args.reloads):
+                start = time.perf_counter()
+                async with session.post(
+                    url + "/update_weights_from_disk",
+                    json={"model_path": model_path, "weight_version": f"r{i}"},
+                ) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"reload failed: {await r.text()}")
+                reloads.append(time.perf_counter() - start)
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 30)
+    by_c = {lv["concurrency"]: lv["tokens_per_s"] for lv in levels}
+    result: dict[str, Any] = {
+        "bench": "engine",
+        "model_path": model_path,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "levels": levels,
+        "disk_reload_s": {"mean": sum(reloads) / len(reloads), "min": min(reloads), "max": max(reloads)},
+    }
+    if 1 in by_c and 64 in by_c:
+        result["ratio_64_vs_1"] = by_c[64] / by_c[1]
+        result["target_ratio"] = 5.0
+        result["meets_target"] = result["ratio_64_vs_1"] >= 5.0
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvloop
+
+    with tempfile.TemporaryDirectory(prefix="tether-bench-engine-") as tmp:
+        model_path = args.model_path
+        if model_path is None:
+            from tether.rollout.tiny_model import write_tiny_model
+
+            model_path = os.fspath(write_tiny_model(Path(tmp) / "model"))
+        result = uvloop.run(_bench(args, model_path, Path(tmp) / "engine.log"))
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tether.rollout.bench_engine", description=__doc__)
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

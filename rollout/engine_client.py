@@ -1,0 +1,413 @@
+"""HTTP client for one generation engine speaking SGLang's native API (real SGLang or tether's CPU engine).
+
+The client only speaks HTTP, so the same code drives both backends (`--rollout-engine sglang|cpu`).
+Each engine gets its own aiohttp session, i.e. its own connection pool. Requests are retried
+only where a repeat cannot do harm: read-only and idempotent control requests are retried on
+connection faults, while a /generate request is resent only when the connection was refused
+before anything was sent (its result cannot already have been used). Weight updates are never
+retried here: their owner decides, because a half-applied update must be looked at first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import aiohttp
+import msgspec
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+"""Header carrying the session id; sglang-router (and our router) hash it to pick the engine."""
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an HTTP error (its status and message are kept)."""
+
+    def __init__(self, engine: str, path: str, status: int, message: str) -> None:
+        self.engine = engine
+        self.path = path
+        self.status = status
+        self.message = message
+        super().__init__(f"engine {engine} {path}: HTTP {status}: {message}")
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine could not be reached (refused, reset, timed out)."""
+
+    def __init__(self, engine: str, path: str, cause: BaseException) -> None:
+        self.engine = engine
+        self.path = path
+        super().__init__(f"engine {engine} {path}: unreachable: {type(cause).__name__}: {cause}")
+
+
+class EngineResponseError(ValueError):
+    """An engine's answer does not have SGLang's shape; the message names the field."""
+
+
+class FinishReason(msgspec.Struct, kw_only=True):
+    type: str
+    matched: int | str | list[int] | None = None
+    message: str | None = None
+
+
+class MetaInfo(msgspec.Struct, kw_only=True):
+    id: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    output_token_logprobs: list[list[Any]] | None = None
+    weight_version: str | int | None = None
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    """One /generate answer, in SGLang's shape (fields we do not use are ignored)."""
+
+    text: str = ""
+    output_ids: list[int] = msgspec.field(default_factory=list)
+    meta_info: MetaInfo = msgspec.field(default_factory=MetaInfo)
+
+    @property
+    def finish_type(self) -> str:
+        """stop | length | abort (abort also when the engine gave no reason)."""
+        return self.meta_info.finish_reason.type if self.meta_info.finish_reason else "abort"
+
+    @property
+    def weight_version(self) -> str | None:
+        v = self.meta_info.weight_version
+        return None if v is None else str(v)
+
+    def log_probs(self) -> list[float]:
+        """Sampled tokens' log-probs, aligned with output_ids (requires return_logprob)."""
+        entries = self.meta_info.output_token_logprobs
+        if entries is None:
+            raise EngineResponseError("meta_info.output_token_logprobs is missing (was return_logprob set?)")
+        if len(entries) != len(self.output_ids):
+            raise EngineResponseError(
+                f"meta_info.output_token_logprobs has {len(entries)} entries for {len(self.output_ids)} output_ids"
+            )
+        out: list[float] = []
+        for pos, (entry, tok) in enumerate(zip(entries, self.output_ids, strict=True)):
+            if len(entry) < 2 or not isinstance(entry[0], int | float) or entry[1] != tok:
+                raise EngineResponseError(
+                    f"meta_info.output_token_logprobs[{pos}]={entry!r} does not match output_ids[{pos}]={tok}"
+                )
+            out.append(float(entry[0]))
+        return out
+
+
+_generate_decoder = msgspec.json.Decoder(GenerateResponse)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class EngineClient:
+    """One engine at `url`: an aiohttp connection pool, per-request timeouts, safe retries."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str | None = None,
+        max_connections: int = 512,
+        request_timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        retries: int = 3,
+        retry_backoff: float = 0.2,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self._max_connections = max_connections
+        self._request_timeout = request_timeout
+        self._connect_timeout = connect_timeout
+        self._retries = retries
+        self._retry_backoff = retry_backoff
+        self._session: aiohttp.ClientSession | None = None
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.name!r}, {self.url!r})"
+
+    # ----- lifecycle -----
+    async def __aenter__(self) -> EngineClient:
+        self._ensure_session()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, limit_per_host=self._max_connections
+            )
+            self._session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
+        return self._session
+
+    # ----- transport -----
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        retry: Literal["never", "connect", "always"] = "always",
+        request_timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        """Send one request; return the decoded JSON (or text) answer.
+
+        retry: "always" for idempotent requests (any connection fault or timeout is retried),
+        "connect" when only a refused connection may be retried (nothing reached the engine),
+        "never" otherwise.
+        """
+        raw = await self._request_bytes(
+            method, path, body, retry=retry, request_timeout=request_timeout, headers=headers
+        )
+        if not raw:
+            return None
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            return raw.decode("utf-8", errors="replace")  # /flush_cache answers plain text
+
+    async def _request_bytes(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        *,
+        retry: Literal["never", "connect", "always"],
+        request_timeout: float | None,
+        headers: Mapping[str, str] | None,
+    ) -> bytes:
+        session = self._ensure_session()
+        client_timeout = aiohttp.ClientTimeout(
+            total=request_timeout or self._request_timeout, sock_connect=self._connect_timeout
+        )
+        data = None if body is None else msgspec.json.encode(body)
+        hdrs = {"Content-Type": "application/json"} if data is not None else {}
+        if headers:
+            hdrs.update(headers)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                async with session.request(
+                    method, self.url + path, data=data, headers=hdrs, timeout=client_timeout
+                ) as resp:
+                    payload = await resp.read()
+                    if resp.status >= 400:
+                        raise EngineError(self.name, path, resp.status, _error_message(payload))
+                    return payload
+            except EngineError:
+                raise
+            except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+                # The connection was never established, so the engine never saw the request.
+                if retry == "never" or attempt > self._retries:
+                    raise EngineUnavailable(self.name, path, exc) from exc
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if retry != "always" or attempt > self._retries:
+                    raise EngineUnavailable(self.name, path, exc) from exc
+            await asyncio.sleep(self._retry_backoff * attempt)
+
+    # ----- generation -----
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        routing_key: str | None = None,
+        request_timeout: float | None = None,
+    ) -> GenerateResponse:
+        """POST /generate for one tokenized prompt; the answer keeps the engine's token ids."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "return_logprob": return_logprob,
+            "rid": rid or new_request_id(),
+        }
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        raw = await self._request_bytes(
+            "POST", "/generate", body, retry="connect", request_timeout=request_timeout, headers=headers
+        )
+        try:
+            return _generate_decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise EngineResponseError(f"engine {self.name} /generate: {exc}") from exc
+
+    async def generate_raw(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> Any:
+        """POST /generate with a caller-built body (text prompts, batches); the decoded JSON answer."""
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        return await self.request("POST", "/generate", body, retry="connect", headers=headers)
+
+    # ----- health and info -----
+    async def health(self, request_timeout: float = 5.0) -> bool:
+        try:
+            await self.request("GET", "/health", retry="never", request_timeout=request_timeout)
+        except (EngineError, EngineUnavailable):
+            return False
+        return True
+
+    async def health_generate(self, request_timeout: float = 30.0) -> None:
+        """Raises EngineError / EngineUnavailable unless a one-token generation succeeds."""
+        await self.request("GET", "/health_generate", retry="never", request_timeout=request_timeout)
+
+    async def wait_ready(self, deadline_s: float, poll_interval: float = 0.2) -> None:
+        """Poll /health until it answers 200; TimeoutError after `deadline_s` seconds."""
+        async with asyncio.timeout(deadline_s):
+            while True:
+                if await self.health(request_timeout=max(poll_interval, 1.0)):
+                    return
+                await asyncio.sleep(poll_interval)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return dict(await self.request("GET", "/get_model_info"))
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return dict(await self.request("GET", "/get_server_info"))
+
+    async def get_weight_version(self) -> str | None:
+        answer = await self.request("GET", "/get_weight_version")
+        value = answer.get("weight_version") if isinstance(answer, dict) else answer
+        return None if value is None else str(value)
+
+    # ----- flow control -----
+    async def abort_request(self, rid: str) -> None:
+        await self.request("POST", "/abort_request", {"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self.request("POST", "/abort_request", {"rid": "", "abort_all": True})
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self.request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self.request("POST", "/flush_cache", None)
+
+    # ----- weights (never retried: the caller inspects a failed update) -----
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | None = None, load_format: str | None = None
+    ) -> Any:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self.request("POST", "/update_weights_from_disk", body, retry="never")
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> Any:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self.request("POST", "/init_weights_update_group", body, retry="never")
+
+    async def begin_weight_update(self) -> Any:
+        return await self.request("POST", "/begin_weight_update", {}, retry="never")
+
+    async def end_weight_update(self) -> Any:
+        return await self.request("POST", "/end_weight_update", {}, retry="never")
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> Any:
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self.request("POST", "/update_weights_from_distributed", body, retry="never")
+
+    async def destroy_weights_update_group(self, group_name: str) -> Any:
+        return await self.request(
+            "POST", "/destroy_weights_update_group", {"group_name": group_name}, retry="never"
+        )
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Any:
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return await self.request("POST", "/update_weights_from_tensor", body, retry="never")
+
+    async def update_weight_version(self, weight_version: str, *, abort_all_requests: bool = False) -> Any:
+        # SGLang aborts running requests by default here; callers opt in explicitly.
+        body = {"new_version": weight_version, "abort_all_requests": abort_all_requests}
+        return await self.request("POST", "/update_weight_version", body, retry="never")
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return await self.request(
+            "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}
+        )
+
+    async def release_memory_occupation(self) -> Any:
+        return await self.request("POST", "/release_memory_occupation", {}, retry="never")
+
+    async def resume_memory_occupation(self) -> Any:
+        return await self.request("POST", "/resume_memory_occupation", {}, retry="never")
+
+
+def _error_message(payload: bytes) -> str:
+    """SGLang's error body is `{"error": {"message": ...}}`; fall back to the raw text."""
+    try:
+        doc = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return payload.decode("utf-8", errors="replace")[:500]
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in doc:
+            return str(doc["message"])
+    return payload.decode("utf-8", errors="replace")[:500]

@@ -1,0 +1,737 @@
+"""The CPU engine's HTTP surface: SGLang's native API over aiohttp.
+
+Request and response shapes follow SGLang 0.5.23 (`/generate`, health and info endpoints,
+abort/pause/continue, the weight-update family, memory release). Errors come back as SGLang
+sends them: `/generate` and validation errors answer 400 with `{"error": {"message": ...}}`
+(plus SGLang's flat `object/message/type/code` fields); the weight endpoints answer
+`{"success": false, "message": ...}` with 400. A bad request never stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import torch
+from aiohttp import web
+
+from tether.rollout.engine_model import ModelConfig, ModelConfigError, WeightMismatch, read_safetensors_dir
+from tether.rollout.engine_sampling import SamplingParams, parse_sampling_params
+from tether.rollout.engine_scheduler import EngineUnavailable, Request, Scheduler
+from tether.rollout.engine_weights import PayloadRejected, decode_named_tensors
+from tether.runtime.weight_group import WeightGroup, broadcast, destroy_weight_group, init_weight_group
+
+ENGINE_VERSION = "tether-cpu-engine 0.1 (SGLang 0.5.23 API)"
+HEALTH_TIMEOUT_S = 20.0
+
+
+class BadRequest(Exception):
+    """400 with SGLang's error body."""
+
+
+# ----- request bodies (unknown fields are ignored, as SGLang's pydantic models do) -----
+
+
+class AbortReq(msgspec.Struct, kw_only=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseReq(msgspec.Struct, kw_only=True):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class DiskUpdateReq(msgspec.Struct, kw_only=True):
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class InitGroupReq(msgspec.Struct, kw_only=True):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistUpdateReq(msgspec.Struct, kw_only=True):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyGroupReq(msgspec.Struct, kw_only=True):
+    group_name: str = "weight_update_group"
+
+
+class TensorUpdateReq(msgspec.Struct, kw_only=True):
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class VersionReq(msgspec.Struct, kw_only=True):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class WeightsByNameReq(msgspec.Struct, kw_only=True):
+    name: str
+    truncate_size: int = 100
+
+
+class MemoryReq(msgspec.Struct, kw_only=True):
+    tags: list[str] | None = None
+
+
+class GenerateReq(msgspec.Struct, kw_only=True):
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    phrase = "Bad Request" if status == 400 else "Error"
+    body = {
+        "error": {"message": message},
+        "object": "error",
+        "message": message,
+        "type": phrase,
+        "code": status,
+    }
+    return web.json_response(body, status=status)
+
+
+def result_response(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response(
+        {"success": success, "message": message, **extra}, status=200 if success else 400
+    )
+
+
+async def read_body(request: web.Request, kind: type[Any], allow_empty: bool = False) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            raw = b"{}"
+        else:
+            raise BadRequest(f"{request.path}: the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"{request.path}: invalid field: {e}") from e
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"{request.path}: malformed JSON: {e}") from e
+
+
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "float", "half", "double")
+}
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    key = text.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise BadRequest(f"dtypes: {text!r} is not a supported floating point dtype")
+    return _DTYPES[key]
+
+
+@dataclass
+class DelaySampler:
+    """Test/benchmark only: a seeded per-request delay before a request joins the batch."""
+
+    distribution: str
+    mean_s: float
+    sigma: float
+    seed: int
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def draw(self) -> float:
+        if self.distribution == "none" or self.mean_s <= 0:
+            return 0.0
+        if self.distribution == "constant":
+            return self.mean_s
+        if self.distribution == "exponential":
+            return self.rng.expovariate(1.0 / self.mean_s)
+        # lognormal with the requested mean: mu = ln(mean) - sigma^2 / 2 (heavy right tail)
+        return self.rng.lognormvariate(math.log(self.mean_s) - self.sigma**2 / 2, self.sigma)
+
+
+@dataclass
+class EngineState:
+    scheduler: Scheduler
+    model_path: str
+    host: str
+    port: int
+    delay: DelaySampler
+    disk_path: str = ""
+    disk_version: str = ""
+    groups: dict[str, WeightGroup] = field(default_factory=dict)
+    used_group_names: set[str] = field(default_factory=set)
+    session_open: bool = False
+    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _normalise(req: GenerateReq, sched: Scheduler) -> list[tuple[list[int], SamplingParams, str, bool]]:
+    """Split a single or batched request into (prompt ids, params, rid, return_logprob) items."""
+    if (req.text is None) == (req.input_ids is None):
+        raise BadRequest("exactly one of text or input_ids must be given")
+    prompts: list[list[int]]
+    if req.text is not None:
+        texts = [req.text] if isinstance(req.text, str) else req.text
+        prompts = [sched.tokenizer.encode(t).ids for t in texts]
+        batched = not isinstance(req.text, str)
+    else:
+        ids = req.input_ids or []
+        batched = bool(ids) and all(isinstance(x, list) for x in ids)
+        prompts = ids if batched else [ids]  # type: ignore[assignment]
+        for i, p in enumerate(prompts):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise BadRequest(
+                    f"input_ids[{i}]: must be a list of integers"
+                    if batched
+                    else "input_ids: must be a list of integers"
+                )
+    n = len(prompts)
+    if n == 0:
+        raise BadRequest("the request holds no prompt")
+
+    def per_item(value: Any, name: str) -> list[Any]:
+        if isinstance(value, list):
+            if len(value) != n:
+                raise BadRequest(f"{name}: has {len(value)} entries for {n} prompts")
+            return value
+        return [value] * n
+
+    sps = [parse_sampling_params(sp) for sp in per_item(req.sampling_params, "sampling_params")]
+    lps = [bool(x) for x in per_item(req.return_logprob, "return_logprob")]
+    for name, value in (
+        ("top_logprobs_num", req.top_logprobs_num),
+        ("logprob_start_len", req.logprob_start_len),
+    ):
+        allowed = (None, 0) if name == "top_logprobs_num" else (None, -1)
+        if any(v not in allowed for v in per_item(value, name)):
+            raise BadRequest(f"{name}={value!r}: only the default is supported by the CPU engine")
+    if req.rid is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+    elif isinstance(req.rid, str):
+        rids = [req.rid] if n == 1 and not batched else [f"{req.rid}_{i}" for i in range(n)]
+    else:
+        rids = per_item(req.rid, "rid")
+    ctx, vocab = sched.context_length, sched.cfg.vocab
+    for i, (prompt, sp) in enumerate(zip(prompts, sps, strict=True)):
+        if not prompt:
+            raise BadRequest(f"prompt {i} is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= ctx:
+            raise BadRequest(
+                f"The input ({len(prompt)} tokens) is longer than the model's context length ({ctx} tokens)."
+            )
+        if len(prompt) + sp.max_new_tokens > ctx:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {len(prompt) + sp.max_new_tokens} tokens: {len(prompt)} tokens from "
+                f"the input messages and {sp.max_new_tokens} tokens for the completion. Please reduce the "
+                "number of tokens in the input messages or the completion to fit within the limit."
+            )
+    return [(p, sp, rid, lp) for p, sp, rid, lp in zip(prompts, sps, rids, lps, strict=True)]
+
+
+class EngineApp:
+    """Handlers bound to one engine's state."""
+
+    def __init__(self, state: EngineState) -> None:
+        self.s = state
+
+    @property
+    def sched(self) -> Scheduler:
+        return self.s.scheduler
+
+    def build(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=1 << 30)
+        app.cleanup_ctx.append(self._scheduler_ctx)
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/get_weight_version", self.weight_version)
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/update_weights_from_disk", self.update_from_disk)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/begin_weight_update", self.begin_update)
+        r.add_post("/end_weight_update", self.end_update)
+        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/update_weights_from_tensor", self.update_from_tensor)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_route("*", "/get_weights_by_name", self.weights_by_name)
+        r.add_route("*", "/release_memory_occupation", self.release_memory)
+        r.add_route("*", "/resume_memory_occupation", self.resume_memory)
+        return app
+
+    async def _scheduler_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        # The app owns the scheduler task: it starts with the server and is awaited on cleanup.
+        task = asyncio.get_running_loop().create_task(self.sched.run(), name="engine-scheduler")
+        yield
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        for group in self.s.groups.values():
+            await asyncio.to_thread(destroy_weight_group, group)
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return error_response(str(e))
+        except (ValueError, EngineUnavailable) as e:
+            return error_response(str(e))
+        except web.HTTPException:
+            raise
+        except Exception as e:  # a server keeps serving after a fault in one request
+            return error_response(f"{type(e).__name__}: {e}", status=500)
+
+    # ----- health and info -----
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.sched.model.loaded else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if self.sched.running:
+            return web.Response(status=200)  # tokens are flowing: the engine is healthy
+        req = Request(
+            rid=f"HEALTH_CHECK_{time.time()}",
+            prompt=[0],
+            params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            return_logprob=False,
+            generator=self.sched.new_generator(0),
+        )
+        try:
+            self.sched.submit(req)
+        except EngineUnavailable:
+            return web.Response(status=503)
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await req.done.wait()
+        except TimeoutError:
+            self.sched.abort(req.rid, False)
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.s.model_path,
+                "tokenizer_path": self.s.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.sched.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": self.sched.cfg.model_type,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        s = self.sched
+        return web.json_response(
+            {
+                "model_path": self.s.model_path,
+                "tokenizer_path": self.s.model_path,
+                "host": self.s.host,
+                "port": self.s.port,
+                "context_length": s.context_length,
+                "max_running_requests": s.max_running,
+                "weight_version": s.weight_version,
+                "device": "cpu",
+                "tp_size": 1,
+                "dp_size": 1,
+                "version": ENGINE_VERSION,
+                "internal_states": [
+                    {
+                        "running": len(s.running),
+                        "waiting": len(s.waiting),
+                        "paused": s.paused,
+                        "weights_loaded": s.model.loaded,
+                        "steps": s.steps,
+                        "tokens_generated": s.tokens_generated,
+                    }
+                ],
+            }
+        )
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.sched.weight_version})
+
+    # ----- generation -----
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body: GenerateReq = await read_body(request, GenerateReq)
+        items = _normalise(body, self.sched)
+        now = time.monotonic()
+        reqs = [
+            Request(
+                rid=rid,
+                prompt=prompt,
+                params=sp,
+                return_logprob=lp,
+                generator=self.sched.new_generator(sp.sampling_seed),
+                ready_at=now + self.s.delay.draw(),
+            )
+            for prompt, sp, rid, lp in items
+        ]
+        submitted: list[Request] = []
+        try:
+            for req in reqs:
+                if req.params.max_new_tokens == 0:
+                    self.sched.finish_now(req)
+                    continue
+                self.sched.submit(req)
+                submitted.append(req)
+        except (ValueError, EngineUnavailable):
+            for req in submitted:
+                self.sched.abort(req.rid, False)
+            raise
+        single = len(reqs) == 1 and isinstance(body.text, str | None) and not _is_batched_ids(body.input_ids)
+        if body.stream:
+            return await self._stream(request, reqs, single)
+        try:
+            for req in reqs:
+                await req.done.wait()
+        except asyncio.CancelledError:
+            for req in reqs:
+                self.sched.abort(req.rid, False, "client disconnected")
+            raise
+        out = [self.sched.response(req) for req in reqs]
+        return web.json_response(out[0] if single else out)
+
+    async def _stream(self, request: web.Request, reqs: list[Request], single: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        pending = {i: r for i, r in enumerate(reqs)}
+        sent = dict.fromkeys(pending, -1)
+        try:
+            while pending:
+                waits = [asyncio.ensure_future(r.progress.wait()) for r in pending.values()]
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+                    await asyncio.gather(*waits, return_exceptions=True)
+                for i, req in list(pending.items()):
+                    if not req.progress.is_set():
+                        continue
+                    req.progress.clear()
+                    if len(req.output) == sent[i] and req.finish is None:
+                        continue
+                    sent[i] = len(req.output)
+                    chunk = self.sched.response(req)
+                    if not single:
+                        chunk["index"] = i
+                    await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+                    if req.finish is not None:
+                        del pending[i]
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionError, asyncio.CancelledError):
+            for req in reqs:
+                self.sched.abort(req.rid, False, "client disconnected")
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body: AbortReq = await read_body(request, AbortReq, allow_empty=True)
+        self.sched.abort(body.rid or None, body.abort_all)
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body: PauseReq = await read_body(request, PauseReq, allow_empty=True)
+
+        async def op() -> None:
+            self.sched.pause(body.mode)
+
+        await self.sched.between_steps(op)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        async def op() -> None:
+            self.sched.resume()
+
+        await self.sched.between_steps(op)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        # There is no prefix cache to flush; like SGLang, refuse while requests are in flight.
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n",
+            status=200 if self.sched.idle else 400,
+        )
+
+    # ----- weights -----
+
+    async def _apply(
+        self, named: dict[str, torch.Tensor], complete: bool, version: str | None, abort_all: bool
+    ) -> None:
+        """Swap weights between two steps; a mismatch raises and the old weights keep serving."""
+
+        async def op() -> None:
+            if abort_all:
+                self.sched.abort(None, True, "Aborted for a weight update")
+                self.sched.apply_aborts()
+            if not self.sched.model.loaded and not complete:
+                raise WeightMismatch("the weights are released; resume memory occupation first")
+            self.sched.model.load(named, complete=complete)
+            if version is not None:
+                self.sched.weight_version = version
+
+        await self.sched.between_steps(op)
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body: DiskUpdateReq = await read_body(request, DiskUpdateReq)
+        if body.load_format not in (None, "auto", "safetensors"):
+            return result_response(
+                False, f"load_format={body.load_format!r} is not supported", num_paused_requests=0
+            )
+        try:
+            cfg = await asyncio.to_thread(ModelConfig.from_dir, body.model_path)
+            if cfg != self.sched.cfg:
+                raise ModelConfigError(
+                    f"{body.model_path}: the model config differs from the one being served"
+                )
+            named = await asyncio.to_thread(read_safetensors_dir, body.model_path)
+            async with self.s.update_lock:
+                await self._apply(named, True, body.weight_version, body.abort_all_requests)
+        except (ModelConfigError, WeightMismatch) as e:
+            return result_response(False, f"Failed to update weights: {e}", num_paused_requests=0)
+        self.s.disk_path = body.model_path
+        self.s.disk_version = self.sched.weight_version
+        message = "Succeeded to update model weights."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return result_response(True, message, num_paused_requests=0)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body: InitGroupReq = await read_body(request, InitGroupReq)
+        if body.group_name in self.s.used_group_names:
+            return result_response(False, f"group_name={body.group_name!r} was already used on this server")
+        if body.backend == "nccl" and not torch.cuda.is_available():
+            return result_response(False, "backend='nccl' needs CUDA; the CPU engine uses backend='gloo'")
+        self.s.used_group_names.add(body.group_name)
+        try:
+            group = await asyncio.to_thread(
+                init_weight_group,
+                f"tcp://{body.master_address}:{body.master_port}",
+                body.rank_offset,
+                body.world_size,
+                body.group_name,
+                body.backend,
+            )
+        except Exception as e:
+            return result_response(False, f"Failed to init group: {type(e).__name__}: {e}")
+        self.s.groups[body.group_name] = group
+        return result_response(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        body: DestroyGroupReq = await read_body(request, DestroyGroupReq, allow_empty=True)
+        group = self.s.groups.pop(body.group_name, None)
+        if group is None:
+            return result_response(False, f"group_name={body.group_name!r} is not an open group")
+        await asyncio.to_thread(destroy_weight_group, group)
+        return result_response(True, "Succeeded to destroy custom process group.")
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        if self.s.session_open:
+            return result_response(False, "a weight update session is already open")
+        self.s.session_open = True
+        return result_response(True, "Weight update session begun.")
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        if not self.s.session_open:
+            return result_response(False, "no weight update session is open")
+        self.s.session_open = False
+        return result_response(True, "Weight update session ended.")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body: DistUpdateReq = await read_body(request, DistUpdateReq)
+        if not self.s.session_open:
+            return result_response(
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+            )
+        group = self.s.groups.get(body.group_name)
+        if group is None:
+            return result_response(False, f"group_name={body.group_name!r} is not an open group")
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return result_response(False, "names, dtypes and shapes must have the same length")
+        dtypes = [parse_dtype(d) for d in body.dtypes]
+
+        def receive() -> dict[str, torch.Tensor]:
+            # Every tensor is received even if it will be rejected, so the sender's
+            # broadcasts complete and the group stays usable.
+            got: dict[str, torch.Tensor] = {}
+            for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
+                t = torch.empty(shape, dtype=dtype)
+                broadcast(t, 0, group)
+                got[name] = t
+            return got
+
+        async def op() -> None:
+            if body.abort_all_requests:
+                self.sched.abort(None, True, "Aborted for a weight update")
+                self.sched.apply_aborts()
+            named = await asyncio.to_thread(receive)
+            self.sched.model.load(named, complete=False)
+            if body.weight_version is not None:
+                self.sched.weight_version = body.weight_version
+
+        try:
+            async with self.s.update_lock:
+                await self.sched.between_steps(op)
+        except WeightMismatch as e:
+            return result_response(False, f"Failed to update weights: {e}")
+        message = "Succeeded to update parameter online."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return result_response(True, message)
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        body: TensorUpdateReq = await read_body(request, TensorUpdateReq)
+        if body.load_format not in (None, "direct"):
+            return result_response(
+                False, f"load_format={body.load_format!r} is not supported by the CPU engine"
+            )
+        if len(body.serialized_named_tensors) != 1:
+            return result_response(
+                False,
+                f"serialized_named_tensors has {len(body.serialized_named_tensors)} entries; tp_size is 1",
+            )
+        try:
+            named = dict(await asyncio.to_thread(decode_named_tensors, body.serialized_named_tensors[0]))
+            async with self.s.update_lock:
+                await self._apply(named, False, body.weight_version, body.abort_all_requests)
+        except (PayloadRejected, WeightMismatch) as e:
+            return result_response(False, f"Failed to update weights: {e}")
+        message = "Succeeded to update model weights."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return result_response(True, message)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body: VersionReq = await read_body(request, VersionReq)
+
+        async def op() -> None:
+            if body.abort_all_requests:
+                self.sched.abort(None, True, "Aborted for a weight version update")
+                self.sched.apply_aborts()
+            self.sched.weight_version = body.new_version
+
+        await self.sched.between_steps(op)
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {body.new_version}",
+                "new_version": body.new_version,
+            }
+        )
+
+    async def weights_by_name(self, request: web.Request) -> web.Response:
+        body: WeightsByNameReq = await read_body(request, WeightsByNameReq)
+        params = self.sched.model.params
+        name = (
+            "model.embed_tokens.weight"
+            if body.name == "lm_head.weight" and self.sched.cfg.tie_embeddings
+            else body.name
+        )
+        if name not in params:
+            raise BadRequest(f"name={body.name!r}: no such parameter (or the weights are released)")
+        return web.json_response(params[name][: body.truncate_size].tolist())
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        body: MemoryReq = await read_body(request, MemoryReq, allow_empty=True)
+        tags = set(body.tags) if body.tags is not None else {"weights", "kv_cache"}
+        unknown = tags - {"weights", "kv_cache", "cuda_graph"}
+        if unknown:
+            raise BadRequest(f"tags={sorted(unknown)!r}: unknown memory tags")
+
+        async def op() -> None:
+            self.sched.retract_all()  # running sequences lose their KV; they re-prefill on resume
+            if "weights" in tags:
+                self.sched.model.drop()
+            if "kv_cache" in tags:
+                self.sched.cache = None
+
+        await self.sched.between_steps(op)
+        return web.json_response({"success": True, "message": f"Released {sorted(tags)}."})
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        body: MemoryReq = await read_body(request, MemoryReq, allow_empty=True)
+        tags = set(body.tags) if body.tags is not None else {"weights", "kv_cache"}
+        named = None
+        if "weights" in tags and not self.sched.model.loaded:
+            named = await asyncio.to_thread(read_safetensors_dir, self.s.disk_path)
+
+        async def op() -> None:
+            from tether.rollout.engine_model import KVCache
+
+            if named is not None:
+                # Restored from the last checkpoint loaded from disk, so the version is its version.
+                self.sched.model.load(named, complete=True)
+                self.sched.weight_version = self.s.disk_version
+            if "kv_cache" in tags and self.sched.cache is None:
+                self.sched.cache = KVCache(self.sched.cfg)
+
+        await self.sched.between_steps(op)
+        return web.json_response({"success": True, "message": f"Resumed {sorted(tags)}."})
+
+
+def _is_batched_ids(ids: list[Any] | None) -> bool:
+    return bool(ids) and all(isinstance(x, list) for x in ids or [])
+
+
+def make_app(state: EngineState) -> web.Application:
+    return EngineApp(state).build()
+
+
+__all__ = ["DelaySampler", "EngineApp", "EngineState", "make_app"]

@@ -1,0 +1,116 @@
+"""Sampling parameters (SGLang's names and defaults) and the batched token choice.
+
+Log-probs follow SGLang 0.5's sampler: a greedy row (temperature below 1e-6, or top_k 1) reports
+log_softmax of the raw logits; a sampled row reports log_softmax of logits / temperature, taken
+before top-k / top-p / min-p filtering. With `original_logprob` (SGLang's
+SGLANG_RETURN_ORIGINAL_LOGPROB) every row reports log_softmax of the raw logits. Each log-prob
+comes from the same logits that chose its token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+GREEDY_EPS = 1e-6
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The `sampling_params` of one /generate prompt; unknown fields are rejected."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    sampling_seed: int | None = None
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[str, object, bool, str]] = [
+            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 0, "must be >= 0"),
+            ("temperature", self.temperature, self.temperature >= 0, "must be >= 0"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("min_new_tokens", self.min_new_tokens, self.min_new_tokens >= 0, "must be >= 0"),
+            ("n", self.n, self.n == 1, "only n=1 is supported; send the prompt n times"),
+            ("frequency_penalty", self.frequency_penalty, self.frequency_penalty == 0, "is not supported"),
+            ("presence_penalty", self.presence_penalty, self.presence_penalty == 0, "is not supported"),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty == 1, "is not supported"),
+        ]
+        for name, value, ok, why in checks:
+            if not ok:
+                raise ValueError(f"sampling_params.{name}={value!r}: {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+def parse_sampling_params(raw: Any) -> SamplingParams:
+    """Validate a JSON object into SamplingParams; ValueError names the field and value."""
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise ValueError(f"sampling_params={raw!r}: must be an object")
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"sampling_params: {e}") from e
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    original_logprob: bool,
+) -> tuple[list[int], list[float]]:
+    """Pick one token per row of logits [B, V] and return (tokens, their log-probs)."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = [p.greedy for p in params]
+    tokens = raw_logprobs.argmax(dim=-1).tolist()
+    logprobs = raw_logprobs.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    if not sampled:
+        return tokens, logprobs
+    idx = torch.tensor(sampled)
+    temps = torch.tensor([params[i].temperature for i in sampled]).view(-1, 1)
+    scaled = logits[idx] / temps
+    report = raw_logprobs[idx] if original_logprob else torch.log_softmax(scaled, dim=-1)
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1]).view(1, -1)
+    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else probs.shape[-1] for i in sampled])
+    top_p = torch.tensor([params[i].top_p for i in sampled]).view(-1, 1)
+    min_p = torch.tensor([params[i].min_p for i in sampled]).view(-1, 1)
+    # A token survives when it is inside top-k, inside the top-p nucleus (the mass before it
+    # is below top_p) and at least min_p times the most likely token's probability.
+    keep = (ranks < top_k.view(-1, 1)) & ((sorted_probs.cumsum(-1) - sorted_probs) < top_p)
+    keep &= sorted_probs >= min_p * sorted_probs[:, :1]
+    keep[:, 0] = True
+    filtered = torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)
+    for row, i in enumerate(sampled):
+        tok = int(torch.multinomial(filtered[row], 1, generator=generators[i]))
+        tokens[i] = tok
+        logprobs[i] = float(report[row, tok])
+    return tokens, logprobs

@@ -1,0 +1,302 @@
+"""Continuous batching for the CPU engine.
+
+One asyncio task (owned by the HTTP app) runs the loop; each iteration first runs the queued
+control operations (weight updates, pause, release...) so they always fall between two
+steps, then applies aborts, then runs one model step in a worker thread: the prompts admitted
+this iteration are prefilled and every running sequence advances one token, in one call. A
+request that arrives while others decode is admitted at the next iteration and joins the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from tokenizers import Tokenizer
+
+from tether.rollout.engine_model import KVCache, ModelConfig, TinyLM
+from tether.rollout.engine_sampling import SamplingParams, choose_tokens
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation; the scheduler is the only writer after submission."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    generator: torch.Generator
+    ready_at: float = 0.0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int | None = None
+    finish: dict[str, Any] | None = None
+    text_end: int | None = None  # where a matched stop string starts in the decoded text
+    weight_version: str = ""
+    abort_message: str | None = None
+    created: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take generation work now (weights released)."""
+
+
+class Scheduler:
+    """Owns the model, the KV cache, the weight version and every request's state."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model: TinyLM,
+        tokenizer: Tokenizer,
+        weight_version: str,
+        context_length: int,
+        max_running: int,
+        original_logprob: bool,
+        seed: int,
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.weight_version = weight_version
+        self.context_length = context_length
+        self.max_running = max_running
+        self.original_logprob = original_logprob
+        self.cache: KVCache | None = KVCache(cfg)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.by_rid: dict[str, Request] = {}
+        self.paused = False
+        self._ops: deque[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]] = deque()
+        self._wake = asyncio.Event()
+        self._seeds = random.Random(seed)
+        self.steps = 0
+        self.tokens_generated = 0
+
+    # ----- called from HTTP handlers (event loop thread) -----
+
+    def new_generator(self, seed: int | None) -> torch.Generator:
+        gen = torch.Generator()
+        gen.manual_seed(seed if seed is not None else self._seeds.getrandbits(63))
+        return gen
+
+    def submit(self, req: Request) -> None:
+        if not self.model.loaded:
+            raise EngineUnavailable("the weights are released; call /resume_memory_occupation first")
+        if req.rid in self.by_rid:
+            raise ValueError(f"rid={req.rid!r}: a request with this id is already running")
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, rid: str | None, abort_all: bool, message: str = "Abort requested by client") -> int:
+        targets = list(self.by_rid.values()) if abort_all else [r for r in (self.by_rid.get(rid or ""),) if r]
+        for req in targets:
+            req.abort_message = message
+        self._wake.set()
+        return len(targets)
+
+    async def between_steps(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op` on the scheduler task between two model steps and return its result."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._ops.append((op, future))
+        self._wake.set()
+        return await future
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # ----- operations meant for between_steps -----
+
+    def pause(self, mode: str) -> None:
+        self.paused = True
+        if mode == "abort":
+            for req in [*self.running, *self.waiting]:
+                req.abort_message = "Generation paused with mode abort"
+            self.apply_aborts()
+        elif mode == "retract":
+            self.retract_all()
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def retract_all(self) -> None:
+        """Free every running sequence's KV; it resumes later by re-reading prompt + output."""
+        for req in reversed(self.running):
+            self._free_slot(req)
+            self.waiting.appendleft(req)
+        self.running = []
+
+    # ----- the loop -----
+
+    async def run(self) -> None:
+        while True:
+            while self._ops:
+                op, future = self._ops.popleft()
+                try:
+                    result = await op()
+                except Exception as e:  # the error belongs to the caller awaiting the op
+                    if not future.done():
+                        future.set_exception(e)
+                else:
+                    if not future.done():
+                        future.set_result(result)
+            self.apply_aborts()
+            admit = self._admissible()
+            if not admit and not (self.running and self._can_step()):
+                await self._sleep_until_work()
+                continue
+            await self._step(admit)
+
+    def _can_step(self) -> bool:
+        return not self.paused and self.model.loaded and self.cache is not None
+
+    def _admissible(self) -> list[Request]:
+        if not self._can_step():
+            return []
+        now = time.monotonic()
+        room = self.max_running - len(self.running)
+        admit: list[Request] = []
+        for req in self.waiting:
+            if len(admit) >= room:
+                break
+            if req.ready_at <= now:
+                admit.append(req)
+        return admit
+
+    async def _sleep_until_work(self) -> None:
+        self._wake.clear()
+        timeout = None
+        if self._can_step() and self.waiting:
+            timeout = max(0.0, min(r.ready_at for r in self.waiting) - time.monotonic())
+        try:
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+
+    def apply_aborts(self) -> None:
+        for req in [r for r in self.running if r.abort_message is not None]:
+            self.running.remove(req)
+            self._finish(req, {"type": "abort", "message": req.abort_message})
+        for req in [r for r in self.waiting if r.abort_message is not None]:
+            self.waiting.remove(req)
+            self._finish(req, {"type": "abort", "message": req.abort_message})
+
+    async def _step(self, admit: list[Request]) -> None:
+        cache = self.cache
+        assert cache is not None
+        for req in admit:
+            self.waiting.remove(req)
+            need = min(len(req.prompt) + req.params.max_new_tokens + 1, self.context_length + 1)
+            req.slot = cache.allocate(need)
+        decoding = list(self.running)
+        self.running.extend(admit)
+        version = self.weight_version
+        tokens, logprobs = await asyncio.to_thread(self._forward, admit, decoding, cache)
+        self.steps += 1
+        for req, tok, lp in zip([*admit, *decoding], tokens, logprobs, strict=True):
+            self._append(req, tok, lp, version)
+
+    def _forward(
+        self, admit: list[Request], decoding: list[Request], cache: KVCache
+    ) -> tuple[list[int], list[float]]:
+        """Worker thread: prefill the admitted prompts and advance the running ones, one batch."""
+        parts: list[torch.Tensor] = []
+        with torch.inference_mode():
+            if admit:
+                seqs = [r.prompt + r.output for r in admit]
+                parts.append(self.model.prefill(seqs, [r.slot for r in admit], cache))  # type: ignore[misc]
+            if decoding:
+                parts.append(
+                    self.model.decode(
+                        [r.output[-1] for r in decoding],
+                        [len(r.prompt) + len(r.output) - 1 for r in decoding],
+                        [r.slot for r in decoding],  # type: ignore[misc]
+                        cache,
+                    )
+                )
+            logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+            rows = [*admit, *decoding]
+            return choose_tokens(
+                logits, [r.params for r in rows], [r.generator for r in rows], self.original_logprob
+            )
+
+    def _append(self, req: Request, token: int, logprob: float, version: str) -> None:
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        self.tokens_generated += 1
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason, version)
+        else:
+            req.progress.set()
+
+    def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
+        p = req.params
+        if len(req.output) >= p.min_new_tokens:
+            if not p.ignore_eos and (token in self.cfg.eos_token_ids or token in (p.stop_token_ids or ())):
+                return {"type": "stop", "matched": token}
+            if p.stop_strings:
+                text = self.tokenizer.decode(req.output, skip_special_tokens=p.skip_special_tokens)
+                hits = [(text.find(s), s) for s in p.stop_strings if s in text]
+                if hits:
+                    at, matched = min(hits)
+                    req.text_end = at if not p.no_stop_trim else at + len(matched)
+                    return {"type": "stop", "matched": matched}
+        if len(req.output) >= p.max_new_tokens or len(req.prompt) + len(req.output) >= self.context_length:
+            return {"type": "length", "length": len(req.output)}
+        return None
+
+    def _free_slot(self, req: Request) -> None:
+        if req.slot is not None and self.cache is not None:
+            self.cache.release(req.slot)
+        req.slot = None
+
+    def _finish(self, req: Request, reason: dict[str, Any], version: str | None = None) -> None:
+        self._free_slot(req)
+        req.finish = reason
+        req.weight_version = version if version is not None else self.weight_version
+        self.by_rid.pop(req.rid, None)
+        req.progress.set()
+        req.done.set()
+
+    def finish_now(self, req: Request) -> None:
+        """Finish a request that needs no model step (max_new_tokens == 0)."""
+        self._finish(req, {"type": "length", "length": 0})
+
+    def output_text(self, req: Request) -> str:
+        ids = req.output
+        if req.finish and req.finish.get("type") == "stop" and isinstance(req.finish.get("matched"), int):
+            ids = ids if req.params.no_stop_trim else ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        return text[: req.text_end] if req.text_end is not None else text
+
+    def response(self, req: Request) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(req.prompt),
+            "completion_tokens": len(req.output),
+            "cached_tokens": 0,
+            "weight_version": req.weight_version or self.weight_version,
+            "e2e_latency": time.monotonic() - req.created,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output, strict=True)
+            ]
+        return {"text": self.output_text(req), "output_ids": list(req.output), "meta_info": meta}

@@ -1,0 +1,198 @@
+"""The Sample contract: one trajectory, at token level, as the rollout hands it to the trainer.
+
+Field names and meanings follow slime, so rollout hooks written for slime port unchanged.
+Tokens come from the engine and are never re-tokenized; `loss_mask` and `rollout_log_probs`
+cover only the response (the last `response_length` tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import msgspec
+
+Reward = float | dict[str, Any]
+
+
+class SampleStatus(enum.StrEnum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One prompt plus one generated response, with everything the trainer needs from it."""
+
+    Status: ClassVar[type[SampleStatus]] = SampleStatus
+
+    index: int | None = None
+    """Position of this sample in its rollout (unique within the rollout)."""
+    group_index: int | None = None
+    """The group (prompt) this sample belongs to; a group holds n_samples_per_prompt samples."""
+    rollout_id: int | None = None
+    """The trajectory (one agent execution) this sample belongs to: every segment of one
+    multi-turn or partial rollout shares it, and the per-rollout loss mean divides by their
+    trainable tokens together."""
+    prompt: str | list[dict[str, Any]] = ""
+    """The prompt as text, or as chat messages."""
+    tokens: list[int] = msgspec.field(default_factory=list)
+    """Prompt tokens followed by response tokens, exactly as the engine saw and produced them."""
+    response: str = ""
+    """The response text (for rewards and logs; the tokens are the truth)."""
+    response_length: int = 0
+    """Number of trailing tokens that are the response."""
+    label: Any = None
+    """The reference answer the reward compares against."""
+    reward: Reward | None = None
+    """Scalar reward, or a dict of rewards from which --reward-key selects one."""
+    loss_mask: list[int] | None = None
+    """Per response token: 1 if it trains, 0 if not (tool observations, masked segments)."""
+    rollout_log_probs: list[float] | None = None
+    """Per response token: the engine's log-probability of that token (0 where masked)."""
+    status: SampleStatus = SampleStatus.PENDING
+    """Where this sample is in its life."""
+    weight_versions: list[str] = msgspec.field(default_factory=list)
+    """Engine weight versions that generated the response, one per generation segment."""
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Free-form data carried with the sample (data-source metadata, hook state)."""
+    session_id: str | None = None
+    """Routes every turn of a multi-turn session to the same engine."""
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    def scalar_reward(self, reward_key: str | None = None) -> float:
+        """The reward as one float; `reward_key` selects from a dict reward."""
+        if isinstance(self.reward, dict):
+            if reward_key is None:
+                raise SampleContractError("reward", self.reward, "is a dict; set --reward-key to choose one")
+            if reward_key not in self.reward:
+                raise SampleContractError("reward", self.reward, f"has no key {reward_key!r} (--reward-key)")
+            return float(self.reward[reward_key])
+        if self.reward is None:
+            raise SampleContractError("reward", None, "is not set")
+        return float(self.reward)
+
+
+class SampleContractError(ValueError):
+    """A Sample breaks the contract; the message names the field and the offending value."""
+
+    def __init__(self, field: str, value: object, reason: str, *, sample_index: int | None = None) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        where = f"sample {sample_index}: " if sample_index is not None else ""
+        super().__init__(f"{where}{field}={_short(value)} {reason}")
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+TRAINABLE = frozenset({SampleStatus.COMPLETED, SampleStatus.TRUNCATED})
+
+
+def validate_sample(
+    sample: Sample,
+    accepted_statuses: frozenset[SampleStatus] = TRAINABLE,
+    *,
+    vocab_size: int | None = None,
+) -> int:
+    """Check `sample` against the contract; return its number of trainable positions.
+
+    Raises SampleContractError naming the field and value at fault.
+    """
+
+    def fail(field: str, value: object, reason: str) -> SampleContractError:
+        return SampleContractError(field, value, reason, sample_index=sample.index)
+
+    if sample.rollout_id is None:
+        raise fail("rollout_id", None, "must be set (0 is valid)")
+    if not isinstance(sample.status, SampleStatus) or sample.status not in accepted_statuses:
+        allowed = sorted(s.value for s in accepted_statuses)
+        raise fail("status", sample.status, f"is not one of the accepted statuses {allowed}")
+    tokens = sample.tokens
+    if not isinstance(tokens, list) or not tokens:
+        raise fail("tokens", tokens, "must be a non-empty list of token ids")
+    for pos, tok in enumerate(tokens):
+        if type(tok) is not int or tok < 0:
+            raise fail(f"tokens[{pos}]", tok, "must be a non-negative int")
+        if vocab_size is not None and tok >= vocab_size:
+            raise fail(f"tokens[{pos}]", tok, f"must be below the vocabulary size {vocab_size}")
+    n = sample.response_length
+    if type(n) is not int or not 0 < n < len(tokens):
+        raise fail("response_length", n, f"must satisfy 0 < response_length < len(tokens)={len(tokens)}")
+    mask = sample.loss_mask
+    if mask is None or len(mask) != n:
+        got = None if mask is None else len(mask)
+        raise fail("loss_mask", _short(mask), f"must have response_length={n} entries (has {got})")
+    for pos, m in enumerate(mask):
+        if m not in (0, 1) or type(m) is not int:
+            raise fail(f"loss_mask[{pos}]", m, "must be 0 or 1")
+    trainable = sum(mask)
+    if trainable == 0:
+        raise fail("loss_mask", _short(mask), "must contain at least one 1")
+    logps = sample.rollout_log_probs
+    if logps is None or len(logps) != n:
+        got = None if logps is None else len(logps)
+        raise fail("rollout_log_probs", _short(logps), f"must have response_length={n} entries (has {got})")
+    for pos, (lp, m) in enumerate(zip(logps, mask, strict=True)):
+        if not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0:
+            raise fail(f"rollout_log_probs[{pos}]", lp, "must be a finite float <= 0")
+        if m == 0 and lp != 0:
+            raise fail(f"rollout_log_probs[{pos}]", lp, "must be exactly 0 where loss_mask is 0")
+    _check_reward(sample, fail)
+    return trainable
+
+
+def _check_reward(sample: Sample, fail: Any) -> None:
+    reward = sample.reward
+    if isinstance(reward, dict):
+        for key, value in reward.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue  # non-numeric entries (explanations, labels) are allowed in a dict reward
+            if not math.isfinite(value):
+                raise fail(f"reward[{key!r}]", value, "must be finite")
+        return
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise fail("reward", reward, "must be a finite number (or a dict of them)")
+
+
+def validate_group(samples: Sequence[Sample], group_size: int) -> None:
+    """Check that `samples` form one group: one group_index, one prompt, the size, no duplicate index."""
+    if len(samples) != group_size:
+        raise SampleContractError("group", len(samples), f"has the wrong size (expected {group_size})")
+    if not samples:
+        return
+    first = samples[0]
+    seen: set[int | None] = set()
+    for s in samples:
+        if s.group_index != first.group_index:
+            raise SampleContractError(
+                "group_index",
+                s.group_index,
+                f"differs within one group (expected {first.group_index})",
+                sample_index=s.index,
+            )
+        if s.tokens[: s.prompt_length] != first.tokens[: first.prompt_length]:
+            raise SampleContractError(
+                "tokens",
+                _short(s.tokens[: s.prompt_length]),
+                "prompt tokens differ within one group",
+                sample_index=s.index,
+            )
+        if s.index in seen:
+            raise SampleContractError("index", s.index, "appears twice in one group", sample_index=s.index)
+        seen.add(s.index)
+
+
+def flatten_groups(groups: Iterable[Sequence[Sample]]) -> list[Sample]:
+    """Samples of several groups in one list, in group order."""
+    return [s for group in groups for s in group]

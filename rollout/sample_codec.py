@@ -1,0 +1,195 @@
+"""Batches of Samples as one msgpack header plus columnar numpy frames.
+
+Per-token data — the bulk of a batch — travels as a handful of flat arrays (tokens int32
+concatenated with int64 offsets, masks uint8, log-probs float32) that ZeroMQ sends as raw
+frames without copying; everything else rides in a small msgpack header. Log-probs travel as
+float32, the precision engines produce them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tether.rollout.sample import Sample, SampleStatus
+
+CODEC_VERSION = 1
+FRAME_NAMES = ("tokens", "token_offsets", "mask_lengths", "loss_masks", "logprob_lengths", "log_probs")
+_DTYPES = {
+    "tokens": np.dtype("<i4"),
+    "token_offsets": np.dtype("<i8"),
+    "mask_lengths": np.dtype("<i8"),
+    "loss_masks": np.dtype("u1"),
+    "logprob_lengths": np.dtype("<i8"),
+    "log_probs": np.dtype("<f4"),
+}
+_ABSENT = -1  # a length of -1 marks a None list (e.g. a pending sample without a mask yet)
+
+
+class SampleCodecError(ValueError):
+    """A batch's frames are malformed or truncated; the message says which frame and why."""
+
+
+class SampleMeta(msgspec.Struct, array_like=True):
+    """Everything of one Sample except its per-token arrays."""
+
+    index: int | None
+    group_index: int | None
+    rollout_id: int | None
+    prompt: str | list[dict[str, Any]]
+    response: str
+    response_length: int
+    label: Any
+    reward: float | dict[str, Any] | None
+    status: SampleStatus
+    weight_versions: list[str]
+    metadata: dict[str, Any]
+    session_id: str | None
+
+
+class BatchHeader(msgspec.Struct):
+    version: int
+    count: int
+    samples: list[SampleMeta]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(BatchHeader)
+
+
+def _lengths(values: Sequence[Sequence[Any] | None]) -> np.ndarray:
+    return np.fromiter((_ABSENT if v is None else len(v) for v in values), dtype=np.int64, count=len(values))
+
+
+def _concat(values: Sequence[Sequence[Any] | None], dtype: np.dtype) -> np.ndarray:
+    flat = [x for v in values if v is not None for x in v]
+    return np.asarray(flat, dtype=dtype)
+
+
+def encode_batch(samples: Sequence[Sample]) -> list[bytes | np.ndarray]:
+    """Frames for `samples`: the msgpack header first, then the arrays named in FRAME_NAMES."""
+    metas = [
+        SampleMeta(
+            s.index,
+            s.group_index,
+            s.rollout_id,
+            s.prompt,
+            s.response,
+            s.response_length,
+            s.label,
+            s.reward,
+            SampleStatus(s.status),
+            s.weight_versions,
+            s.metadata,
+            s.session_id,
+        )
+        for s in samples
+    ]
+    header = _encoder.encode(BatchHeader(CODEC_VERSION, len(samples), metas))
+    lengths = np.fromiter((len(s.tokens) for s in samples), dtype=np.int64, count=len(samples))
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    masks = [s.loss_mask for s in samples]
+    logps = [s.rollout_log_probs for s in samples]
+    arrays = {
+        "tokens": _concat([s.tokens for s in samples], _DTYPES["tokens"]),
+        "token_offsets": offsets,
+        "mask_lengths": _lengths(masks),
+        "loss_masks": _concat(masks, _DTYPES["loss_masks"]),
+        "logprob_lengths": _lengths(logps),
+        "log_probs": _concat(logps, _DTYPES["log_probs"]),
+    }
+    return [header, *(arrays[name] for name in FRAME_NAMES)]
+
+
+def _as_array(name: str, frame: Any) -> np.ndarray:
+    dtype = _DTYPES[name]
+    if isinstance(frame, np.ndarray):
+        if frame.dtype != dtype or frame.ndim != 1:
+            raise SampleCodecError(
+                f"frame {name!r} has dtype {frame.dtype} and {frame.ndim} dims; expected 1-D {dtype}"
+            )
+        return frame
+    buf = memoryview(frame).cast("B")
+    if buf.nbytes % dtype.itemsize:
+        raise SampleCodecError(
+            f"frame {name!r} holds {buf.nbytes} bytes, not a multiple of {dtype.itemsize} ({dtype})"
+        )
+    return np.frombuffer(buf, dtype=dtype)
+
+
+def _split(name: str, flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray | None]:
+    present = lengths[lengths != _ABSENT]
+    if (present < 0).any():
+        raise SampleCodecError(f"frame {name!r}: negative length {int(present.min())}")
+    if int(present.sum()) != flat.size:
+        raise SampleCodecError(
+            f"frame {name!r} holds {flat.size} values; the lengths add up to {int(present.sum())}"
+        )
+    out: list[np.ndarray | None] = []
+    pos = 0
+    for n in lengths.tolist():
+        if n == _ABSENT:
+            out.append(None)
+        else:
+            out.append(flat[pos : pos + n])
+            pos += n
+    return out
+
+
+def decode_batch(frames: Sequence[Any]) -> list[Sample]:
+    """Samples from frames made by encode_batch; raises SampleCodecError on any inconsistency."""
+    if len(frames) != 1 + len(FRAME_NAMES):
+        raise SampleCodecError(f"a sample batch has {1 + len(FRAME_NAMES)} frames, got {len(frames)}")
+    try:
+        header = _header_decoder.decode(frames[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SampleCodecError(f"frame 'header' is not a valid batch header: {exc}") from exc
+    if header.version != CODEC_VERSION:
+        raise SampleCodecError(f"header version={header.version} is not supported (expected {CODEC_VERSION})")
+    n = header.count
+    if n != len(header.samples):
+        raise SampleCodecError(f"header count={n} but it describes {len(header.samples)} samples")
+    arr = {name: _as_array(name, f) for name, f in zip(FRAME_NAMES, frames[1:], strict=True)}
+    offsets = arr["token_offsets"]
+    if offsets.size != n + 1 or (n >= 0 and offsets.size and offsets[0] != 0):
+        raise SampleCodecError(
+            f"frame 'token_offsets' has {offsets.size} entries; expected {n + 1} starting at 0"
+        )
+    if (np.diff(offsets) < 0).any() or int(offsets[-1]) != arr["tokens"].size:
+        raise SampleCodecError(
+            f"frame 'token_offsets' does not describe frame 'tokens' ({arr['tokens'].size} tokens, last offset {int(offsets[-1])})"
+        )
+    for name in ("mask_lengths", "logprob_lengths"):
+        if arr[name].size != n:
+            raise SampleCodecError(f"frame {name!r} has {arr[name].size} entries; expected {n}")
+    masks = _split("loss_masks", arr["loss_masks"], arr["mask_lengths"])
+    logps = _split("log_probs", arr["log_probs"], arr["logprob_lengths"])
+    tokens = arr["tokens"].tolist()
+    bounds = offsets.tolist()
+    samples = []
+    for i, meta in enumerate(header.samples):
+        mask, logp = masks[i], logps[i]
+        samples.append(
+            Sample(
+                index=meta.index,
+                group_index=meta.group_index,
+                rollout_id=meta.rollout_id,
+                prompt=meta.prompt,
+                tokens=tokens[bounds[i] : bounds[i + 1]],
+                response=meta.response,
+                response_length=meta.response_length,
+                label=meta.label,
+                reward=meta.reward,
+                loss_mask=None if mask is None else mask.tolist(),
+                rollout_log_probs=None if logp is None else logp.tolist(),
+                status=meta.status,
+                weight_versions=meta.weight_versions,
+                metadata=meta.metadata,
+                session_id=meta.session_id,
+            )
+        )
+    return samples

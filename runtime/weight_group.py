@@ -1,0 +1,92 @@
+"""A standalone process group for trainer → engine weight broadcasts.
+
+The trainer's source rank (rank 0) and every engine rank (rank_offset + tp rank) meet at a TCP
+rendezvous (`tcp://host:port`) and build a gloo (CPU) or nccl (GPU) group named `group_name`,
+the same kind of group SGLang's `init_weights_update_group` builds, so a tether trainer can
+broadcast to real SGLang servers and to tether's CPU engine alike. torch's default process
+group is neither needed nor touched: the process may already belong to another job's groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from tether.runtime.errors import ConfigError
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """A built group and the facts needed to use and tear it down."""
+
+    group: dist.ProcessGroup
+    group_name: str
+    rank: int
+    world_size: int
+    backend: str
+
+
+def _check(init_method: str, rank: int, world_size: int, group_name: str, backend: str) -> None:
+    parsed = urlparse(init_method)
+    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
+        raise ConfigError("init_method", init_method, "must look like tcp://host:port")
+    if world_size < 1:
+        raise ConfigError("world_size", world_size, "must be at least 1")
+    if not 0 <= rank < world_size:
+        raise ConfigError("rank", rank, f"must be in [0, {world_size})")
+    if not group_name:
+        raise ConfigError("group_name", group_name, "must not be empty")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError("backend", backend, "must be gloo or nccl")
+
+
+def init_weight_group(
+    init_method: str,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> WeightGroup:
+    """Join (rank 0: host) the rendezvous at `init_method` and build the named group.
+
+    Blocks until all `world_size` ranks have joined or `timeout` passes. Call it from a worker
+    thread in async code. Rank 0 hosts the TCP store, so it must be the trainer side.
+    """
+    _check(init_method, rank, world_size, group_name, backend)
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # The prefix keeps two groups on one store (or one master port reused later) apart.
+    prefixed = dist.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        prefixed,
+        group_name=c10d.GroupName(group_name),
+        timeout=timeout,
+    )
+    # With no default group, torch cannot map group ranks to global ranks by itself; in this
+    # group they are the same numbers.
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return WeightGroup(group=group, group_name=group_name, rank=rank, world_size=world_size, backend=backend)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: WeightGroup) -> None:
+    """Broadcast `tensor` in place from rank `src` to every rank of `group` (blocking)."""
+    if not 0 <= src < group.world_size:
+        raise ConfigError("src", src, f"must be in [0, {group.world_size})")
+    dist.broadcast(tensor, src=src, group=group.group)
+
+
+def destroy_weight_group(group: WeightGroup) -> None:
+    """Tear the group down; its name may not be reused in this process afterwards."""
+    dist.destroy_process_group(group.group)

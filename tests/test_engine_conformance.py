@@ -1,0 +1,403 @@
+"""One set of cases over SGLang's native API, parametrised by engine.
+
+Today the only param is "cpu" (tether's embedded engine, started as a real subprocess on
+127.0.0.1); the real-SGLang param, marked `sglang`, joins it with the rollout issue. Cases that
+change the served weights put v1 back before they return, so their order does not matter.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_fixtures import (
+    Engine,
+    free_port,
+    hf_greedy,
+    make_models,
+    start_cpu_engine,
+    stop_engine,
+    wait_until,
+)
+from safetensors.torch import load_file
+
+from tether.rollout.engine_weights import encode_named_tensors
+from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
+
+PROMPTS = [[1, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42]]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return make_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module", params=["cpu"])
+def engine(
+    request: pytest.FixtureRequest, models: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    eng = start_cpu_engine(models[0], tmp_path_factory.mktemp("logs"))
+    try:
+        yield eng
+    finally:
+        stop_engine(eng)
+
+
+def greedy(engine: Engine, prompt: list[int], n: int = N, **extra: Any) -> dict[str, Any]:
+    payload = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+    return engine.post("/generate", {**payload, "return_logprob": True, **extra})
+
+
+def assert_matches_hf(out: dict[str, Any], model_dir: str, prompt: list[int]) -> None:
+    ref_ids, ref_lps = hf_greedy(model_dir, prompt, len(out["output_ids"]))
+    assert out["output_ids"] == ref_ids
+    entries = out["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in entries] == ref_ids and all(e[2] is None for e in entries)
+    assert max(abs(e[0] - r) for e, r in zip(entries, ref_lps, strict=True)) < 1e-5
+
+
+def restore_v1(engine: Engine, models: tuple[str, str]) -> None:
+    engine.post("/update_weights_from_disk", {"model_path": models[0], "weight_version": "v1"})
+
+
+def long_request(engine: Engine, rid: str, n: int = 1500) -> dict[str, Any]:
+    sp = {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
+    return engine.post(
+        "/generate", {"rid": rid, "input_ids": [1, 2, 3], "sampling_params": sp, "return_logprob": True}
+    )
+
+
+def running(engine: Engine) -> int:
+    return int(engine.get("/get_server_info")["internal_states"][0]["running"])
+
+
+def test_health_and_info(engine: Engine, models: tuple[str, str]) -> None:
+    assert engine.request("/health", method="GET")[0] == 200
+    assert engine.request("/health_generate", method="GET")[0] == 200
+    info = engine.get("/get_model_info")
+    assert info["model_path"] == models[0] and info["is_generation"] is True and "weight_version" in info
+    assert "version" in engine.get("/get_server_info")
+    assert engine.get("/get_weight_version")["weight_version"] == info["weight_version"]
+
+
+def test_greedy_and_logprobs_equal_transformers(engine: Engine, models: tuple[str, str]) -> None:
+    for prompt in PROMPTS:
+        assert_matches_hf(greedy(engine, prompt), models[0], prompt)
+    batch = engine.post(
+        "/generate",
+        {
+            "input_ids": PROMPTS,
+            "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
+    assert isinstance(batch, list) and len(batch) == len(PROMPTS)
+    for out, prompt in zip(batch, PROMPTS, strict=True):
+        assert_matches_hf(out, models[0], prompt)
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == N
+        assert meta["finish_reason"]["type"] == "length"
+
+
+def test_text_prompt_and_stream(engine: Engine) -> None:
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out = engine.post("/generate", {"text": "hello world", "sampling_params": sp})
+    assert isinstance(out["text"], str) and len(out["output_ids"]) == 6
+    events = engine.stream({"text": "hello world", "sampling_params": sp, "stream": True})
+    assert events[-1] == "[DONE]"
+    final = events[-2]
+    assert final["output_ids"] == out["output_ids"] and final["text"] == out["text"]
+    assert final["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(events) >= 3  # more than one chunk before [DONE]
+
+
+def test_sampling_seed_is_reproducible(engine: Engine) -> None:
+    payload = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "max_new_tokens": 16,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "sampling_seed": 11,
+        },
+    }
+    a, b = engine.post("/generate", payload), engine.post("/generate", payload)
+    assert a["output_ids"] == b["output_ids"]
+
+
+def test_stop_token_and_stop_string(engine: Engine, models: tuple[str, str]) -> None:
+    ref = greedy(engine, PROMPTS[0])["output_ids"]
+    stop_id = ref[3]
+    first = ref.index(stop_id)
+    out = engine.post(
+        "/generate",
+        {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": N, "temperature": 0, "stop_token_ids": [stop_id]},
+        },
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["output_ids"] == ref[: first + 1]
+    full_text = engine.post(
+        "/generate",
+        {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True},
+        },
+    )["text"]
+    stop = full_text[2:4] if len(full_text) >= 4 else full_text[-1:]
+    out = engine.post(
+        "/generate",
+        {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True, "stop": [stop]},
+        },
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and full_text.startswith(out["text"])
+
+
+def test_errors_answer_like_sglang(engine: Engine) -> None:
+    status, body = engine.request("/generate", b"{not json")
+    assert status == 400 and "message" in body["error"]
+    status, body = engine.request(
+        "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}
+    )
+    assert status == 400 and "max_new_tokens" in body["error"]["message"]
+    status, body = engine.request(
+        "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**6}}
+    )
+    assert status == 400 and "context length" in body["error"]["message"]
+    status, body = engine.request("/generate", {"input_ids": [1, 2], "return_logprob": "yes"})
+    assert status == 400
+    assert engine.request("/health", method="GET")[0] == 200  # still serving
+
+
+def test_continuous_batching_joins_running_batch(engine: Engine) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(long_request, engine, "cb-long", 2000)
+        wait_until(lambda: running(engine) >= 1, what="long request running")
+        short = greedy(engine, [4, 5], n=4)
+        assert not long.done()  # the short request finished while the long one was decoding
+        engine.post("/abort_request", {"rid": "cb-long"})
+        assert long.result()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(short["output_ids"]) == 4
+
+
+def test_abort_mid_generation(engine: Engine) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(long_request, engine, "abort-me", 2000)
+        wait_until(lambda: running(engine) >= 1, what="request running")
+        engine.post("/abort_request", {"rid": "abort-me"})
+        out = fut.result(timeout=60)
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 2000
+    assert len(out["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"])
+
+
+def test_pause_abort_retract_in_place_and_continue(engine: Engine) -> None:
+    # abort: in-flight requests end with finish_reason abort
+    with ThreadPoolExecutor(2) as pool:
+        fut = pool.submit(long_request, engine, "p-abort", 2000)
+        wait_until(lambda: running(engine) >= 1, what="request running")
+        engine.post("/pause_generation", {"mode": "abort"})
+        assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
+        # while paused, a new request waits; it completes after continue
+        waiting = pool.submit(greedy, engine, PROMPTS[0])
+        wait_until(
+            lambda: engine.get("/get_server_info")["internal_states"][0]["waiting"] >= 1, what="queued"
+        )
+        assert not waiting.done()
+        engine.post("/continue_generation", {})
+        assert len(waiting.result(timeout=60)["output_ids"]) == N
+    reference = greedy(engine, PROMPTS[1], n=300)["output_ids"]
+    for mode in ("retract", "in_place"):
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(greedy, engine, PROMPTS[1], 300)
+            wait_until(lambda: running(engine) >= 1, what="request running")
+            engine.post("/pause_generation", {"mode": mode})
+            steps = engine.get("/get_server_info")["internal_states"][0]["steps"]
+            assert (
+                engine.get("/get_server_info")["internal_states"][0]["steps"] == steps
+            )  # no step while paused
+            assert not fut.done()
+            engine.post("/continue_generation", {})
+            out = fut.result(timeout=60)
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["output_ids"] == reference, mode
+
+
+def test_update_weights_from_disk(engine: Engine, models: tuple[str, str]) -> None:
+    body = engine.post("/update_weights_from_disk", {"model_path": models[1], "weight_version": "v2"})
+    assert body["success"] is True
+    try:
+        out = greedy(engine, PROMPTS[0])
+        assert out["meta_info"]["weight_version"] == "v2"
+        assert_matches_hf(out, models[1], PROMPTS[0])
+        assert engine.get("/get_weight_version")["weight_version"] == "v2"
+        status, body = engine.request(
+            "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "bad"}
+        )
+        assert status == 400 and body["success"] is False
+        assert greedy(engine, PROMPTS[0])["meta_info"]["weight_version"] == "v2"
+    finally:
+        restore_v1(engine, models)
+    assert_matches_hf(greedy(engine, PROMPTS[0]), models[0], PROMPTS[0])
+
+
+def test_update_weights_from_distributed(engine: Engine, models: tuple[str, str]) -> None:
+    new = load_file(str(Path(models[1]) / "model.safetensors"))
+    names = sorted(new)
+    port = free_port()
+    group_name = f"conformance-{port}"
+    # Outside a begin/end session the update is refused (SGLang 0.5.23 does the same).
+    status, body = engine.request(
+        "/update_weights_from_distributed",
+        {
+            "names": names,
+            "dtypes": ["float32"] * len(names),
+            "shapes": [list(new[n].shape) for n in names],
+            "group_name": group_name,
+        },
+    )
+    assert status == 400 and "begin_weight_update" in body["message"]
+    with ThreadPoolExecutor(1) as pool:
+        init = pool.submit(
+            engine.post,
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": group_name,
+                "backend": "gloo",
+            },
+        )
+        group = init_weight_group(f"tcp://127.0.0.1:{port}", 0, 2, group_name, "gloo")
+        assert init.result(timeout=60)["success"] is True
+        try:
+            engine.post("/begin_weight_update", {})
+            update = pool.submit(
+                engine.post,
+                "/update_weights_from_distributed",
+                {
+                    "names": names,
+                    "dtypes": ["float32"] * len(names),
+                    "shapes": [list(new[n].shape) for n in names],
+                    "group_name": group_name,
+                    "weight_version": "dist-v2",
+                    "flush_cache": True,
+                },
+            )
+            for name in names:
+                broadcast(new[name].contiguous(), 0, group)
+            assert update.result(timeout=60)["success"] is True
+            engine.post("/end_weight_update", {})
+            out = greedy(engine, PROMPTS[1])
+            assert out["meta_info"]["weight_version"] == "dist-v2"
+            assert_matches_hf(out, models[1], PROMPTS[1])
+            status, _ = engine.request(
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": free_port(),
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": group_name,
+                    "backend": "gloo",
+                },
+            )
+            assert status == 400  # a group name is usable once per server
+            engine.post("/destroy_weights_update_group", {"group_name": group_name})
+        finally:
+            destroy_weight_group(group)
+            restore_v1(engine, models)
+
+
+def test_update_weights_from_tensor_and_rejections(engine: Engine, models: tuple[str, str]) -> None:
+    new = load_file(str(Path(models[1]) / "model.safetensors"))
+    tensors = [(name, t) for name, t in new.items()]
+    payload = {
+        "serialized_named_tensors": [encode_named_tensors(tensors)],
+        "weight_version": "tensor-v2",
+        "flush_cache": True,
+    }
+    try:
+        assert engine.post("/update_weights_from_tensor", payload)["success"] is True
+        out = greedy(engine, PROMPTS[2])
+        assert out["meta_info"]["weight_version"] == "tensor-v2"
+        assert_matches_hf(out, models[1], PROMPTS[2])
+        # Wrong shape, unknown name: rejected and the current weights keep serving.
+        for bad in (
+            [("model.norm.weight", torch.ones(3))],
+            [("model.not_a_weight", torch.ones(64))],
+        ):
+            status, body = engine.request(
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": [encode_named_tensors(bad)], "weight_version": "bad"},
+            )
+            assert status == 400 and body["success"] is False
+        # A pickle naming anything but torch's tensor rebuilders is refused by name.
+        evil = base64.b64encode(pickle.dumps(threading.Thread)).decode()
+        status, body = engine.request("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+        assert status == 400 and "threading.Thread" in body["message"]
+        after = greedy(engine, PROMPTS[2])
+        assert (
+            after["meta_info"]["weight_version"] == "tensor-v2" and after["output_ids"] == out["output_ids"]
+        )
+        got = engine.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 5})
+        assert got == pytest.approx(new["model.norm.weight"][:5].tolist())
+    finally:
+        restore_v1(engine, models)
+
+
+def test_update_weight_version_and_in_flight_request(engine: Engine, models: tuple[str, str]) -> None:
+    assert engine.post("/update_weight_version", {"new_version": "named-1"})["new_version"] == "named-1"
+    assert engine.get("/get_weight_version")["weight_version"] == "named-1"
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(long_request, engine, "across-update", 1500)
+        wait_until(lambda: running(engine) >= 1, what="request running")
+        engine.post("/update_weights_from_disk", {"model_path": models[1], "weight_version": "mid-v2"})
+        out = fut.result(timeout=120)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["meta_info"]["weight_version"] == "mid-v2"  # the version it finished under
+    restore_v1(engine, models)
+
+
+def test_release_and_resume_memory(engine: Engine, models: tuple[str, str]) -> None:
+    engine.post("/release_memory_occupation", {})
+    status, body = engine.request(
+        "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    )
+    assert status == 400 and "released" in body["error"]["message"]
+    assert engine.request("/get_weights_by_name", {"name": "model.norm.weight"})[0] == 400  # really dropped
+    engine.post("/resume_memory_occupation", {})
+    assert_matches_hf(greedy(engine, PROMPTS[0]), models[0], PROMPTS[0])
+    flush = engine.request("/flush_cache", b"", method="POST")
+    assert flush[0] == 200 and isinstance(flush[1], str)
+
+
+def test_cpu_engine_test_delay_option(models: tuple[str, str], tmp_path: Path) -> None:
+    """CPU engine only: the seeded per-request delay holds each request before it joins the batch."""
+    args = ("--test-delay-distribution", "constant", "--test-delay-mean-ms", "300", "--test-delay-seed", "1")
+    eng = start_cpu_engine(models[0], tmp_path, *args)
+    try:
+        out = eng.post(
+            "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        )
+        assert out["meta_info"]["e2e_latency"] >= 0.3
+    finally:
+        stop_engine(eng)
