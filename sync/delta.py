@@ -1,0 +1,443 @@
+"""Diff, apply and verify weight deltas (the delta-disk mode), on raw tensor bytes.
+
+Encoding and applying run frame by frame on a thread pool: numpy, zstandard and xxhash release
+the GIL, so frames proceed in parallel. Apply writes a new checkpoint beside the base (changed
+shards copied then patched, unchanged files hard-linked), verifies every tensor's checksum, and
+only then is the result published by the caller (see tether.sync.local_store).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+import zstandard
+
+from tether.sync.checkpoint_files import (
+    MARKER_NAME,
+    ST_ITEMSIZE,
+    CheckpointError,
+    CheckpointView,
+    WeightsMarker,
+    close_quietly,
+    open_checkpoint,
+    read_header,
+)
+from tether.sync.checksum import checksum_fn, frame_digest
+from tether.sync.delta_format import (
+    DeltaFormatError,
+    DeltaFrame,
+    DeltaIndex,
+    DeltaTensor,
+    read_index,
+    write_index,
+)
+
+FRAME_BYTES = 16 * 1024**2  # raw bytes per frame: small enough to spread over threads
+DATA_FILE = "delta-00000.bin"
+
+
+class RawTensor(NamedTuple):
+    """One tensor as bytes: safetensors dtype name, shape, and a uint8 array (a view, not a copy)."""
+
+    dtype: str
+    shape: list[int]
+    data: np.ndarray
+
+
+class DeltaRefused(Exception):
+    """A delta cannot be applied to this target; the target was left untouched."""
+
+
+class WrongBase(DeltaRefused):
+    """The target is not at the delta's base version, or its bytes are not the base's."""
+
+
+class VersionGap(DeltaRefused):
+    """The target is older than the delta's base: deltas in between are missing."""
+
+
+class ChecksumMismatch(DeltaRefused):
+    """The result of applying a delta fails its recorded checksums."""
+
+
+class CorruptDelta(DeltaRefused):
+    """The delta's files are truncated or corrupted."""
+
+
+def resolve_threads(threads: int) -> int:
+    return threads if threads > 0 else (os.cpu_count() or 1)
+
+
+def _elements(data: np.ndarray, dtype: str) -> np.ndarray:
+    """View raw bytes as unsigned ints of the dtype's width, so diffs work per element."""
+    size = ST_ITEMSIZE.get(dtype, 1)
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(size)
+    if width is None or data.size % size:
+        return data
+    return data.view(width)
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        super().__init__()
+        self.compressor = zstandard.ZstdCompressor(level=1)
+        self.decompressor = zstandard.ZstdDecompressor()
+        self.buffer = np.empty(0, dtype=np.uint8)
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        if self.buffer.size < nbytes:
+            self.buffer = np.empty(nbytes, dtype=np.uint8)
+        return self.buffer[:nbytes]
+
+
+class _Encoded(NamedTuple):
+    name: str
+    op: str
+    start: int
+    count_: int
+    raw_length: int
+    n_changed: int
+    blob: bytes
+
+
+def _encode_frame(
+    state: _ThreadState, name: str, encoding: str, base: np.ndarray, new: np.ndarray, start: int
+) -> _Encoded | None:
+    count = new.size
+    nbytes = new.nbytes
+    if encoding == "xor":
+        out = state.scratch(nbytes).view(new.dtype)
+        np.bitwise_xor(base, new, out=out)
+        if not out.any():
+            return None
+        return _Encoded(name, "xor", start, count, nbytes, -1, state.compressor.compress(out.data))
+    changed = np.flatnonzero(base != new)
+    if changed.size == 0:
+        return None
+    if changed.size * (new.itemsize + 4) >= nbytes:
+        return _Encoded(
+            name, "full", start, count, nbytes, int(changed.size), state.compressor.compress(new.data)
+        )
+    gaps = np.diff(changed, prepend=0).astype(np.uint32)
+    payload = gaps.tobytes() + new[changed].tobytes()
+    return _Encoded(
+        name, "overwrite", start, count, len(payload), int(changed.size), state.compressor.compress(payload)
+    )
+
+
+def encode_delta(
+    base: Mapping[str, RawTensor],
+    new: Mapping[str, RawTensor],
+    out_dir: Path,
+    *,
+    version: int,
+    base_version: int,
+    weight_map: Mapping[str, str],
+    encoding: str = "xor",
+    checksum: str = "xxh3-128",
+    threads: int = 0,
+    frame_bytes: int = FRAME_BYTES,
+) -> DeltaIndex:
+    """Write the delta from base to new into out_dir (an existing empty staging directory)."""
+    if encoding not in ("xor", "overwrite"):
+        raise ValueError(f"encoding={encoding!r}: choose 'xor' or 'overwrite'")
+    if version <= base_version:
+        raise ValueError(f"version={version} must be after base_version={base_version}")
+    digest = checksum_fn(checksum)
+    if set(base) != set(new) or set(new) != set(weight_map):
+        diff = sorted(set(base) ^ set(new) | set(new) ^ set(weight_map))
+        raise ValueError(
+            f"base, new and weight map name different tensors (deltas need one layout): {diff[:5]}"
+        )
+    tensors: dict[str, DeltaTensor] = {}
+    for name in sorted(new):
+        b, n = base[name], new[name]
+        if b.dtype != n.dtype or list(b.shape) != list(n.shape) or b.data.nbytes != n.data.nbytes:
+            raise ValueError(
+                f"tensor {name!r}: base {b.dtype}{list(b.shape)} vs new {n.dtype}{list(n.shape)}; "
+                "deltas need equal dtypes and shapes (publish a full version instead)"
+            )
+        tensors[name] = DeltaTensor(
+            dtype=n.dtype, shape=list(n.shape), nbytes=n.data.nbytes, shard=weight_map[name], checksum="",
+            base_checksum="",
+        )  # fmt: skip
+
+    state = _ThreadState()
+
+    def frame_jobs() -> Iterator[tuple[str, np.ndarray, np.ndarray, int]]:
+        for name in sorted(new):
+            b = _elements(base[name].data, new[name].dtype)
+            n = _elements(new[name].data, new[name].dtype)
+            step = max(1, frame_bytes // max(1, n.itemsize))
+            for s in range(0, n.size, step):
+                yield name, b[s : s + step], n[s : s + step], s
+
+    def hash_job(name: str) -> tuple[str, str, str]:
+        return name, digest(new[name].data), digest(base[name].data)
+
+    written = 0
+    with ThreadPoolExecutor(resolve_threads(threads), thread_name_prefix="delta-encode") as pool:
+        hashes = [pool.submit(hash_job, name) for name in tensors]
+        window: deque[Future[_Encoded | None]] = deque()
+        limit = 2 * resolve_threads(threads)
+        with open(out_dir / DATA_FILE, "wb") as data_file:
+
+            def drain(keep: int) -> None:
+                nonlocal written
+                while len(window) > keep:
+                    enc = window.popleft().result()
+                    if enc is None:
+                        continue
+                    tensors[enc.name].frames.append(
+                        DeltaFrame(
+                            op=enc.op,  # type: ignore[arg-type]
+                            file=DATA_FILE,
+                            offset=written,
+                            length=len(enc.blob),
+                            start=enc.start,
+                            count=enc.count_,
+                            raw_length=enc.raw_length,
+                            n_changed=enc.n_changed,
+                            digest=frame_digest(enc.blob),
+                        )
+                    )
+                    data_file.write(enc.blob)
+                    written += len(enc.blob)
+
+            for name, base_part, new_part, first in frame_jobs():
+                window.append(pool.submit(_encode_frame, state, name, encoding, base_part, new_part, first))
+                drain(limit)
+            drain(0)
+        for fut in hashes:
+            name, new_sum, base_sum = fut.result()
+            tensors[name].checksum, tensors[name].base_checksum = new_sum, base_sum
+    index = DeltaIndex(
+        version=version,
+        base_version=base_version,
+        encoding=encoding,  # type: ignore[arg-type]
+        checksum=checksum,
+        weight_map=dict(sorted(weight_map.items())),
+        tensors=tensors,
+        full_bytes=sum(t.nbytes for t in tensors.values()),
+        delta_bytes=written,
+    )
+    write_index(out_dir, index)
+    return index
+
+
+def checkpoint_tensors(view: CheckpointView) -> dict[str, RawTensor]:
+    return {name: RawTensor(s.dtype, s.shape, view.bytes_of(name)) for name, s in view.slots.items()}
+
+
+def verify_delta(delta_dir: Path) -> DeltaIndex:
+    """Check a delta's index and that every frame is present and matches its digest."""
+    index = read_index(delta_dir)
+    sizes: dict[str, int] = {}
+    for name, t in index.tensors.items():
+        for fr in t.frames:
+            path = Path(delta_dir) / fr.file
+            if fr.file not in sizes:
+                if not path.exists():
+                    raise CorruptDelta(f"{delta_dir}: data file {fr.file!r} is missing")
+                sizes[fr.file] = path.stat().st_size
+            if fr.offset + fr.length > sizes[fr.file]:
+                raise CorruptDelta(
+                    f"{path}: truncated: frame of {name!r} ends at byte {fr.offset + fr.length} "
+                    f"but the file has {sizes[fr.file]}"
+                )
+            with open(path, "rb") as f:
+                blob = os.pread(f.fileno(), fr.length, fr.offset)
+            if frame_digest(blob) != fr.digest:
+                raise CorruptDelta(f"{path}: frame of {name!r} at byte {fr.offset} fails its digest")
+    return index
+
+
+def _apply_frame(state: _ThreadState, delta_dir: Path, fr: DeltaFrame, dst: np.ndarray, name: str) -> None:
+    path = delta_dir / fr.file
+    with open(path, "rb") as f:
+        blob = os.pread(f.fileno(), fr.length, fr.offset)
+    if len(blob) != fr.length:
+        raise CorruptDelta(f"{path}: truncated: frame of {name!r} at byte {fr.offset} is short")
+    if frame_digest(blob) != fr.digest:
+        raise CorruptDelta(f"{path}: frame of {name!r} at byte {fr.offset} fails its digest")
+    try:
+        raw = state.decompressor.decompress(blob, max_output_size=fr.raw_length)
+    except zstandard.ZstdError as exc:
+        raise CorruptDelta(f"{path}: frame of {name!r} does not decompress: {exc}") from exc
+    if len(raw) != fr.raw_length:
+        raise CorruptDelta(f"{path}: frame of {name!r} decompressed to {len(raw)} bytes, not {fr.raw_length}")
+    region = dst[fr.start : fr.start + fr.count]
+    if region.size != fr.count:
+        raise CorruptDelta(f"{path}: frame of {name!r} covers elements past the tensor's end")
+    if fr.op == "xor":
+        np.bitwise_xor(region, np.frombuffer(raw, dtype=region.dtype), out=region)
+    elif fr.op == "full":
+        region[:] = np.frombuffer(raw, dtype=region.dtype)
+    else:
+        gaps = np.frombuffer(raw, dtype=np.uint32, count=fr.n_changed)
+        values = np.frombuffer(raw, dtype=region.dtype, offset=4 * fr.n_changed, count=fr.n_changed)
+        positions = np.cumsum(gaps, dtype=np.int64)
+        if fr.n_changed and positions[-1] >= region.size:
+            raise CorruptDelta(f"{path}: frame of {name!r} writes past the tensor's end")
+        region[positions] = values
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    # Hard links are safe: published files are never modified in place, only replaced.
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def check_base(index: DeltaIndex, view: CheckpointView, base_version: int) -> None:
+    """Refuse (WrongBase/VersionGap) unless view holds exactly the delta's base."""
+    if base_version < index.base_version:
+        raise VersionGap(
+            f"target is at version {base_version} but the delta needs base {index.base_version}: "
+            f"versions {base_version + 1}..{index.base_version} are missing"
+        )
+    if base_version != index.base_version:
+        raise WrongBase(f"target is at version {base_version}, the delta's base is {index.base_version}")
+    if view.weight_map != index.weight_map:
+        raise WrongBase("the target's weight map differs from the delta's (another model or shard layout)")
+    for name, t in index.tensors.items():
+        slot = view.slots[name]
+        if slot.dtype != t.dtype or slot.shape != t.shape:
+            raise WrongBase(
+                f"tensor {name!r} is {slot.dtype}{slot.shape} in the target, {t.dtype}{t.shape} in the delta"
+            )
+
+
+def apply_delta(
+    base_dir: Path,
+    base_version: int,
+    delta_dir: Path,
+    out_dir: Path,
+    *,
+    threads: int = 0,
+    index: DeltaIndex | None = None,
+) -> WeightsMarker:
+    """Build the delta's result in out_dir (existing, empty) from base_dir; verify every checksum.
+
+    base_dir is only read. On any refusal an exception derived from DeltaRefused is raised and
+    out_dir may hold partial files that the caller discards.
+    """
+    delta_dir = Path(delta_dir)
+    index = index or read_index(delta_dir)
+    digest = checksum_fn(index.checksum)
+    changed = index.changed()
+    with open_checkpoint(base_dir) as view, ThreadPoolExecutor(resolve_threads(threads)) as pool:
+        check_base(index, view, base_version)
+        # The base bytes of changed tensors must be exactly the base's: XOR on other bytes is garbage.
+        base_sums = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), changed))
+        for name in changed:
+            if base_sums[name] != index.tensors[name].base_checksum:
+                raise WrongBase(f"tensor {name!r} in the target does not match the delta's base checksum")
+        changed_shards = {index.tensors[n].shard for n in changed}
+        for entry in sorted(base_dir.iterdir()):
+            if entry.name == MARKER_NAME or not entry.is_file():
+                continue
+            if entry.name in changed_shards:
+                shutil.copyfile(entry, out_dir / entry.name)
+            else:
+                _link_or_copy(entry, out_dir / entry.name)
+        state = _ThreadState()
+        for shard in sorted(changed_shards):
+            _patch_shard(out_dir / shard, index, delta_dir, pool, state)
+    new_sums = verify_tensors(out_dir, index, pool_threads=threads)
+    marker = WeightsMarker(version=index.version, checksum=index.checksum, checksums=new_sums)
+    (out_dir / MARKER_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(marker)))
+    return marker
+
+
+def _patch_shard(
+    path: Path, index: DeltaIndex, delta_dir: Path, pool: ThreadPoolExecutor, state: _ThreadState
+) -> None:
+    header = read_header(path)
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0)
+    try:
+        jobs: list[Future[None]] = []
+        for name, t in index.tensors.items():
+            if t.shard != path.name or not t.frames:
+                continue
+            slot = header[name]
+            raw = np.frombuffer(mm, dtype=np.uint8, count=slot.end - slot.start, offset=slot.start)
+            dst = _elements(raw, t.dtype)
+            jobs.extend(pool.submit(_apply_frame, state, delta_dir, fr, dst, name) for fr in t.frames)
+        for job in jobs:
+            job.result()
+        mm.flush()
+    finally:
+        del jobs
+        close_quietly(mm)
+
+
+def verify_tensors(ckpt: Path, index: DeltaIndex, pool_threads: int = 0) -> dict[str, str]:
+    """Checksum every tensor of ckpt against the index; raise ChecksumMismatch on the first wrong one."""
+    digest = checksum_fn(index.checksum)
+    with open_checkpoint(ckpt) as view, ThreadPoolExecutor(resolve_threads(pool_threads)) as pool:
+        if set(view.slots) != set(index.tensors):
+            raise ChecksumMismatch(f"{ckpt}: tensor names differ from the delta's")
+        got = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), sorted(index.tensors)))
+    for name, t in index.tensors.items():
+        if got[name] != t.checksum:
+            raise ChecksumMismatch(f"{ckpt}: tensor {name!r} checksum {got[name]} != recorded {t.checksum}")
+    return got
+
+
+def diff_checkpoints(
+    base_dir: Path,
+    new_dir: Path,
+    out_dir: Path,
+    *,
+    base_version: int,
+    version: int,
+    encoding: str = "xor",
+    checksum: str = "xxh3-128",
+    threads: int = 0,
+) -> DeltaIndex:
+    """The delta between two checkpoint directories with the same layout, into out_dir (staging)."""
+    with open_checkpoint(base_dir) as bview, open_checkpoint(new_dir) as nview:
+        if bview.weight_map != nview.weight_map:
+            raise CheckpointError(
+                f"{base_dir} and {new_dir} have different weight maps; deltas need one shard layout"
+            )
+        return encode_delta(
+            checkpoint_tensors(bview),
+            checkpoint_tensors(nview),
+            out_dir,
+            version=version,
+            base_version=base_version,
+            weight_map=nview.weight_map,
+            encoding=encoding,
+            checksum=checksum,
+            threads=threads,
+        )
+
+
+__all__ = [
+    "ChecksumMismatch",
+    "CorruptDelta",
+    "DeltaFormatError",
+    "DeltaRefused",
+    "RawTensor",
+    "VersionGap",
+    "WrongBase",
+    "apply_delta",
+    "diff_checkpoints",
+    "encode_delta",
+    "verify_delta",
+    "verify_tensors",
+]

@@ -1,0 +1,217 @@
+"""Full distributed sync: names/dtypes/shapes over HTTP, tensors by broadcast over the update group.
+
+The source rank (rank 0 of the update group; a trainer's TP-0/DP-0 rank of a pipeline stage) and
+every engine rank (rank_offset + its TP rank) form a standalone gloo/nccl group through
+tether.runtime.weight_group, the kind SGLang's /init_weights_update_group builds. Per sync:
+pause (mode by flag) -> flush -> /begin_weight_update -> for each bucket of at most
+--update-weight-buffer-size bytes: /update_weights_from_distributed on every engine while this
+process broadcasts the bucket's tensors in order -> /end_weight_update -> continue. Only the last
+bucket carries the new weight_version, so a failed sync leaves engines reporting the old one.
+Blocking collectives run in a worker thread; every HTTP call and the group set-up have timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+
+import torch
+
+from tether.runtime.weight_group import WeightGroup, broadcast, destroy_weight_group, init_weight_group
+from tether.sync.buckets import buckets, dtype_name, nbytes, with_last
+from tether.sync.config import WeightSyncConfig
+from tether.sync.engine_api import (
+    EngineEndpoint,
+    SyncFailed,
+    best_effort_on_all,
+    call,
+    on_all,
+    paused,
+    reload_from_disk,
+    served_versions,
+)
+from tether.sync.ledger import LedgerEntry
+
+
+class DistributedTransport:
+    """The source side of --update-weight-transport nccl (gloo on CPU), not colocated."""
+
+    name = "distributed"
+
+    def __init__(
+        self,
+        engines: Sequence[EngineEndpoint],
+        cfg: WeightSyncConfig,
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int,
+        engine_ranks: Sequence[int] | None = None,
+        backend: str = "gloo",
+        control_engines: bool = True,
+    ) -> None:
+        """engine_ranks: ranks each engine contributes (its TP size; default 1 each).
+
+        control_engines: whether this source pauses/continues the engines (exactly one source
+        does when several pipeline stages each broadcast their own tensors).
+        """
+        self.engines = list(engines)
+        self.cfg = cfg
+        self.master_address = master_address
+        self.master_port = master_port
+        self.engine_ranks = list(engine_ranks or [1] * len(self.engines))
+        if len(self.engine_ranks) != len(self.engines) or min(self.engine_ranks, default=1) < 1:
+            raise SyncFailed(f"engine_ranks={self.engine_ranks} must give a positive rank count per engine")
+        self.backend = backend
+        self.control_engines = control_engines
+        self.group: WeightGroup | None = None
+        self._stale = True
+        self.restore_from: tuple[str, int] | None = None
+        """A full checkpoint (path, version) holding the weights engines serve now: a failed sync
+        reloads it so engines never keep a mix of old and new tensors. The head sets it (e.g. to
+        --hf-checkpoint at version 0); without it a failed sync leaves the old version number but
+        possibly some new tensors, and the next sync (always complete) overwrites them all."""
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.engine_ranks)
+
+    def mark_engine_restarted(self, engine_name: str | None = None) -> None:
+        """An engine restarted (it left the group): rebuild the group before the next sync."""
+        self._stale = True
+
+    async def connect(self) -> None:
+        """(Re)build the update group: this process as rank 0, engines at their rank offsets."""
+        await self.close()
+        group_name = f"tether-weights-{uuid.uuid4().hex[:12]}"  # a server accepts a name only once
+        cfg = self.cfg
+        limit = cfg.update_weight_collective_timeout
+        init_method = f"tcp://{self.master_address}:{self.master_port}"
+        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.engines))]
+
+        async def engine_join(i: int) -> None:
+            body = {
+                "master_address": self.master_address,
+                "master_port": self.master_port,
+                "rank_offset": offsets[i],
+                "world_size": self.world_size,
+                "group_name": group_name,
+                "backend": self.backend,
+            }
+            answer = await call(self.engines[i], "/init_weights_update_group", body, limit)
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise SyncFailed(
+                    f"engine {self.engines[i].name} /init_weights_update_group: {answer.get('message')}"
+                )
+
+        async with asyncio.timeout(limit), asyncio.TaskGroup() as tg:
+            own = tg.create_task(
+                asyncio.to_thread(
+                    init_weight_group,
+                    init_method,
+                    0,
+                    self.world_size,
+                    group_name,
+                    self.backend,
+                    timedelta(seconds=limit),
+                )
+            )
+            for i in range(len(self.engines)):
+                tg.create_task(engine_join(i))
+        self.group = own.result()
+        self._stale = False
+
+    async def close(self) -> None:
+        group, self.group = self.group, None
+        if group is None:
+            return
+        timeout = self.cfg.update_weight_request_timeout
+        await best_effort_on_all(
+            self.engines,
+            lambda e: call(e, "/destroy_weights_update_group", {"group_name": group.group_name}, timeout),
+        )
+        await asyncio.to_thread(destroy_weight_group, group)
+
+    def _broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        assert self.group is not None
+        for _, t in bucket:
+            broadcast(t, 0, self.group)
+
+    async def _send(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        assert self.group is not None
+        group = self.group
+        timeout = self.cfg.update_weight_request_timeout
+        moved = 0
+        prepared = (
+            (n, t.detach().to("cpu" if self.backend == "gloo" else t.device).contiguous()) for n, t in tensors
+        )
+        for bucket, last in with_last(buckets(prepared, self.cfg.update_weight_buffer_size)):
+            body: dict[str, object] = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [dtype_name(t) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": group.group_name,
+                "flush_cache": last,
+            }
+            if last:
+                body["weight_version"] = str(version)
+
+            async def post(e: EngineEndpoint, b: dict[str, object] = body) -> object:
+                return await call(e, "/update_weights_from_distributed", b, timeout)
+
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(on_all(self.engines, post))
+                tg.create_task(asyncio.wait_for(asyncio.to_thread(self._broadcast_bucket, bucket), timeout))
+            moved += sum(nbytes(t) for _, t in bucket)
+        return moved
+
+    async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry:
+        cfg = self.cfg
+        started_at = time.time()
+        t0 = time.perf_counter()
+        timeout = cfg.update_weight_request_timeout
+        if self._stale or self.group is None:
+            await self.connect()
+        engines = self.engines if self.control_engines else []
+        pause_s = 0.0
+        try:
+            async with paused(engines, cfg.update_weight_pause_mode, timeout) as pause_clock:
+                await on_all(self.engines, lambda e: call(e, "/begin_weight_update", {}, timeout))
+                try:
+                    moved = await self._send(version, tensors)
+                finally:
+                    # Always close the engines' update session, so no engine keeps its lock.
+                    failures = await best_effort_on_all(
+                        self.engines, lambda e: call(e, "/end_weight_update", {}, timeout)
+                    )
+                if failures:
+                    raise SyncFailed(f"/end_weight_update failed on {sorted(failures)}: {failures}")
+                pause_s = pause_clock()
+        except BaseException:
+            # A broken collective leaves the group unusable: rebuild it for the next sync.
+            self._stale = True
+            if self.restore_from is not None:
+                path, old = self.restore_from
+                await best_effort_on_all(self.engines, lambda e: reload_from_disk(e, path, old, timeout))
+            raise
+        versions = await served_versions(self.engines, timeout)
+        return LedgerEntry(
+            version=version,
+            transport=self.name,
+            bytes_moved=moved * len(self.engines),
+            pause_seconds=pause_s,
+            total_seconds=time.perf_counter() - t0,
+            engine_versions=versions,
+            started_at=started_at,
+            finished_at=time.time(),
+            ok=all(v == version for v in versions.values()),
+        )
+
+
+def raw_broadcast_seconds(group: WeightGroup, buffer: torch.Tensor) -> float:
+    """Time one broadcast of a single buffer (the bench's baseline for bucketed sync)."""
+    t0 = time.perf_counter()
+    broadcast(buffer, 0, group)
+    return time.perf_counter() - t0

@@ -1,0 +1,104 @@
+"""Colocated sync (--colocate): tensors pass as shared-memory handles through /update_weights_from_tensor.
+
+Trainer and engines share the devices. Order per sync: the trainer offloads (its own job, done
+before calling sync), the engines resume their memory, buckets of named tensors are encoded as
+handles (CUDA IPC on GPU, shared memory on CPU) by the engine side's encoder and posted, one
+entry per engine TP rank. `release` gives the engines' memory back before training resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from tether.sync.buckets import buckets, nbytes, with_last
+from tether.sync.config import WeightSyncConfig
+from tether.sync.engine_api import EngineEndpoint, SyncFailed, call, on_all, paused, served_versions
+from tether.sync.ledger import LedgerEntry
+
+Encoder = Callable[[list[tuple[str, torch.Tensor]]], str]
+
+
+def default_encoder() -> Encoder:
+    """The engine side's payload encoder (tether.rollout.engine_weights), imported when needed."""
+    from tether.rollout.engine_weights import encode_named_tensors
+
+    return encode_named_tensors
+
+
+class TensorTransport:
+    """The colocated transport: no disk, no broadcast; handles to tensors the trainer keeps alive."""
+
+    name = "tensor"
+
+    def __init__(
+        self,
+        engines: Sequence[EngineEndpoint],
+        cfg: WeightSyncConfig,
+        *,
+        encode: Encoder | None = None,
+        engine_ranks: Sequence[int] | None = None,
+    ) -> None:
+        self.engines = list(engines)
+        self.cfg = cfg
+        self.encode = encode or default_encoder()
+        self.engine_ranks = list(engine_ranks or [1] * len(self.engines))
+
+    async def resume(self) -> None:
+        limit = self.cfg.update_weight_request_timeout
+        await on_all(self.engines, lambda e: call(e, "/resume_memory_occupation", {}, limit))
+
+    async def release(self) -> None:
+        """Engines free their memory so the trainer can load back (call before training)."""
+        limit = self.cfg.update_weight_request_timeout
+        await on_all(self.engines, lambda e: call(e, "/release_memory_occupation", {}, limit))
+
+    async def _post(self, engine: EngineEndpoint, ranks: int, payload: str, version: int | None) -> None:
+        body: dict[str, object] = {
+            "serialized_named_tensors": [payload] * ranks,
+            "load_format": None,
+            "flush_cache": version is not None,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+        answer = await call(
+            engine, "/update_weights_from_tensor", body, self.cfg.update_weight_request_timeout
+        )
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise SyncFailed(f"engine {engine.name} /update_weights_from_tensor: {answer.get('message')}")
+
+    async def sync(
+        self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *, resume_engines: bool = True
+    ) -> LedgerEntry:
+        cfg = self.cfg
+        started_at = time.time()
+        t0 = time.perf_counter()
+        limit = cfg.update_weight_request_timeout
+        if resume_engines:
+            await self.resume()
+        moved = 0
+        async with paused(self.engines, cfg.update_weight_pause_mode, limit) as pause_clock:
+            for bucket, last in with_last(buckets(tensors, cfg.update_weight_buffer_size)):
+                # Encoding moves the bucket into shared memory; keep `bucket` alive until answered.
+                payload = await asyncio.to_thread(self.encode, bucket)
+                tagged = version if last else None
+                async with asyncio.TaskGroup() as tg:
+                    for engine, ranks in zip(self.engines, self.engine_ranks, strict=True):
+                        tg.create_task(self._post(engine, ranks, payload, tagged))
+                moved += sum(nbytes(t) for _, t in bucket)
+            pause_s = pause_clock()
+        versions = await served_versions(self.engines, limit)
+        return LedgerEntry(
+            version=version,
+            transport=self.name,
+            bytes_moved=moved * len(self.engines),
+            pause_seconds=pause_s,
+            total_seconds=time.perf_counter() - t0,
+            engine_versions=versions,
+            started_at=started_at,
+            finished_at=time.time(),
+            ok=all(v == version for v in versions.values()),
+        )
