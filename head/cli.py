@@ -22,9 +22,15 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "run": Command("tether.run_command", "Train with RL: start engines and trainer ranks and run the loop."),
     "demo": Command("tether.demo", "The CPU demo: a tiny model learns a toy task with GRPO."),
-    "plan": Command("tether.placement.cli", "Print the placement plan for a set of run flags; starts nothing."),
-    "engine": Command("tether.rollout.cpu_engine", "Serve a model with the embedded CPU engine (SGLang's HTTP API)."),
-    "init-model": Command("tether.rollout.tiny_model", "Write a small random Hugging Face model and tokenizer."),
+    "plan": Command(
+        "tether.placement.cli", "Print the placement plan for a set of run flags; starts nothing."
+    ),
+    "engine": Command(
+        "tether.rollout.cpu_engine", "Serve a model with the embedded CPU engine (SGLang's HTTP API)."
+    ),
+    "init-model": Command(
+        "tether.rollout.tiny_model", "Write a small random Hugging Face model and tokenizer."
+    ),
     "bench": Command("tether.bench", "Benchmarks that print JSON: runtime, engine, rollout, sync, e2e."),
     "weights": Command("tether.sync.cli", "Operator tools for published weights: diff, apply, verify."),
     "agent": Command("tether.runtime.agent", "Run a node agent that starts processes for a head."),

@@ -34,8 +34,12 @@ from tether.train.config import AlgorithmConfig, MegatronConfig, check_algorithm
 class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Run only one side of the loop, and save or replay rollouts."""
 
-    debug_rollout_only: Annotated[bool, Meta(description="Generate rollouts without starting a trainer.")] = False
-    debug_train_only: Annotated[bool, Meta(description="Train without starting engines (needs saved rollouts).")] = False
+    debug_rollout_only: Annotated[bool, Meta(description="Generate rollouts without starting a trainer.")] = (
+        False
+    )
+    debug_train_only: Annotated[
+        bool, Meta(description="Train without starting engines (needs saved rollouts).")
+    ] = False
     save_debug_rollout_data: Annotated[
         str | None, Meta(description="Path template for each rollout's Samples, with {rollout_id}.")
     ] = None
@@ -45,30 +49,40 @@ class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     def __post_init__(self) -> None:
         if self.debug_train_only and self.load_debug_rollout_data is None:
-            raise ConfigError("--debug-train-only", True, "needs --load-debug-rollout-data to train on saved rollouts")
+            raise ConfigError(
+                "--debug-train-only", True, "needs --load-debug-rollout-data to train on saved rollouts"
+            )
 
 
 class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """How the head runs the job: loop mode, run directory, progress and metrics outputs."""
 
     loop: Annotated[
-        Literal["sync", "async", "fully-async"], Meta(description="Training loop: sync, async or fully-async.")
+        Literal["sync", "async", "fully-async"],
+        Meta(description="Training loop: sync, async or fully-async."),
     ] = "sync"
     run_dir: Annotated[
-        str | None, Meta(description="Directory for this run's receipt, metrics, logs (default: runs/<time>).")
+        str | None,
+        Meta(description="Directory for this run's receipt, metrics, logs (default: runs/<time>)."),
     ] = None
     auto_resume: Annotated[
         bool, Meta(description="Resume from the latest complete checkpoint under --save when one exists.")
     ] = False
     metrics_port: Annotated[
-        Annotated[int, Meta(ge=1, le=65535)] | None, Meta(description="Serve Prometheus /metrics on this port of the head.")
+        Annotated[int, Meta(ge=1, le=65535)] | None,
+        Meta(description="Serve Prometheus /metrics on this port of the head."),
     ] = None
-    use_wandb: Annotated[bool, Meta(description="Log metrics to Weights & Biases (WANDB_MODE=offline works).")] = False
+    use_wandb: Annotated[
+        bool, Meta(description="Log metrics to Weights & Biases (WANDB_MODE=offline works).")
+    ] = False
     wandb_project: Annotated[str | None, Meta(description="W&B project name.")] = None
     wandb_group: Annotated[str | None, Meta(description="W&B group name.")] = None
-    use_tensorboard: Annotated[bool, Meta(description="Also write TensorBoard events (when installed).")] = False
+    use_tensorboard: Annotated[bool, Meta(description="Also write TensorBoard events (when installed).")] = (
+        False
+    )
     progress: Annotated[
-        Literal["auto", "rich", "plain"], Meta(description="Progress display: rich bars, plain lines, or auto.")
+        Literal["auto", "rich", "plain"],
+        Meta(description="Progress display: rich bars, plain lines, or auto."),
     ] = "auto"
 
 
@@ -118,19 +132,24 @@ def check_contradictions(cfg: Config) -> None:
     cfg.weight_sync.check_colocate(cfg.cluster.colocate)
     check_algorithm_against_megatron(cfg.algorithm, cfg.megatron)
     if cfg.run.loop != "sync" and cfg.cluster.colocate:
-        raise ConfigError("--loop", cfg.run.loop, "overlaps generation and training, so it rejects --colocate")
+        raise ConfigError(
+            "--loop", cfg.run.loop, "overlaps generation and training, so it rejects --colocate"
+        )
     samples = cfg.data.rollout_batch_size * cfg.data.n_samples_per_prompt
     gbs = cfg.data.global_batch_size
     if gbs is not None:
         if gbs > samples or samples % gbs:
             raise ConfigError(
-                "--global-batch-size", gbs,
+                "--global-batch-size",
+                gbs,
                 f"must divide --rollout-batch-size x --n-samples-per-prompt = "
                 f"{cfg.data.rollout_batch_size} x {cfg.data.n_samples_per_prompt} = {samples}",
             )
         if gbs % cfg.data.micro_batch_size and not cfg.data.use_dynamic_batch_size:
             raise ConfigError(
-                "--global-batch-size", gbs, f"is not a multiple of --micro-batch-size={cfg.data.micro_batch_size}"
+                "--global-batch-size",
+                gbs,
+                f"is not a multiple of --micro-batch-size={cfg.data.micro_batch_size}",
             )
     over = cfg.rollout.over_sampling_batch_size
     if over is not None and over < cfg.data.rollout_batch_size:
@@ -189,18 +208,24 @@ def flag_specs() -> list[FlagSpec]:
         for name in cls.__struct_fields__:
             base, description = _unwrap(hints[name])
             kind, choices = _kind(base)
-            specs.append(FlagSpec(slice_name, name, "--" + name.replace("_", "-"), kind, description, choices))
+            specs.append(
+                FlagSpec(slice_name, name, "--" + name.replace("_", "-"), kind, description, choices)
+            )
     seen: dict[str, FlagSpec] = {}
     for spec in specs:
         if spec.flag in seen:  # a programming error: two slices claim one flag
-            raise RuntimeError(f"flag {spec.flag} is declared by both {seen[spec.flag].slice} and {spec.slice}")
+            raise RuntimeError(
+                f"flag {spec.flag} is declared by both {seen[spec.flag].slice} and {spec.slice}"
+            )
         seen[spec.flag] = spec
     return specs
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Every configuration flag, grouped by slice, for `--help`; values are parsed by `resolve`."""
-    parser.add_argument("--config", metavar="YAML", help="YAML file with the same keys (snake_case); flags override it.")
+    parser.add_argument(
+        "--config", metavar="YAML", help="YAML file with the same keys (snake_case); flags override it."
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for spec in flag_specs():
         group = groups.get(spec.slice)
@@ -209,17 +234,25 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             group = groups[spec.slice] = parser.add_argument_group(spec.slice, doc)
         dest = f"{spec.slice}.{spec.field}"
         if spec.kind == "bool":
-            group.add_argument(spec.flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=spec.help)
+            group.add_argument(
+                spec.flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=spec.help
+            )
         elif spec.kind == "optbool":  # unset means "decide from other flags"; --no-x says no
             group.add_argument(
-                spec.flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=spec.help
+                spec.flag,
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=spec.help,
             )
         elif spec.kind == "list":
             group.add_argument(spec.flag, dest=dest, nargs="*", default=argparse.SUPPRESS, help=spec.help)
         else:
             # Choices are checked by msgspec with the slice, so the error names the flag and the value.
             metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else spec.field.upper()
-            group.add_argument(spec.flag, dest=dest, default=argparse.SUPPRESS, help=spec.help, metavar=metavar)
+            group.add_argument(
+                spec.flag, dest=dest, default=argparse.SUPPRESS, help=spec.help, metavar=metavar
+            )
     parser.add_argument_group("sglang", "Any --sglang-<flag> [values] goes to SGLang as --<flag> [values].")
 
 
@@ -257,7 +290,9 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError("command line", None, message)
 
 
-def _yaml_values(path: Path, by_field: dict[str, list[FlagSpec]]) -> tuple[dict[tuple[str, str], Any], list[str]]:
+def _yaml_values(
+    path: Path, by_field: dict[str, list[FlagSpec]]
+) -> tuple[dict[tuple[str, str], Any], list[str]]:
     try:
         loaded = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -265,7 +300,9 @@ def _yaml_values(path: Path, by_field: dict[str, list[FlagSpec]]) -> tuple[dict[
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):
-        raise ConfigError("--config", str(path), f"must hold a mapping of keys to values, not {type(loaded).__name__}")
+        raise ConfigError(
+            "--config", str(path), f"must hold a mapping of keys to values, not {type(loaded).__name__}"
+        )
     values: dict[tuple[str, str], Any] = {}
     sglang: list[str] = []
 
@@ -328,7 +365,9 @@ def resolve(argv: Sequence[str]) -> Config:
 
 
 def build_config(
-    values: dict[tuple[str, str], Any], origin: dict[tuple[str, str], str] | None = None, sglang_args: list[str] | None = None
+    values: dict[tuple[str, str], Any],
+    origin: dict[tuple[str, str], str] | None = None,
+    sglang_args: list[str] | None = None,
 ) -> Config:
     """A Config from (slice, field) → value, converting strings and checking every slice."""
     origin = origin or {}
@@ -344,12 +383,12 @@ def build_config(
             if isinstance(exc.__cause__, ConfigError):
                 raise exc.__cause__ from None
             match = re.search(r"at `\$\.(\w+)", str(exc))
-            field = match.group(1) if match else None
-            if field is None:
+            if match is None:
                 raise ConfigError(slice_name, data, str(exc)) from None
-            key = origin.get((slice_name, field), "--" + field.replace("_", "-"))
+            name = match.group(1)
+            key = origin.get((slice_name, name), "--" + name.replace("_", "-"))
             reason = str(exc).split(" - at ")[0]
-            raise ConfigError(key, data.get(field), reason) from None
+            raise ConfigError(key, data.get(name), reason) from None
     return Config(**built, sglang_args=list(sglang_args or []))
 
 

@@ -1,10 +1,10 @@
 """The three training loops. Each reads in one screen; the pieces they drive live elsewhere.
 
-    sync         rollout N → train N → sync → rollout N+1
-    async        rollout N+1 generates while N trains; the in-flight rollout is drained
-                 before each weight sync, so every sample is at most one version behind
-    fully-async  a warm worker generates across steps; each step takes the next target batch
-                 when it is ready; a weight sync pauses the worker, syncs and resumes it
+sync         rollout N → train N → sync → rollout N+1
+async        rollout N+1 generates while N trains; the in-flight rollout is drained
+             before each weight sync, so every sample is at most one version behind
+fully-async  a warm worker generates across steps; each step takes the next target batch
+             when it is ready; a weight sync pauses the worker, syncs and resumes it
 """
 
 from __future__ import annotations
@@ -105,4 +105,3 @@ async def fully_async_loop(steps: LoopRange, worker: WarmRollouts, hooks: StepHo
         await hooks.after_step(rollout_id)
         if hooks.should_stop():
             return
-

@@ -12,7 +12,10 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("reward", [("rollout/reward_mean", "rollout"), ("eval/reward_mean", "held-out eval")]),
     ("KL", [("train/kl", "KL to reference")]),
     ("entropy", [("train/entropy", "entropy")]),
-    ("staleness", [("rollout/version_lag_mean", "mean version lag"), ("rollout/version_lag_max", "max version lag")]),
+    (
+        "staleness",
+        [("rollout/version_lag_mean", "mean version lag"), ("rollout/version_lag_max", "max version lag")],
+    ),
     ("throughput", [("perf/samples_per_s", "samples/s")]),
     ("weight sync", [("sync/time_s", "sync seconds")]),
 ]
@@ -80,7 +83,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, help="The run directory (holds metrics.jsonl).")
-    parser.add_argument("--out", type=Path, default=None, help="Where to write the PNGs (default: the run directory).")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="Where to write the PNGs (default: the run directory)."
+    )
 
 
 def main(args: argparse.Namespace) -> int:

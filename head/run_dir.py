@@ -1,10 +1,10 @@
 """A run's directory: receipt, metrics and event logs, per-process logs, checkpoints, weights.
 
-    <run_dir>/receipt.json     resolved config, placement plan, package versions, git revision, hosts
-    <run_dir>/metrics.jsonl    one JSON object per step (and per evaluation)
-    <run_dir>/events.jsonl     what happened when: starts, exits, restarts, syncs, checkpoints
-    <run_dir>/ledger.jsonl     the weight-sync ledger
-    <run_dir>/logs/            one log per process
+<run_dir>/receipt.json     resolved config, placement plan, package versions, git revision, hosts
+<run_dir>/metrics.jsonl    one JSON object per step (and per evaluation)
+<run_dir>/events.jsonl     what happened when: starts, exits, restarts, syncs, checkpoints
+<run_dir>/ledger.jsonl     the weight-sync ledger
+<run_dir>/logs/            one log per process
 """
 
 from __future__ import annotations
@@ -57,11 +57,18 @@ def git_revision() -> str | None:
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         )
         dirty = subprocess.run(
             ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5, check=True,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -80,7 +87,9 @@ class RunDir:
         self.events_path = path / "events.jsonl"
         self.ledger_path = path / "ledger.jsonl"
 
-    def write_receipt(self, config: Any, plan: Any, *, argv: list[str], extra: dict[str, Any] | None = None) -> None:
+    def write_receipt(
+        self, config: Any, plan: Any, *, argv: list[str], extra: dict[str, Any] | None = None
+    ) -> None:
         receipt = {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "argv": argv,
@@ -88,7 +97,11 @@ class RunDir:
             "plan": msgspec.to_builtins(plan),
             "versions": {"python": platform.python_version(), **package_versions()},
             "git_revision": git_revision(),
-            "hosts": {"head": socket.gethostname(), "platform": platform.platform(), "executable": sys.executable},
+            "hosts": {
+                "head": socket.gethostname(),
+                "platform": platform.platform(),
+                "executable": sys.executable,
+            },
             **(extra or {}),
         }
         atomic_write_bytes(self.receipt_path, json.dumps(receipt, indent=2, default=str).encode())

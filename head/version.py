@@ -7,7 +7,17 @@ import importlib.metadata
 import json
 import platform
 
-PACKAGES = ("tether", "torch", "megatron-core", "transformers", "sglang", "pyzmq", "msgspec", "aiohttp", "uvloop")
+PACKAGES = (
+    "tether",
+    "torch",
+    "megatron-core",
+    "transformers",
+    "sglang",
+    "pyzmq",
+    "msgspec",
+    "aiohttp",
+    "uvloop",
+)
 
 
 def versions() -> dict[str, str | None]:

@@ -18,7 +18,7 @@ from tether.rollout.sample import Sample, SampleStatus
 
 CODEC_VERSION = 1
 FRAME_NAMES = ("tokens", "token_offsets", "mask_lengths", "loss_masks", "logprob_lengths", "log_probs")
-_DTYPES = {
+_DTYPES: dict[str, np.dtype[Any]] = {
     "tokens": np.dtype("<i4"),
     "token_offsets": np.dtype("<i8"),
     "mask_lengths": np.dtype("<i8"),

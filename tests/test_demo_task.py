@@ -32,7 +32,7 @@ def test_score(digits: str, response: str, expected: float) -> None:
 
 
 def test_no_constant_or_one_token_answer_scores() -> None:
-    train, held = demo_task.split()
+    _train, held = demo_task.split()
     for answer in ["0", "1", "9", "0000", "11111", "55555", "12345", "01234"]:
         mean = sum(demo_task.score(x, answer) for x in held) / len(held)
         assert mean < 0.05, (answer, mean)

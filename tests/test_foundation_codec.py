@@ -14,11 +14,18 @@ from tether.rollout.sample_codec import SampleCodecError, decode_batch, encode_b
 f32 = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
 text = st.text(max_size=20)
 json_value = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | text | st.floats(allow_nan=False, allow_infinity=False),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | text
+    | st.floats(allow_nan=False, allow_infinity=False),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(text, children, max_size=3),
     max_leaves=8,
 )
-chat = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}), max_size=3)
+chat = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}),
+    max_size=3,
+)
 
 
 @st.composite
@@ -35,7 +42,11 @@ def samples(draw: st.DrawFn) -> Sample:
         response=draw(text),
         response_length=n,
         label=draw(json_value),
-        reward=draw(st.none() | st.floats(allow_nan=False) | st.dictionaries(text, st.floats(allow_nan=False), max_size=3)),
+        reward=draw(
+            st.none()
+            | st.floats(allow_nan=False)
+            | st.dictionaries(text, st.floats(allow_nan=False), max_size=3)
+        ),
         loss_mask=draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)) if with_arrays else None,
         rollout_log_probs=draw(st.lists(f32, min_size=n, max_size=n)) if with_arrays else None,
         status=draw(st.sampled_from(list(Sample.Status))),
@@ -62,7 +73,14 @@ def test_empty_batch() -> None:
 
 
 def test_frames_are_columnar() -> None:
-    batch = [Sample(tokens=list(range(1024)), response_length=1000, loss_mask=[1] * 1000, rollout_log_probs=[-0.5] * 1000)] * 3
+    batch = [
+        Sample(
+            tokens=list(range(1024)),
+            response_length=1000,
+            loss_mask=[1] * 1000,
+            rollout_log_probs=[-0.5] * 1000,
+        )
+    ] * 3
     frames = encode_batch(batch)
     assert len(frames[0]) < 400  # the header holds no per-token data
     assert frames[1].dtype == np.int32 and frames[1].size == 3 * 1024
@@ -70,7 +88,9 @@ def test_frames_are_columnar() -> None:
 
 
 def _good_frames() -> list[bytes]:
-    s = Sample(rollout_id=1, tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -2.0])
+    s = Sample(
+        rollout_id=1, tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -2.0]
+    )
     return _wire(encode_batch([s, s]))
 
 
@@ -86,7 +106,10 @@ def _good_frames() -> list[bytes]:
         (lambda f: [*f[:4], f[4][:-1], *f[5:]], "'loss_masks'"),
         (lambda f: [*f[:6], f[6] + b"\0\0\0\0"], "'log_probs'"),
         (lambda f: [*f[:3], np.array([-5, 2], np.int64).tobytes(), *f[4:]], "negative length"),
-        (lambda f: [msgspec.msgpack.encode({"version": 99, "count": 0, "samples": []}), *f[1:]], "version=99"),
+        (
+            lambda f: [msgspec.msgpack.encode({"version": 99, "count": 0, "samples": []}), *f[1:]],
+            "version=99",
+        ),
     ],
 )
 def test_malformed_frames_raise_clear_errors(mutate: object, message: str) -> None:

@@ -36,7 +36,12 @@ def test_every_slice_has_defaults_and_help() -> None:
     missing = [s.flag for s in specs if not s.help]
     assert not missing, f"flags without a one-line help text: {missing}"
     text = help_text()
-    for flag in ["--rollout-batch-size", "--eps-clip-high", "--update-weight-delta-encoding", "--debug-train-only"]:
+    for flag in [
+        "--rollout-batch-size",
+        "--eps-clip-high",
+        "--update-weight-delta-encoding",
+        "--debug-train-only",
+    ]:
         assert flag in text
 
 
@@ -70,13 +75,35 @@ def test_yaml_sets_keys_and_flags_override(tmp_path: Path) -> None:
         (["--rollout-batch-size", "many"], "--rollout-batch-size", "many"),
         (["--no-such-flag", "1"], "--no-such-flag", None),
         (["--advantage-estimator", "ppo9"], "--advantage-estimator", "ppo9"),
-        (["--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data", "r{rollout_id}"], "--debug-rollout-only", True),
-        (["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "16"], "--global-batch-size", 16),
-        (["--rollout-batch-size", "4", "--n-samples-per-prompt", "3", "--global-batch-size", "5"], "--global-batch-size", 5),
         (
-            ["--update-weight-mode", "delta", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/w",
-             "--update-weight-local-checkpoint-dir", "/l", "--colocate"],
-            "--update-weight-mode", "delta",
+            ["--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data", "r{rollout_id}"],
+            "--debug-rollout-only",
+            True,
+        ),
+        (
+            ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "16"],
+            "--global-batch-size",
+            16,
+        ),
+        (
+            ["--rollout-batch-size", "4", "--n-samples-per-prompt", "3", "--global-batch-size", "5"],
+            "--global-batch-size",
+            5,
+        ),
+        (
+            [
+                "--update-weight-mode",
+                "delta",
+                "--update-weight-transport",
+                "disk",
+                "--update-weight-disk-dir",
+                "/w",
+                "--update-weight-local-checkpoint-dir",
+                "/l",
+                "--colocate",
+            ],
+            "--update-weight-mode",
+            "delta",
         ),
         (["--loop", "async", "--colocate"], "--loop", "async"),
     ],

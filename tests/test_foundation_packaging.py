@@ -47,8 +47,13 @@ def test_import_resolves_to_our_package_beside_user_modules(tmp_path: Path) -> N
 def test_console_script_and_launcher_run_the_same_cli(tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "tether"
     a = subprocess.run([str(script), "version", "--json"], capture_output=True, text=True, check=True)
-    b = subprocess.run([str(ROOT / "bin" / "tether"), "version", "--json"], capture_output=True, text=True, check=True,
-                       env={"PATH": "/usr/bin:/bin", "TETHER_PYTHON": sys.executable})
+    b = subprocess.run(
+        [str(ROOT / "bin" / "tether"), "version", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "TETHER_PYTHON": sys.executable},
+    )
     assert a.stdout == b.stdout and '"megatron-core"' in a.stdout
 
 
@@ -57,10 +62,24 @@ def test_wheel_holds_every_module_and_imports_beside_user_modules(tmp_path: Path
     out = tmp_path / "wheel"
     # Build from a copy so that setuptools' build/ and egg-info never land in the work tree.
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "runs"))
+    shutil.copytree(
+        ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "runs")
+    )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
     )
     (wheel,) = out.glob("tether-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -70,5 +89,7 @@ def test_wheel_holds_every_module_and_imports_beside_user_modules(tmp_path: Path
     # Import from the wheel alone (zip import), in a directory holding the user's modules.
     cwd = _user_dir(tmp_path / "user")
     code = f"import sys; sys.path.insert(0, {str(wheel)!r}); import tether.train, tether.runtime; print(tether.train.__file__)"
-    result = subprocess.run([sys.executable, "-I", "-c", code], cwd=cwd, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", code], cwd=cwd, capture_output=True, text=True, check=True
+    )
     assert str(wheel) in result.stdout

@@ -11,9 +11,19 @@ from tether.rollout.sample import Sample, SampleContractError, validate_group, v
 
 def good(**changes: object) -> Sample:
     sample = Sample(
-        index=3, group_index=1, rollout_id=0, prompt="2+2=", tokens=[5, 6, 7, 8, 9], response="4",
-        response_length=3, label="4", reward=1.0, loss_mask=[1, 0, 1], rollout_log_probs=[-0.1, 0.0, -2.0],
-        status=Sample.Status.COMPLETED, weight_versions=["1"],
+        index=3,
+        group_index=1,
+        rollout_id=0,
+        prompt="2+2=",
+        tokens=[5, 6, 7, 8, 9],
+        response="4",
+        response_length=3,
+        label="4",
+        reward=1.0,
+        loss_mask=[1, 0, 1],
+        rollout_log_probs=[-0.1, 0.0, -2.0],
+        status=Sample.Status.COMPLETED,
+        weight_versions=["1"],
     )
     for key, value in changes.items():
         setattr(sample, key, value)
@@ -26,7 +36,12 @@ def test_status_values_are_slimes() -> None:
 
 def test_good_sample_returns_trainable_positions() -> None:
     assert validate_sample(good()) == 2
-    assert validate_sample(good(status=Sample.Status.TRUNCATED, loss_mask=[1, 1, 1], rollout_log_probs=[-1.0] * 3)) == 3
+    assert (
+        validate_sample(
+            good(status=Sample.Status.TRUNCATED, loss_mask=[1, 1, 1], rollout_log_probs=[-1.0] * 3)
+        )
+        == 3
+    )
     assert validate_sample(good(rollout_id=0, reward={"acc": 1.0, "note": "ok"})) == 2
 
 
@@ -37,7 +52,11 @@ def test_good_sample_returns_trainable_positions() -> None:
         ({"tokens": [5, -1, 7, 8, 9]}, "tokens[1]", "-1"),
         ({"tokens": [5, 6, 7.0, 8, 9]}, "tokens[2]", "7.0"),
         ({"response_length": 0, "loss_mask": [], "rollout_log_probs": []}, "response_length", "0"),
-        ({"response_length": 5, "loss_mask": [1] * 5, "rollout_log_probs": [-1.0] * 5}, "response_length", "5"),
+        (
+            {"response_length": 5, "loss_mask": [1] * 5, "rollout_log_probs": [-1.0] * 5},
+            "response_length",
+            "5",
+        ),
         ({"loss_mask": [1, 0]}, "loss_mask", "[1, 0]"),
         ({"loss_mask": [1, 2, 1]}, "loss_mask[1]", "2"),
         ({"loss_mask": [0, 0, 0], "rollout_log_probs": [0.0, 0.0, 0.0]}, "loss_mask", "[0, 0, 0]"),

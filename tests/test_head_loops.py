@@ -65,9 +65,18 @@ def test_sync_loop_alternates() -> None:
     r = Recorder()
     asyncio.run(sync_loop(LoopRange(0, 3), r, r))
     assert [e for e in r.log if not e.endswith("-end")] == [
-        "gen0-start", "train0-start", "sync1", "step0",
-        "gen1-start", "train1-start", "sync2", "step1",
-        "gen2-start", "train2-start", "sync3", "step2",
+        "gen0-start",
+        "train0-start",
+        "sync1",
+        "step0",
+        "gen1-start",
+        "train1-start",
+        "sync2",
+        "step1",
+        "gen2-start",
+        "train2-start",
+        "sync3",
+        "step2",
     ]
     assert r.used_version == {0: 0, 1: 1, 2: 2}
 
@@ -96,7 +105,14 @@ def test_fully_async_pauses_around_sync_and_stops_on_request() -> None:
     r = Recorder(stop_after=6)
     asyncio.run(fully_async_loop(LoopRange(5, 9), r, r))
     assert [e for e in r.log if not e.endswith("-end") and not e.endswith("-start")] == [
-        "pause", "sync1", "resume1", "step5", "pause", "sync2", "resume2", "step6",
+        "pause",
+        "sync1",
+        "resume1",
+        "step5",
+        "pause",
+        "sync2",
+        "resume2",
+        "step6",
     ]
     assert "gen7-start" not in r.log
 

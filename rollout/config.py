@@ -1,0 +1,259 @@
+"""Typed configuration slices of the rollout side: the prompt data (DataConfig) and generation (RolloutConfig).
+
+Field names are slime's flag names (flag = `--` + name with `_` → `-`), with slime's defaults,
+so a slime launch script parses unchanged. tether's own additions have self-explaining names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from tether.runtime.errors import ConfigError
+
+# Constrained scalars for optional fields: msgspec puts bounds on the number, not on `T | None`.
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+TopK = Annotated[int, Meta(ge=-1)]
+NonNegativeFloat = Annotated[float, Meta(ge=0)]
+Probability = Annotated[float, Meta(gt=0, le=1)]
+
+RoutingPolicy = Literal["round_robin", "least_in_flight", "consistent_hash"]
+RewardType = Literal["exact_match", "math", "remote_rm"]
+
+
+class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Prompt data, batch sizes, epochs and evaluation data."""
+
+    prompt_data: Annotated[
+        str | None, Meta(description="Prompt file: JSONL (or parquet with pyarrow installed).")
+    ] = None
+    input_key: Annotated[str, Meta(description="Key of the prompt in each data record.")] = "input"
+    label_key: Annotated[
+        str | None, Meta(description="Key of the label (reference answer) in each record.")
+    ] = None
+    metadata_key: Annotated[str, Meta(description="Key of the per-record metadata dict.")] = "metadata"
+    apply_chat_template: Annotated[
+        bool, Meta(description="Render prompts (chat messages or text) with the tokenizer's chat template.")
+    ] = False
+    rollout_shuffle: Annotated[bool, Meta(description="Shuffle the prompts each epoch.")] = False
+    rollout_seed: Annotated[int, Meta(description="Seed for prompt shuffling and rollout randomness.")] = 42
+    num_rollout: Annotated[
+        PositiveInt | None, Meta(description="Number of rollout steps; derived from --num-epoch when unset.")
+    ] = None
+    num_epoch: Annotated[
+        PositiveInt | None, Meta(description="Epochs over the prompts (used when --num-rollout is unset).")
+    ] = None
+    rollout_batch_size: Annotated[
+        int,
+        Meta(ge=1, description="Prompts (groups) per rollout step; samples = this x n-samples-per-prompt."),
+    ] = 32
+    n_samples_per_prompt: Annotated[int, Meta(ge=1, description="Responses generated for each prompt.")] = 1
+    global_batch_size: Annotated[
+        PositiveInt | None, Meta(description="Samples per optimizer step (default: one step per rollout).")
+    ] = None
+    num_steps_per_rollout: Annotated[
+        PositiveInt | None, Meta(description="Optimizer steps per rollout (sets the global batch size).")
+    ] = None
+    micro_batch_size: Annotated[
+        int, Meta(ge=1, description="Samples per micro-batch (without dynamic batching).")
+    ] = 1
+    use_dynamic_batch_size: Annotated[
+        bool,
+        Meta(description="Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed size."),
+    ] = False
+    max_tokens_per_gpu: Annotated[
+        PositiveInt | None, Meta(description="Token budget per micro-batch with --use-dynamic-batch-size.")
+    ] = None
+    eval_prompt_data: Annotated[
+        list[str],
+        Meta(description="Evaluation datasets as name/path pairs (`aime a.jsonl gsm b.jsonl`) or one path."),
+    ] = msgspec.field(default_factory=list)
+    eval_interval: Annotated[PositiveInt | None, Meta(description="Evaluate every this many rollouts.")] = (
+        None
+    )
+    skip_eval_before_train: Annotated[bool, Meta(description="Do not evaluate before the first rollout.")] = (
+        False
+    )
+    eval_input_key: Annotated[
+        str | None, Meta(description="Prompt key for eval data (default --input-key).")
+    ] = None
+    eval_label_key: Annotated[
+        str | None, Meta(description="Label key for eval data (default --label-key).")
+    ] = None
+    n_samples_per_eval_prompt: Annotated[int, Meta(ge=1, description="Responses per evaluation prompt.")] = 1
+    eval_temperature: Annotated[
+        NonNegativeFloat | None, Meta(description="Sampling temperature for evaluation (default: rollout's).")
+    ] = None
+    eval_top_p: Annotated[
+        Probability | None, Meta(description="Top-p for evaluation (default: rollout's).")
+    ] = None
+    eval_top_k: Annotated[TopK | None, Meta(description="Top-k for evaluation (default: rollout's).")] = None
+    eval_max_response_len: Annotated[
+        PositiveInt | None, Meta(description="Max new tokens for evaluation (default: rollout's).")
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ConfigError("--max-tokens-per-gpu", None, "must be set when --use-dynamic-batch-size is on")
+        if len(self.eval_prompt_data) > 1 and len(self.eval_prompt_data) % 2:
+            raise ConfigError(
+                "--eval-prompt-data", self.eval_prompt_data, "must be one path or name/path pairs"
+            )
+        if self.eval_top_k == 0:
+            raise ConfigError("--eval-top-k", 0, "must be -1 (off) or at least 1")
+        total = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.num_steps_per_rollout is not None and total % self.num_steps_per_rollout:
+            raise ConfigError(
+                "--num-steps-per-rollout",
+                self.num_steps_per_rollout,
+                f"must divide rollout-batch-size x n-samples-per-prompt = {total}",
+            )
+        if self.global_batch_size is not None and self.num_steps_per_rollout is not None:
+            if self.global_batch_size * self.num_steps_per_rollout != total:
+                raise ConfigError(
+                    "--global-batch-size",
+                    self.global_batch_size,
+                    f"contradicts --num-steps-per-rollout={self.num_steps_per_rollout} "
+                    f"(their product must be {total})",
+                )
+
+    def eval_datasets(self) -> list[tuple[str, str]]:
+        """(name, path) pairs from --eval-prompt-data; a single path is named after its file."""
+        items = self.eval_prompt_data
+        if len(items) == 1:
+            path = items[0]
+            stem = path.rsplit("/", 1)[-1].split(".", 1)[0] or "eval"
+            return [(stem, path)]
+        return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+
+    @property
+    def resolved_global_batch_size(self) -> int:
+        """Samples per optimizer step after --num-steps-per-rollout is taken into account."""
+        total = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return total // (self.num_steps_per_rollout or 1)
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How rollouts are generated: engine, sampling, rewards, hooks, dynamic sampling, fully-async."""
+
+    hf_checkpoint: Annotated[
+        str | None, Meta(description="Hugging Face model directory: engines' weights and the tokenizer.")
+    ] = None
+    rollout_engine: Annotated[
+        Literal["sglang", "cpu"], Meta(description="Generation backend: real SGLang or tether's CPU engine.")
+    ] = "sglang"
+    rollout_function_path: Annotated[
+        str,
+        Meta(description="Rollout function `generate_rollout(args, rollout_id, data_source, evaluation)`."),
+    ] = "tether.rollout.rollout_fn.generate_rollout"
+    rollout_temperature: Annotated[float, Meta(ge=0, description="Sampling temperature during rollout.")] = (
+        1.0
+    )
+    rollout_top_p: Annotated[float, Meta(gt=0, le=1, description="Top-p during rollout.")] = 1.0
+    rollout_top_k: Annotated[int, Meta(ge=-1, description="Top-k during rollout (-1: off).")] = -1
+    rollout_max_response_len: Annotated[
+        PositiveInt | None, Meta(description="Max new tokens per response (SGLang's max_new_tokens).")
+    ] = None
+    rollout_max_prompt_len: Annotated[
+        PositiveInt | None, Meta(description="Drop prompts longer than this many tokens (counted).")
+    ] = None
+    rollout_max_context_len: Annotated[
+        PositiveInt | None, Meta(description="Cap on prompt plus response tokens during rollout.")
+    ] = None
+    rollout_stop: Annotated[list[str], Meta(description="Stop strings for generation.")] = msgspec.field(
+        default_factory=list
+    )
+    rollout_stop_token_ids: Annotated[list[int], Meta(description="Stop token ids for generation.")] = (
+        msgspec.field(default_factory=list)
+    )
+    rollout_skip_special_tokens: Annotated[
+        bool, Meta(description="Skip special tokens in the response text.")
+    ] = False
+    over_sampling_batch_size: Annotated[
+        PositiveInt | None,
+        Meta(description="Groups drawn per sampling round (default --rollout-batch-size)."),
+    ] = None
+    dynamic_sampling_filter_path: Annotated[
+        str | None,
+        Meta(
+            description="Group filter `filter(args, samples)`; built in: tether.rollout.rewards.check_reward_nonzero_std."
+        ),
+    ] = None
+    partial_rollout: Annotated[
+        bool, Meta(description="Keep unfinished (aborted) samples and continue them in the next rollout.")
+    ] = False
+    mask_offpolicy_in_partial_rollout: Annotated[
+        bool, Meta(description="In partial rollout, train only on tokens generated by the latest weights.")
+    ] = False
+    custom_generate_function_path: Annotated[
+        str | None,
+        Meta(description="Replace per-sample generation: `async generate(args, sample, sampling_params)`."),
+    ] = None
+    custom_rm_path: Annotated[
+        str | None,
+        Meta(description="Reward function `async reward(args, sample)` (or over a group with --group-rm)."),
+    ] = None
+    rm_type: Annotated[
+        RewardType | None, Meta(description="Built-in reward: exact_match, math (boxed/numeric), remote_rm.")
+    ] = None
+    rm_url: Annotated[str | None, Meta(description="Reward-model service URL for --rm-type remote_rm.")] = (
+        None
+    )
+    group_rm: Annotated[bool, Meta(description="Compute rewards over a whole group at once.")] = False
+    reward_key: Annotated[str | None, Meta(description="Key selecting the reward from a dict reward.")] = None
+    sglang_server_concurrency: Annotated[
+        int, Meta(ge=1, description="Concurrent generate requests per engine.")
+    ] = 512
+    use_sglang_router: Annotated[
+        bool, Meta(description="Route through an sglang-router process instead of tether's built-in router.")
+    ] = False
+    rollout_routing_policy: Annotated[
+        RoutingPolicy,
+        Meta(description="Built-in router policy; consistent_hash keeps a session on one engine."),
+    ] = "least_in_flight"
+    engine_request_timeout_seconds: Annotated[
+        float, Meta(gt=0, description="Timeout for one HTTP request to an engine.")
+    ] = 600.0
+    max_weight_staleness: Annotated[
+        NonNegativeInt | None,
+        Meta(description="Fully-async: drop groups whose oldest weight version lags more."),
+    ] = None
+    fully_async_max_groups_in_flight: Annotated[
+        PositiveInt | None,
+        Meta(description="Fully-async: groups generating at once (default --rollout-batch-size)."),
+    ] = None
+    fully_async_requeue_stale_groups: Annotated[
+        bool, Meta(description="Fully-async: regenerate stale groups' prompts instead of dropping them.")
+    ] = False
+
+    def __post_init__(self) -> None:
+        if self.rollout_top_k == 0:
+            raise ConfigError("--rollout-top-k", 0, "must be -1 (off) or at least 1")
+        if self.rm_type == "remote_rm" and not self.rm_url:
+            raise ConfigError("--rm-url", self.rm_url, "must be set for --rm-type remote_rm")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ConfigError(
+                "--mask-offpolicy-in-partial-rollout", True, "only applies with --partial-rollout"
+            )
+        if self.rm_url is not None and not self.rm_url.startswith(("http://", "https://")):
+            raise ConfigError("--rm-url", self.rm_url, "must be an http:// or https:// URL")
+        for path_flag, value in (
+            ("--rollout-function-path", self.rollout_function_path),
+            ("--custom-generate-function-path", self.custom_generate_function_path),
+            ("--custom-rm-path", self.custom_rm_path),
+            ("--dynamic-sampling-filter-path", self.dynamic_sampling_filter_path),
+        ):
+            if value is not None and "." not in value and ":" not in value:
+                raise ConfigError(path_flag, value, "must be `package.module.function` or `file.py:function`")
+        if self.rollout_max_context_len is not None and self.rollout_max_response_len is not None:
+            if self.rollout_max_response_len >= self.rollout_max_context_len:
+                raise ConfigError(
+                    "--rollout-max-response-len",
+                    self.rollout_max_response_len,
+                    f"leaves no room for a prompt within --rollout-max-context-len={self.rollout_max_context_len}",
+                )

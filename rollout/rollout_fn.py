@@ -1,0 +1,441 @@
+"""The default rollout function, with slime's semantics, and the per-sample and per-group steps it is built from.
+
+`generate_rollout(args, rollout_id, data_source, evaluation=False)` keeps slime's signature. The
+live objects it needs (router, reward model, hooks) travel in a `RolloutContext` that the rollout
+manager installs with `using_context(ctx)`; a context variable, not a global, so two managers in
+one process (or a test) do not see each other's. Custom hooks reach the router the same way,
+through `current_context()`.
+
+One rollout: draw --over-sampling-batch-size groups whenever the groups done plus in flight fall
+below --rollout-batch-size; generate every sample of a group (concurrency capped per engine by the
+router), score the group, keep it if the dynamic filter does; once the batch is full, abort the
+surplus in flight. Aborted groups go back to the data source with their tokens when
+--partial-rollout is on (continued next round, one weight_versions entry per segment), otherwise
+they are dropped and counted. The result is validated groups ordered by sample index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+
+from tether.rollout.config import DataConfig, RolloutConfig
+from tether.rollout.data_source import DataSource
+from tether.rollout.hooks import (
+    FlatArgs,
+    HookError,
+    call_filter,
+    call_generate_hook,
+    flat_args,
+    load_function,
+)
+from tether.rollout.rewards import RewardModel
+from tether.rollout.router import Router
+from tether.rollout.sample import (
+    TRAINABLE,
+    Sample,
+    SampleContractError,
+    SampleStatus,
+    validate_group,
+    validate_sample,
+)
+
+SEGMENTS_KEY = "segment_lengths"
+"""Sample.metadata key: tokens per generation segment, aligned with weight_versions."""
+
+
+class RolloutContext:
+    """What a rollout needs besides its config: the router, the reward model, the loaded hooks."""
+
+    def __init__(
+        self,
+        config: Any,
+        router: Router,
+        *,
+        reward_model: RewardModel | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        """The model's tokenizer, for hooks that insert text (tool observations); may be None."""
+        self.args: FlatArgs = flat_args(config)
+        self.rollout: RolloutConfig = config.rollout
+        self.data: DataConfig = config.data
+        self.router = router
+        self.reward_model = reward_model or RewardModel(self.rollout, config)
+        cfg = self.rollout
+        self.generate_hook: tuple[Callable[..., Any], str] | None = None
+        if cfg.custom_generate_function_path:
+            path = cfg.custom_generate_function_path
+            self.generate_hook = (load_function(path, "--custom-generate-function-path"), path)
+        self.filter_hook: tuple[Callable[..., Any], str] | None = None
+        if cfg.dynamic_sampling_filter_path:
+            path = cfg.dynamic_sampling_filter_path
+            self.filter_hook = (load_function(path, "--dynamic-sampling-filter-path"), path)
+        self.metrics: dict[str, float] = {}
+        """Metrics of the latest rollout (read by the manager after each call)."""
+        self.stop = asyncio.Event()
+        """Set while surplus requests are being aborted: samples not yet sent are not sent."""
+
+    async def __aenter__(self) -> RolloutContext:
+        await self.reward_model.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # the context owns the router's connection pools and the reward model's session
+        try:
+            await self.reward_model.__aexit__(*exc)
+        finally:
+            await self.router.close()
+
+
+_current: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("tether_rollout_context")
+
+
+def current_context() -> RolloutContext:
+    """The RolloutContext installed by the caller (hooks use it to reach the router)."""
+    try:
+        return _current.get()
+    except LookupError:
+        raise RuntimeError("no RolloutContext is installed; call inside `with using_context(ctx):`") from None
+
+
+@contextmanager
+def using_context(ctx: RolloutContext) -> Iterator[RolloutContext]:
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
+
+
+# ----- sampling parameters -----
+def sampling_params(cfg: RolloutConfig, *, evaluation: DataConfig | None = None) -> dict[str, Any]:
+    """SGLang sampling_params from the config (the eval overrides when `evaluation` is given)."""
+    temperature, top_p, top_k, max_new = (
+        cfg.rollout_temperature,
+        cfg.rollout_top_p,
+        cfg.rollout_top_k,
+        cfg.rollout_max_response_len,
+    )
+    if evaluation is not None:
+        temperature = evaluation.eval_temperature if evaluation.eval_temperature is not None else temperature
+        top_p = evaluation.eval_top_p if evaluation.eval_top_p is not None else top_p
+        top_k = evaluation.eval_top_k if evaluation.eval_top_k is not None else top_k
+        max_new = evaluation.eval_max_response_len or max_new
+    params: dict[str, Any] = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "skip_special_tokens": cfg.rollout_skip_special_tokens,
+        "no_stop_trim": True,  # the matched stop token stays in the tokens the trainer sees
+        "spaces_between_special_tokens": False,
+    }
+    if max_new is not None:
+        params["max_new_tokens"] = max_new
+    if cfg.rollout_stop:
+        params["stop"] = list(cfg.rollout_stop)
+    if cfg.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(cfg.rollout_stop_token_ids)
+    return params
+
+
+# ----- one sample -----
+def append_segment(
+    sample: Sample,
+    tokens: Sequence[int],
+    log_probs: Sequence[float],
+    text: str,
+    weight_version: str | None,
+    *,
+    mask_offpolicy: bool = False,
+) -> None:
+    """Append one generation segment to `sample`; with `mask_offpolicy`, older segments stop training."""
+    if len(tokens) != len(log_probs):
+        raise ValueError(f"segment has {len(tokens)} tokens but {len(log_probs)} log-probs")
+    if not tokens:
+        return
+    sample.tokens.extend(tokens)
+    sample.response += text
+    sample.response_length += len(tokens)
+    sample.loss_mask = [*(sample.loss_mask or []), *([1] * len(tokens))]
+    sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *log_probs]
+    sample.weight_versions.append(weight_version if weight_version is not None else "")
+    segments = [*sample.metadata.get(SEGMENTS_KEY, []), len(tokens)]
+    sample.metadata[SEGMENTS_KEY] = segments
+    if mask_offpolicy and len(segments) > 1:
+        # Only the tokens from the weights that finished the sample are on-policy.
+        latest = sample.weight_versions[-1]
+        mask, logps = list(sample.loss_mask), list(sample.rollout_log_probs)
+        pos = 0
+        for version, length in zip(sample.weight_versions, segments, strict=True):
+            if version != latest:
+                for i in range(pos, pos + length):
+                    mask[i] = 0
+                    logps[i] = 0.0
+            pos += length
+        sample.loss_mask, sample.rollout_log_probs = mask, logps
+
+
+def reset_to_prompt(sample: Sample) -> Sample:
+    """The sample as it was drawn: prompt tokens only, no response, pending."""
+    metadata = {k: v for k, v in sample.metadata.items() if k != SEGMENTS_KEY}
+    return msgspec.structs.replace(
+        sample,
+        tokens=sample.tokens[: sample.prompt_length],
+        response="",
+        response_length=0,
+        reward=None,
+        loss_mask=None,
+        rollout_log_probs=None,
+        status=SampleStatus.PENDING,
+        weight_versions=[],
+        metadata=metadata,
+    )
+
+
+async def generate_one(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> Sample:
+    """The default generate: continue `sample` on an engine by one segment until it stops or is aborted."""
+    cfg = ctx.rollout
+    if ctx.stop.is_set():
+        sample.status = SampleStatus.ABORTED
+        return sample
+    params = dict(params)
+    limit = params.get("max_new_tokens")
+    if limit is not None:
+        remaining = int(limit) - sample.response_length
+        if cfg.rollout_max_context_len is not None:
+            remaining = min(remaining, cfg.rollout_max_context_len - len(sample.tokens))
+        if remaining <= 0:
+            sample.status = SampleStatus.TRUNCATED
+            return sample
+        params["max_new_tokens"] = remaining
+    _, resp = await ctx.router.generate(sample.tokens, params, routing_key=sample.session_id)
+    append_segment(
+        sample,
+        resp.output_ids,
+        resp.log_probs(),
+        resp.text,
+        resp.weight_version,
+        mask_offpolicy=cfg.mask_offpolicy_in_partial_rollout,
+    )
+    finish = resp.finish_type
+    if finish == "abort":
+        sample.status = SampleStatus.ABORTED
+    elif finish == "length":
+        sample.status = SampleStatus.TRUNCATED
+    elif sample.response_length == 0:
+        sample.status = SampleStatus.FAILED  # an engine that stops without a token gave nothing to train on
+    else:
+        sample.status = SampleStatus.COMPLETED
+    return sample
+
+
+async def generate_sample(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> list[Sample]:
+    """One sample through the custom generate hook (checked) or the default generate."""
+    if ctx.generate_hook is not None:
+        if ctx.stop.is_set():
+            sample.status = SampleStatus.ABORTED
+            return [sample]
+        fn, path = ctx.generate_hook
+        return await call_generate_hook(fn, path, ctx.config, sample, params)
+    return [await generate_one(ctx, sample, params)]
+
+
+def _unfinished(sample: Sample) -> bool:
+    return sample.status in (SampleStatus.PENDING, SampleStatus.ABORTED)
+
+
+async def generate_group(
+    ctx: RolloutContext, group: list[Sample], params: dict[str, Any], *, score: bool = True
+) -> list[Sample]:
+    """Generate every unfinished sample of a group concurrently, then score the group (unless aborted)."""
+    async with asyncio.TaskGroup() as tg:
+        tasks = [
+            (s, tg.create_task(generate_sample(ctx, s, params)) if _unfinished(s) else None) for s in group
+        ]
+    out: list[Sample] = []
+    for sample, task in tasks:
+        out.extend(task.result() if task is not None else [sample])
+    if any(s.status == SampleStatus.ABORTED for s in out):
+        return out
+    if score and all(s.status in TRAINABLE for s in out):
+        await ctx.reward_model.score_group(out)
+    return out
+
+
+def group_aborted(group: Sequence[Sample]) -> bool:
+    return any(s.status == SampleStatus.ABORTED for s in group)
+
+
+def group_failed(group: Sequence[Sample]) -> bool:
+    return any(s.status == SampleStatus.FAILED for s in group)
+
+
+def keep_group(ctx: RolloutContext, group: Sequence[Sample]) -> tuple[bool, str | None]:
+    if ctx.filter_hook is None:
+        return True, None
+    fn, path = ctx.filter_hook
+    return call_filter(fn, path, ctx.config, group)
+
+
+def finalize_groups(
+    ctx: RolloutContext, groups: list[list[Sample]], rollout_id: int, *, group_size: int | None
+) -> list[list[Sample]]:
+    """Set rollout_id, order by sample index, and validate every group (the contract at hand-over)."""
+    for group in groups:
+        for s in group:
+            s.rollout_id = rollout_id
+        group.sort(key=lambda s: s.index if s.index is not None else -1)
+    groups.sort(key=lambda g: g[0].index if g and g[0].index is not None else -1)
+    where = ctx.rollout.custom_generate_function_path or "rollout"
+    for group in groups:
+        try:
+            validate_group(group, group_size or len(group))
+            for s in group:
+                validate_sample(s)
+        except SampleContractError as exc:
+            raise HookError(where, str(exc), field=exc.field) from exc
+    return groups
+
+
+# ----- one rollout -----
+async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSource) -> list[list[Sample]]:
+    """The default synchronous rollout: a full batch of kept groups; see the module docstring."""
+    cfg, data = ctx.rollout, ctx.data
+    target = data.rollout_batch_size
+    over = cfg.over_sampling_batch_size or target
+    params = sampling_params(cfg)
+    started = time.monotonic()
+    kept: list[list[Sample]] = []
+    counts = dict.fromkeys(
+        ("filtered_groups", "aborted_groups", "surplus_groups", "requeued_partial_groups", "failed_groups"), 0
+    )
+    reasons: dict[str, int] = {}
+    ctx.stop.clear()
+
+    def settle(group: list[Sample]) -> None:
+        if group_aborted(group):
+            counts["aborted_groups"] += 1
+            if cfg.partial_rollout:
+                data_source.add_samples([group])
+                counts["requeued_partial_groups"] += 1
+            return
+        if group_failed(group):
+            counts["failed_groups"] += 1
+            return
+        if len(kept) >= target:
+            # finished after the batch was full: keep its work for the next round when allowed
+            counts["surplus_groups"] += 1
+            if cfg.partial_rollout:
+                data_source.add_samples([group])
+                counts["requeued_partial_groups"] += 1
+            return
+        keep, reason = keep_group(ctx, group)
+        if keep:
+            kept.append(group)
+        else:
+            counts["filtered_groups"] += 1
+            if reason:
+                reasons[reason] = reasons.get(reason, 0) + 1
+
+    try:
+        await _fill(ctx, rollout_id, data_source, params, target, over, kept, settle)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from group
+    ctx.stop.clear()
+    groups = finalize_groups(
+        ctx, kept[:target], rollout_id, group_size=None if ctx.generate_hook else data.n_samples_per_prompt
+    )
+    ctx.metrics = rollout_metrics(groups, cfg.reward_key, time.monotonic() - started)
+    ctx.metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
+    ctx.metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in reasons.items()})
+    ctx.metrics["rollout/dropped_long_prompts"] = float(data_source.dropped_long_prompts)
+    return groups
+
+
+async def _fill(
+    ctx: RolloutContext,
+    rollout_id: int,
+    data_source: DataSource,
+    params: dict[str, Any],
+    target: int,
+    over: int,
+    kept: list[list[Sample]],
+    settle: Callable[[list[Sample]], None],
+) -> None:
+    """Draw groups until `target` are kept; then abort the surplus and settle it too."""
+    async with asyncio.TaskGroup() as tg:
+        pending: set[asyncio.Task[list[Sample]]] = set()
+        while len(kept) < target:
+            while len(kept) + len(pending) < target:
+                for group in data_source.get_samples(over):
+                    for s in group:
+                        s.rollout_id = rollout_id
+                    pending.add(tg.create_task(generate_group(ctx, group, params)))
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for result in sorted((t.result() for t in done), key=lambda g: g[0].index or 0):
+                settle(result)
+        if pending:
+            ctx.stop.set()
+            await _abort_until_done(ctx.router, pending)
+            # settle in draw order, so partial groups return to the buffer oldest first
+            for result in sorted((t.result() for t in pending), key=lambda g: g[0].index or 0):
+                settle(result)
+
+
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of nested task-group errors: what the user needs to see (a hook's error, say)."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _abort_until_done(
+    router: Router, tasks: set[asyncio.Task[list[Sample]]], interval: float = 0.5
+) -> None:
+    """Abort in-flight requests until every task has returned; repeats catch requests sent in between."""
+    remaining = set(tasks)
+    while remaining:
+        await router.abort_all()
+        _, remaining = await asyncio.wait(remaining, timeout=interval)
+
+
+def rollout_metrics(
+    groups: Sequence[Sequence[Sample]], reward_key: str | None, seconds: float
+) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {"rollout/seconds": seconds}
+    rewards = [s.scalar_reward(reward_key) for s in samples]
+    lengths = [s.response_length for s in samples]
+    return {
+        "rollout/seconds": seconds,
+        "rollout/samples": float(len(samples)),
+        "rollout/reward_mean": sum(rewards) / len(rewards),
+        "rollout/response_len_mean": sum(lengths) / len(lengths),
+        "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+        "rollout/samples_per_second": len(samples) / seconds if seconds > 0 else 0.0,
+    }
+
+
+async def generate_rollout(
+    args: Any, rollout_id: int, data_source: DataSource, evaluation: bool = False
+) -> list[list[Sample]] | dict[str, float]:
+    """slime's rollout-function signature; needs a RolloutContext installed by the caller.
+
+    Returns the rollout's groups, or with `evaluation=True` the evaluation metrics.
+    """
+    ctx = current_context()
+    if evaluation:
+        from tether.rollout.evaluation import run_evaluation
+
+        return await run_evaluation(ctx, rollout_id)
+    return await run_rollout(ctx, rollout_id, data_source)

@@ -1,0 +1,256 @@
+"""The built-in router: picks an engine for each generate request and caps concurrency per engine.
+
+Policies: round-robin, least-in-flight, and consistent hashing on a routing key (the session id,
+slime's `X-SMG-Routing-Key`), so every turn of a multi-turn session returns to its engine; a
+request without a key falls back to least-in-flight. Engines can be added and removed while
+running (the restart path): a removed engine takes no new requests, and only the keys that
+hashed to it move. With --use-sglang-router the router holds one "engine", the sglang-router
+process, and passes the routing key through as the header.
+
+The router also measures each engine's busy time (time with at least one request in flight),
+which the rollout benchmark reports as the engine busy fraction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import msgspec
+import xxhash
+
+from tether.rollout.config import RolloutConfig, RoutingPolicy
+from tether.rollout.engine_client import EngineClient, GenerateResponse, PauseMode, new_request_id
+
+T = TypeVar("T")
+VIRTUAL_NODES = 64  # points per engine on the hash ring: keeps the key spread even with few engines
+
+
+class NoEngineError(RuntimeError):
+    """No engine is registered with the router."""
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    name: str
+    url: str
+    in_flight: int
+    requests: int
+    busy_seconds: float
+
+
+class _Slot:
+    """Book-keeping for one engine: concurrency cap, in-flight count, busy time."""
+
+    def __init__(self, client: EngineClient, concurrency: int, clock: Callable[[], float]) -> None:
+        self.client = client
+        self.semaphore = asyncio.Semaphore(concurrency)
+        self.in_flight = 0
+        self.waiting = 0
+        self.requests = 0
+        self.busy_seconds = 0.0
+        self._busy_since: float | None = None
+        self._clock = clock
+        self.rids: set[str] = set()
+
+    def enter(self) -> None:
+        if self.in_flight == 0:
+            self._busy_since = self._clock()
+        self.in_flight += 1
+        self.requests += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._busy_since is not None:
+            self.busy_seconds += self._clock() - self._busy_since
+            self._busy_since = None
+
+    def busy_now(self) -> float:
+        extra = self._clock() - self._busy_since if self._busy_since is not None else 0.0
+        return self.busy_seconds + extra
+
+
+class Router:
+    """Routes generate requests over a changing set of engines."""
+
+    def __init__(
+        self,
+        engines: Iterable[EngineClient] = (),
+        *,
+        policy: RoutingPolicy = "least_in_flight",
+        concurrency_per_engine: int = 512,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy: RoutingPolicy = policy
+        self._concurrency = concurrency_per_engine
+        self._clock = clock
+        self._slots: dict[str, _Slot] = {}
+        self._ring: list[tuple[int, str]] = []
+        self._rr = itertools.count()
+        for engine in engines:
+            self.add_engine(engine)
+
+    @classmethod
+    def from_config(
+        cls, config: RolloutConfig, engine_urls: Sequence[str], *, router_url: str | None = None
+    ) -> Router:
+        """Clients for `engine_urls` (or one for the sglang-router at `router_url`) behind a Router."""
+        timeout = config.engine_request_timeout_seconds
+        if config.use_sglang_router:
+            if router_url is None:
+                raise ValueError("--use-sglang-router needs the router's URL")
+            total = config.sglang_server_concurrency * max(1, len(engine_urls))
+            client = EngineClient(
+                router_url, name="sglang-router", max_connections=total, request_timeout=timeout
+            )
+            return cls([client], policy="round_robin", concurrency_per_engine=total)
+        clients = [
+            EngineClient(
+                url,
+                name=f"engine{i}",
+                max_connections=config.sglang_server_concurrency,
+                request_timeout=timeout,
+            )
+            for i, url in enumerate(engine_urls)
+        ]
+        return cls(
+            clients,
+            policy=config.rollout_routing_policy,
+            concurrency_per_engine=config.sglang_server_concurrency,
+        )
+
+    # ----- membership -----
+    @property
+    def engines(self) -> list[EngineClient]:
+        return [slot.client for slot in self._slots.values()]
+
+    def add_engine(self, client: EngineClient) -> None:
+        if client.name in self._slots:
+            raise ValueError(f"an engine named {client.name!r} is already routed")
+        self._slots[client.name] = _Slot(client, self._concurrency, self._clock)
+        self._rebuild_ring()
+
+    def remove_engine(self, name: str) -> EngineClient:
+        """Stop routing to `name`; its in-flight requests finish. Returns its client (caller closes it)."""
+        slot = self._slots.pop(name)
+        self._rebuild_ring()
+        return slot.client
+
+    def _rebuild_ring(self) -> None:
+        ring = [
+            (xxhash.xxh64_intdigest(f"{name}#{v}".encode()), name)
+            for name in self._slots
+            for v in range(VIRTUAL_NODES)
+        ]
+        ring.sort()
+        self._ring = ring
+
+    # ----- choosing -----
+    def pick(self, routing_key: str | None = None) -> EngineClient:
+        return self._pick_slot(routing_key).client
+
+    def _pick_slot(self, routing_key: str | None) -> _Slot:
+        if not self._slots:
+            raise NoEngineError("no engine is registered with the router")
+        if self.policy == "consistent_hash" and routing_key:
+            h = xxhash.xxh64_intdigest(routing_key.encode())
+            pos = bisect.bisect_left(self._ring, (h, ""))
+            return self._slots[self._ring[pos % len(self._ring)][1]]
+        slots = list(self._slots.values())
+        if self.policy == "round_robin":
+            return slots[next(self._rr) % len(slots)]
+        # least in flight, counting requests queued for a slot; ties go round-robin
+        start = next(self._rr) % len(slots)
+        rotated = slots[start:] + slots[:start]
+        return min(rotated, key=lambda s: s.in_flight + s.waiting)
+
+    @asynccontextmanager
+    async def _occupy(self, slot: _Slot, rid: str) -> AsyncIterator[None]:
+        slot.waiting += 1
+        try:
+            await slot.semaphore.acquire()
+        finally:
+            slot.waiting -= 1
+        slot.enter()
+        slot.rids.add(rid)
+        try:
+            yield
+        finally:
+            slot.rids.discard(rid)
+            slot.leave()
+            slot.semaphore.release()
+
+    # ----- requests -----
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        routing_key: str | None = None,
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> tuple[str, GenerateResponse]:
+        """Generate on the chosen engine; returns (engine name, response)."""
+        slot = self._pick_slot(routing_key)
+        rid = rid or new_request_id()
+        async with self._occupy(slot, rid):
+            response = await slot.client.generate(
+                input_ids, sampling_params, rid=rid, return_logprob=return_logprob, routing_key=routing_key
+            )
+        return slot.client.name, response
+
+    async def call(self, routing_key: str | None, fn: Callable[[EngineClient], Coroutine[Any, Any, T]]) -> T:
+        """Run `fn(client)` on a chosen engine under its concurrency cap (for custom payloads)."""
+        slot = self._pick_slot(routing_key)
+        async with self._occupy(slot, new_request_id()):
+            return await fn(slot.client)
+
+    async def broadcast(self, fn: Callable[[EngineClient], Coroutine[Any, Any, T]]) -> dict[str, T]:
+        """Run `fn(client)` on every engine at once; results by engine name."""
+        names = list(self._slots)
+        async with asyncio.TaskGroup() as tg:
+            tasks: list[asyncio.Task[T]] = [tg.create_task(fn(self._slots[n].client)) for n in names]
+        return {n: t.result() for n, t in zip(names, tasks, strict=True)}
+
+    async def abort_all(self) -> None:
+        """Abort every request in flight on every engine (they answer with finish_reason abort)."""
+        await self.broadcast(lambda c: c.abort_all())
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self.broadcast(lambda c: c.pause_generation(mode))
+
+    async def resume(self) -> None:
+        await self.broadcast(lambda c: c.continue_generation())
+
+    async def close(self) -> None:
+        for slot in self._slots.values():
+            await slot.client.close()
+
+    async def __aenter__(self) -> Router:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ----- measurements -----
+    def in_flight(self) -> int:
+        return sum(s.in_flight for s in self._slots.values())
+
+    def stats(self) -> list[EngineStats]:
+        return [
+            EngineStats(
+                name=n,
+                url=s.client.url,
+                in_flight=s.in_flight,
+                requests=s.requests,
+                busy_seconds=s.busy_now(),
+            )
+            for n, s in self._slots.items()
+        ]
+
+    def busy_seconds(self) -> dict[str, float]:
+        return {n: s.busy_now() for n, s in self._slots.items()}
