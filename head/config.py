@@ -84,6 +84,14 @@ class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
         Literal["auto", "rich", "plain"],
         Meta(description="Progress display: rich bars, plain lines, or auto."),
     ] = "auto"
+    save_hf: Annotated[
+        str | None,
+        Meta(description="Write the final weights as a Hugging Face checkpoint into this directory."),
+    ] = None
+    stop_at_eval_reward: Annotated[
+        float | None,
+        Meta(description="Stop (after a checkpoint) once the held-out mean reward reaches this."),
+    ] = None
 
 
 SLICES: dict[str, type[msgspec.Struct]] = {

@@ -24,17 +24,24 @@ class RemoteError(Exception):
     text and `remote_traceback` the formatted traceback as the remote side printed it.
     """
 
-    def __init__(self, type_name: str, message: str, remote_traceback: str, *, actor: str = "", method: str = ""):
+    def __init__(
+        self, type_name: str, message: str, remote_traceback: str, *, actor: str = "", method: str = ""
+    ):
         self.type_name = type_name
         self.message = message
         self.remote_traceback = remote_traceback
         self.actor = actor
         self.method = method
         where = f"{actor}.{method}" if actor or method else "remote call"
-        super().__init__(f"{where} raised {type_name}: {message}\n--- remote traceback ---\n{remote_traceback}")
+        super().__init__(
+            f"{where} raised {type_name}: {message}\n--- remote traceback ---\n{remote_traceback}"
+        )
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_remote_error, (self.type_name, self.message, self.remote_traceback, self.actor, self.method))
+        return (
+            _rebuild_remote_error,
+            (self.type_name, self.message, self.remote_traceback, self.actor, self.method),
+        )
 
 
 def _rebuild_remote_error(type_name: str, message: str, tb: str, actor: str, method: str) -> RemoteError:

@@ -169,6 +169,15 @@ class CheckpointView:
             return np.zeros(0, dtype=np.uint8)
         return np.frombuffer(mm, dtype=np.uint8, count=slot.end - slot.start, offset=slot.start)
 
+    def shard_bytes(self, shard: str) -> np.ndarray:
+        """The whole shard file as a read-only uint8 array (no copy)."""
+        mm = self._maps.get(shard)
+        if mm is None:
+            if shard not in set(self.weight_map.values()):
+                raise CheckpointError(f"{self.root}: no shard {shard!r}")
+            return np.zeros(0, dtype=np.uint8)
+        return np.frombuffer(mm, dtype=np.uint8)
+
     def tensor(self, name: str) -> torch.Tensor:
         """A torch copy of one tensor (dtype and shape from the header)."""
         slot = self.slots[name]

@@ -1,14 +1,14 @@
 """Diff, apply and verify weight deltas (the delta-disk mode), on raw tensor bytes.
 
 Encoding and applying run frame by frame on a thread pool: numpy, zstandard and xxhash release
-the GIL, so frames proceed in parallel. Apply writes a new checkpoint beside the base (changed
-shards copied then patched, unchanged files hard-linked), verifies every tensor's checksum, and
-only then is the result published by the caller (see tether.sync.local_store).
+the GIL, so frames proceed in parallel. Apply writes a new checkpoint beside the base in one pass
+(each changed shard written as base ^ delta, or base bytes where nothing changed, straight from
+the base's mmap into the new file; unchanged files hard-linked), verifies every tensor's checksum,
+and only then is the result published by the caller (see tether.sync.local_store).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import threading
@@ -28,9 +28,7 @@ from tether.sync.checkpoint_files import (
     CheckpointError,
     CheckpointView,
     WeightsMarker,
-    close_quietly,
     open_checkpoint,
-    read_header,
 )
 from tether.sync.checksum import checksum_fn, frame_digest
 from tether.sync.delta_format import (
@@ -92,12 +90,13 @@ class _ThreadState(threading.local):
         super().__init__()
         self.compressor = zstandard.ZstdCompressor(level=1)
         self.decompressor = zstandard.ZstdDecompressor()
-        self.buffer = np.empty(0, dtype=np.uint8)
+        self.buffers = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
 
-    def scratch(self, nbytes: int) -> np.ndarray:
-        if self.buffer.size < nbytes:
-            self.buffer = np.empty(nbytes, dtype=np.uint8)
-        return self.buffer[:nbytes]
+    def scratch(self, nbytes: int, slot: int = 0) -> np.ndarray:
+        """A reused per-thread buffer (slot 0 or 1): fresh 16 MiB allocations cost page faults."""
+        if self.buffers[slot].size < nbytes:
+            self.buffers[slot] = np.empty(nbytes, dtype=np.uint8)
+        return self.buffers[slot][:nbytes]
 
 
 class _Encoded(NamedTuple):
@@ -262,34 +261,187 @@ def verify_delta(delta_dir: Path) -> DeltaIndex:
     return index
 
 
-def _apply_frame(state: _ThreadState, delta_dir: Path, fr: DeltaFrame, dst: np.ndarray, name: str) -> None:
-    path = delta_dir / fr.file
-    with open(path, "rb") as f:
-        blob = os.pread(f.fileno(), fr.length, fr.offset)
-    if len(blob) != fr.length:
-        raise CorruptDelta(f"{path}: truncated: frame of {name!r} at byte {fr.offset} is short")
-    if frame_digest(blob) != fr.digest:
-        raise CorruptDelta(f"{path}: frame of {name!r} at byte {fr.offset} fails its digest")
-    try:
-        raw = state.decompressor.decompress(blob, max_output_size=fr.raw_length)
-    except zstandard.ZstdError as exc:
-        raise CorruptDelta(f"{path}: frame of {name!r} does not decompress: {exc}") from exc
-    if len(raw) != fr.raw_length:
-        raise CorruptDelta(f"{path}: frame of {name!r} decompressed to {len(raw)} bytes, not {fr.raw_length}")
-    region = dst[fr.start : fr.start + fr.count]
-    if region.size != fr.count:
-        raise CorruptDelta(f"{path}: frame of {name!r} covers elements past the tensor's end")
-    if fr.op == "xor":
-        np.bitwise_xor(region, np.frombuffer(raw, dtype=region.dtype), out=region)
-    elif fr.op == "full":
-        region[:] = np.frombuffer(raw, dtype=region.dtype)
-    else:
-        gaps = np.frombuffer(raw, dtype=np.uint32, count=fr.n_changed)
-        values = np.frombuffer(raw, dtype=region.dtype, offset=4 * fr.n_changed, count=fr.n_changed)
-        positions = np.cumsum(gaps, dtype=np.int64)
-        if fr.n_changed and positions[-1] >= region.size:
-            raise CorruptDelta(f"{path}: frame of {name!r} writes past the tensor's end")
-        region[positions] = values
+class _Write(NamedTuple):
+    """One piece of a new shard file: bytes [offset, offset+length) either copied from the base
+    shard (frame None) or rebuilt from the base and one delta frame."""
+
+    shard: str
+    offset: int
+    length: int
+    name: str = ""
+    frame: DeltaFrame | None = None
+
+
+def _element_size(dtype: str, nbytes: int) -> int:
+    """The width of the elements frames index (what _elements views the bytes as)."""
+    size = ST_ITEMSIZE.get(dtype, 1)
+    return size if size in (1, 2, 4, 8) and nbytes % size == 0 else 1
+
+
+def _plan_shard(
+    shard: str, file_size: int, view: CheckpointView, index: DeltaIndex, chunk: int
+) -> list[_Write]:
+    """Cover the whole new shard file: each frame's byte range, and base copies for the gaps."""
+    pieces: list[_Write] = []
+    for name, t in index.tensors.items():
+        if t.shard != shard or not t.frames:
+            continue
+        slot = view.slots[name]
+        width = _element_size(t.dtype, slot.end - slot.start)
+        for fr in t.frames:
+            start = slot.start + fr.start * width
+            if fr.start < 0 or fr.count < 0 or start + fr.count * width > slot.end:
+                raise CorruptDelta(
+                    f"{index.version}: frame of {name!r} covers elements past the tensor's end"
+                )
+            pieces.append(_Write(shard, start, fr.count * width, name, fr))
+    pieces.sort(key=lambda w: w.offset)
+    plan: list[_Write] = []
+    cursor = 0
+    for piece in [*pieces, _Write(shard, file_size, 0)]:
+        if piece.offset < cursor:
+            raise CorruptDelta(f"frames of {piece.name!r} overlap another frame of shard {shard!r}")
+        plan.extend(
+            _Write(shard, off, min(chunk, piece.offset - off)) for off in range(cursor, piece.offset, chunk)
+        )
+        if piece.frame is not None:
+            plan.append(piece)
+        cursor = piece.offset + piece.length
+    return plan
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class _ShardWriter:
+    """Writes every changed shard of a delta's result in one pass: base ^ delta (or the base's
+    bytes where nothing changed) goes straight from the read-only base maps into the new files
+    with pwrite, one piece per thread-pool job; no copy-then-patch, no msync. Each shard is
+    fdatasync'ed on a side thread as soon as its last piece is written, so flushing overlaps the
+    writing of the next shards and the publisher's fsync of the directory finds little to do."""
+
+    def __init__(self, view: CheckpointView, delta_dir: Path, out_dir: Path) -> None:
+        self.view = view
+        self.delta_dir = delta_dir
+        self.out_dir = out_dir
+        self.state = _ThreadState()
+        self.out_fds: dict[str, int] = {}
+        self.delta_fds: dict[str, int] = {}
+
+    def __enter__(self) -> _ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in [*self.out_fds.values(), *self.delta_fds.values()]:
+            os.close(fd)
+
+    def open_shard(self, shard: str, size: int, reuse: Path | None = None) -> None:
+        """Create the new shard file; with `reuse`, take over that file instead (renamed into
+        out_dir and overwritten entirely by the plan): overwriting pages already in the page cache
+        is several times faster than allocating fresh ones when memory is full of cache."""
+        path = self.out_dir / shard
+        flags = os.O_WRONLY | os.O_CREAT
+        if reuse is not None:
+            try:
+                os.rename(reuse, path)
+            except OSError:
+                flags |= os.O_TRUNC
+        else:
+            flags |= os.O_TRUNC
+        fd = os.open(path, flags, 0o644)
+        self.out_fds[shard] = fd
+        os.ftruncate(fd, size)
+
+    def _delta_fd(self, file: str) -> int:
+        fd = self.delta_fds.get(file)
+        if fd is None:
+            path = self.delta_dir / file
+            try:
+                fd = self.delta_fds[file] = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptDelta(f"{self.delta_dir}: data file {file!r} is missing") from None
+        return fd
+
+    def _decompress(self, fr: DeltaFrame, name: str) -> np.ndarray:
+        path = self.delta_dir / fr.file
+        blob = os.pread(self.delta_fds[fr.file], fr.length, fr.offset)
+        if len(blob) != fr.length:
+            raise CorruptDelta(f"{path}: truncated: frame of {name!r} at byte {fr.offset} is short")
+        if frame_digest(blob) != fr.digest:
+            raise CorruptDelta(f"{path}: frame of {name!r} at byte {fr.offset} fails its digest")
+        out = self.state.scratch(fr.raw_length, 0)
+        got = 0
+        try:
+            with self.state.decompressor.stream_reader(blob) as reader:
+                view = memoryview(out)  # type: ignore[arg-type]
+                while got < fr.raw_length:
+                    n = reader.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                extra = reader.read(1) if got == fr.raw_length else b""
+        except zstandard.ZstdError as exc:
+            raise CorruptDelta(f"{path}: frame of {name!r} does not decompress: {exc}") from exc
+        if got != fr.raw_length or extra:
+            raise CorruptDelta(
+                f"{path}: frame of {name!r} decompressed to a length other than {fr.raw_length}"
+            )
+        return out
+
+    def write(self, piece: _Write) -> None:
+        fd = self.out_fds[piece.shard]
+        base = self.view.shard_bytes(piece.shard)[piece.offset : piece.offset + piece.length]
+        fr = piece.frame
+        if fr is None:
+            _pwrite_all(fd, base, piece.offset)
+            return
+        t = self.view.slots[piece.name]
+        width = _element_size(t.dtype, t.end - t.start)
+        base_el = _elements(base, t.dtype) if width > 1 else base
+        raw = self._decompress(fr, piece.name)
+        if fr.op == "xor":
+            if fr.raw_length != piece.length:
+                raise CorruptDelta(f"{fr.file}: xor frame of {piece.name!r} does not match its element range")
+            result = raw.view(base_el.dtype)
+            np.bitwise_xor(base_el, result, out=result)
+        elif fr.op == "full":
+            if fr.raw_length != piece.length:
+                raise CorruptDelta(
+                    f"{fr.file}: full frame of {piece.name!r} does not match its element range"
+                )
+            result = raw
+        else:
+            result = self.state.scratch(piece.length, 1).view(base_el.dtype)
+            result[:] = base_el
+            if fr.raw_length != fr.n_changed * (4 + base_el.itemsize):
+                raise CorruptDelta(f"{fr.file}: overwrite frame of {piece.name!r} has a wrong length")
+            gaps = raw[: 4 * fr.n_changed].view(np.uint32)
+            values = raw[4 * fr.n_changed :].view(base_el.dtype)
+            positions = np.cumsum(gaps, dtype=np.int64)
+            if fr.n_changed and positions[-1] >= result.size:
+                raise CorruptDelta(f"{fr.file}: frame of {piece.name!r} writes past the tensor's end")
+            result[positions] = values
+        _pwrite_all(fd, result, piece.offset)
+
+    def run(self, plan: list[_Write], pool: ThreadPoolExecutor) -> None:
+        left: dict[str, int] = {}
+        for piece in plan:
+            left[piece.shard] = left.get(piece.shard, 0) + 1
+            if piece.frame is not None:
+                self._delta_fd(piece.frame.file)
+        with ThreadPoolExecutor(1, thread_name_prefix="delta-fsync") as syncer:
+            syncs: list[Future[None]] = []
+            for piece, fut in zip(plan, [pool.submit(self.write, p) for p in plan], strict=True):
+                fut.result()  # in plan order: shards finish one after another
+                left[piece.shard] -= 1
+                if left[piece.shard] == 0:
+                    syncs.append(syncer.submit(os.fdatasync, self.out_fds[piece.shard]))
+            for sync in syncs:
+                sync.result()
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -327,11 +479,14 @@ def apply_delta(
     *,
     threads: int = 0,
     index: DeltaIndex | None = None,
+    reuse: Mapping[str, Path] | None = None,
 ) -> WeightsMarker:
     """Build the delta's result in out_dir (existing, empty) from base_dir; verify every checksum.
 
     base_dir is only read. On any refusal an exception derived from DeltaRefused is raised and
-    out_dir may hold partial files that the caller discards.
+    out_dir may hold partial files that the caller discards. `reuse` maps shard names to files the
+    caller gives up (single-link files of a version about to be pruned): changed shards are
+    written over them instead of into new files; every byte is rewritten.
     """
     delta_dir = Path(delta_dir)
     index = index or read_index(delta_dir)
@@ -344,44 +499,22 @@ def apply_delta(
         for name in changed:
             if base_sums[name] != index.tensors[name].base_checksum:
                 raise WrongBase(f"tensor {name!r} in the target does not match the delta's base checksum")
-        changed_shards = {index.tensors[n].shard for n in changed}
+        changed_shards = sorted({index.tensors[n].shard for n in changed})
         for entry in sorted(base_dir.iterdir()):
-            if entry.name == MARKER_NAME or not entry.is_file():
+            if entry.name == MARKER_NAME or not entry.is_file() or entry.name in changed_shards:
                 continue
-            if entry.name in changed_shards:
-                shutil.copyfile(entry, out_dir / entry.name)
-            else:
-                _link_or_copy(entry, out_dir / entry.name)
-        state = _ThreadState()
-        for shard in sorted(changed_shards):
-            _patch_shard(out_dir / shard, index, delta_dir, pool, state)
+            _link_or_copy(entry, out_dir / entry.name)
+        with _ShardWriter(view, delta_dir, out_dir) as writer:
+            plan: list[_Write] = []
+            for shard in changed_shards:
+                size = (base_dir / shard).stat().st_size
+                writer.open_shard(shard, size, (reuse or {}).get(shard))
+                plan += _plan_shard(shard, size, view, index, FRAME_BYTES)
+            writer.run(plan, pool)
     new_sums = verify_tensors(out_dir, index, pool_threads=threads)
     marker = WeightsMarker(version=index.version, checksum=index.checksum, checksums=new_sums)
     (out_dir / MARKER_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(marker)))
     return marker
-
-
-def _patch_shard(
-    path: Path, index: DeltaIndex, delta_dir: Path, pool: ThreadPoolExecutor, state: _ThreadState
-) -> None:
-    header = read_header(path)
-    with open(path, "r+b") as f:
-        mm = mmap.mmap(f.fileno(), 0)
-    try:
-        jobs: list[Future[None]] = []
-        for name, t in index.tensors.items():
-            if t.shard != path.name or not t.frames:
-                continue
-            slot = header[name]
-            raw = np.frombuffer(mm, dtype=np.uint8, count=slot.end - slot.start, offset=slot.start)
-            dst = _elements(raw, t.dtype)
-            jobs.extend(pool.submit(_apply_frame, state, delta_dir, fr, dst, name) for fr in t.frames)
-        for job in jobs:
-            job.result()
-        mm.flush()
-    finally:
-        del jobs
-        close_quietly(mm)
 
 
 def verify_tensors(ckpt: Path, index: DeltaIndex, pool_threads: int = 0) -> dict[str, str]:

@@ -4,13 +4,16 @@ Layout: `<root>/weight_v{N:06d}/` complete checkpoints, `<root>/current` a symli
 engines should load, `<root>/.lock` the file lock that serialises appliers on this host. A delta
 is applied into `weight_v{N+1}.tmp-<pid>/` beside the current version (which keeps serving),
 verified, renamed into place, and only then does `current` move, so a crash at any point leaves
-the store at the old version. The previous version is kept for an engine still reading it.
+the store at the old version. The previous version is kept for an engine still reading it; the
+version a publish will prune lends its single-link shard files to the apply, which overwrites
+them (pages already cached: much faster than allocating new ones when memory is full of cache).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -122,6 +125,24 @@ class LocalCheckpointStore:
                 shutil.rmtree(path, ignore_errors=True)
         fsync_path(self.root)
 
+    def _set_aside_doomed(self, current: int) -> Path | None:
+        """Move the oldest version that the next publish would prune out of the way (renamed to
+        `.old-<pid>`, which _clean_staging removes after a crash) so its files can be reused.
+
+        Safe because the ledger publishes version N+1 only after every engine serves N, so no
+        engine reads a version older than the current one's predecessors kept by keep_previous.
+        """
+        older = sorted(v for v in published_versions(self.root) if v < current)
+        kept_after = set(older[-(self.keep_previous - 1) :]) if self.keep_previous > 1 else set()
+        doomed = [v for v in older if v not in kept_after]
+        if not doomed:
+            return None
+        path = published_versions(self.root)[doomed[0]]
+        aside = path.with_name(f"{path.name}.old-{os.getpid()}")
+        os.rename(path, aside)
+        fsync_path(self.root)
+        return aside
+
     def seed(self, source: Path, *, version: int | None = None, checksum: str = "xxh3-128") -> ApplyOutcome:
         """Make a full checkpoint the store's current version (a no-op if the store already has one).
 
@@ -210,12 +231,19 @@ class LocalCheckpointStore:
             final = self.root / version_dir_name(index.version)
             staging = temp_dir_for(final)
             staging.mkdir(parents=True)
+            doomed = self._set_aside_doomed(current)
             try:
-                apply_delta(cur_path, current, delta_dir, staging, threads=self.threads, index=index)
+                reuse = _reusable_shards(doomed)
+                apply_delta(
+                    cur_path, current, delta_dir, staging, threads=self.threads, index=index, reuse=reuse
+                )
                 path = self._publish(staging, index.version)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
+            finally:
+                if doomed is not None:
+                    shutil.rmtree(doomed, ignore_errors=True)
             return ApplyOutcome(
                 version=index.version,
                 path=str(path),
@@ -223,6 +251,18 @@ class LocalCheckpointStore:
                 seconds=time.perf_counter() - start,
                 bytes_read=index.delta_bytes,
             )
+
+
+def _reusable_shards(doomed: Path | None) -> dict[str, Path]:
+    """Shard files of a doomed version that no other version shares (hard links are shared)."""
+    if doomed is None:
+        return {}
+    found: dict[str, Path] = {}
+    for entry in doomed.iterdir():
+        st = entry.lstat()
+        if entry.name.endswith(".safetensors") and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            found[entry.name] = entry
+    return found
 
 
 def is_store(path: Path) -> bool:

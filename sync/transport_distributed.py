@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from tether.runtime.weight_group import WeightGroup, broadcast, destroy_weight_group, init_weight_group
 from tether.sync.buckets import buckets, dtype_name, nbytes, with_last
@@ -34,6 +35,13 @@ from tether.sync.engine_api import (
     served_versions,
 )
 from tether.sync.ledger import LedgerEntry
+
+
+def broadcast_async(tensor: torch.Tensor, src: int, group: WeightGroup) -> dist.Work:
+    """Start a broadcast on the weight group; wait() on the result before reusing the tensor."""
+    work = dist.broadcast(tensor, src=src, group=group.group, async_op=True)
+    assert work is not None
+    return work
 
 
 class DistributedTransport:
@@ -136,8 +144,11 @@ class DistributedTransport:
 
     def _broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         assert self.group is not None
-        for _, t in bucket:
-            broadcast(t, 0, self.group)
+        # Issue every tensor's broadcast at once (as slime does) so the backend can stream the
+        # next tensor while the receiver is still copying out the previous one.
+        works = [broadcast_async(t, 0, self.group) for _, t in bucket]
+        for work in works:
+            work.wait()
 
     async def _send(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         assert self.group is not None

@@ -1,14 +1,19 @@
-"""Helpers for tests that drive engines over HTTP: start a CPU engine, a tiny JSON client, and
-transformers references for greedy tokens and log-probs."""
+"""Helpers for tests that drive engines over HTTP: start an engine (the CPU engine directly, or
+either backend through tether's launcher and supervisor), a tiny JSON client, and transformers
+references for greedy tokens and log-probs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -17,6 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tether.placement.plan import Engine as PlanEngine
+from tether.placement.plan import EnginePart
+from tether.rollout.engine_launch import (
+    DEFAULT_SGLANG_VENV,
+    SGLANG_PYTHON_ENV,
+    SGLANG_VENV_ENV,
+    EngineLaunchConfig,
+    build_launch,
+    start_engine,
+)
+from tether.runtime.loop import run
+from tether.runtime.secret import new_secret
+from tether.runtime.supervisor import Supervisor
 
 
 def free_port() -> int:
@@ -33,6 +52,7 @@ class Engine:
     model_path: str
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    kind: str = "cpu"
 
     def request(
         self, path: str, payload: Any = None, method: str = "POST", timeout: float = 60
@@ -150,6 +170,13 @@ def hf_greedy(model_dir: str, prompt: list[int], n: int) -> tuple[list[int], lis
     return out, lps
 
 
+def hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at every position of `ids` (row i predicts token i + 1)."""
+    model = _hf_model(model_dir)
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
 def make_models(root: Path) -> tuple[str, str]:
     """Two tiny Llama checkpoints with the same shapes and different weights (v1, v2)."""
     from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
@@ -157,3 +184,116 @@ def make_models(root: Path) -> tuple[str, str]:
     v1 = write_tiny_model(root / "v1", TinyModelSpec(seed=0))
     v2 = write_tiny_model(root / "v2", TinyModelSpec(seed=1))
     return os.fspath(v1), os.fspath(v2)
+
+
+def find_sglang_python() -> tuple[str | None, str]:
+    """The python of the real-SGLang venv, or None and what is missing (for a skip message)."""
+    explicit = os.environ.get(SGLANG_PYTHON_ENV)
+    if explicit:
+        if Path(explicit).exists():
+            return explicit, ""
+        return None, f"${SGLANG_PYTHON_ENV}={explicit} does not exist"
+    venv = Path(os.environ.get(SGLANG_VENV_ENV) or DEFAULT_SGLANG_VENV)
+    if not (venv / ".tether-stamp").exists() or not (venv / "bin" / "python").exists():
+        return None, f"the SGLang venv {venv} is not built (run tests/sglang_env.sh, or set ${SGLANG_PYTHON_ENV})"
+    return str(venv / "bin" / "python"), ""
+
+
+def local_plan_engine(index: int = 0, *, tp_size: int = 1, **fields: Any) -> PlanEngine:
+    """A one-process engine on 127.0.0.1 with free ports, shaped as the placement plan makes it."""
+    http_port, nccl_port, dist_port = free_port(), free_port(), free_port()
+    values: dict[str, Any] = {
+        "index": index,
+        "group": "default",
+        "worker_type": "regular",
+        "external": False,
+        "tp_size": tp_size,
+        "host": "127.0.0.1",
+        "http_port": http_port,
+        "address": f"127.0.0.1:{http_port}",
+        "nccl_port": nccl_port,
+        "dist_init_addr": f"127.0.0.1:{dist_port}",
+        "nnodes": 1,
+        "parts": [
+            EnginePart(node=0, hostname="localhost", node_rank=0, devices=[0], cuda_visible_devices=None, env={})
+        ],
+        "weight_sync_rank_offset": None,
+    }
+    values.update(fields)
+    return PlanEngine(**values)
+
+
+class SupervisedEngine:
+    """An engine started by tether's launcher under a Supervisor, whose event loop runs in a thread.
+
+    Synchronous tests talk to it over HTTP; `close()` leaves the supervisor block, which stops
+    the engine (SIGTERM, grace, SIGKILL to its process group).
+    """
+
+    def __init__(self, run_dir: Path, plan_engine: PlanEngine, cfg: EngineLaunchConfig) -> None:
+        self.run_dir = run_dir
+        self.launch = build_launch(plan_engine, cfg)
+        self._ready: Future[None] = Future()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(target=self._main, name=f"supervisor-{self.launch.name}", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            run(self._serve())
+        except BaseException as exc:
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._task = asyncio.current_task()
+        async with Supervisor(self.run_dir, new_secret(), grace=10.0) as sup:
+            await start_engine(sup, self.launch)
+            self._ready.set_result(None)
+            await self._stop.wait()
+
+    def start(self, timeout: float) -> None:
+        self._thread.start()
+        self._ready.result(timeout=timeout)
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            if self._ready.done():
+                self._loop.call_soon_threadsafe(self._stop.set)
+            elif self._task is not None:  # still starting: cancelling leaves the supervisor block too
+                self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(timeout=60)
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / "logs" / f"{self.launch.specs[-1].name}.log"
+
+
+def start_supervised(
+    kind: str,
+    model_path: str,
+    run_dir: Path,
+    *,
+    sglang_python: str | None = None,
+    sglang_args: list[str] | None = None,
+    ready_timeout: float = 240,
+) -> tuple[Engine, Callable[[], None]]:
+    """Start a `cpu` or `sglang` engine through the launcher; returns the client and its stopper."""
+    cfg = EngineLaunchConfig(
+        model_path=model_path,
+        backend="sglang" if kind == "sglang" else "cpu",
+        device_kind="cpu",
+        sglang_python=sglang_python,
+        sglang_args=list(sglang_args or []),
+        ready_timeout=ready_timeout,
+    )
+    supervised = SupervisedEngine(run_dir, local_plan_engine(), cfg)
+    try:
+        supervised.start(timeout=ready_timeout + 60)
+    except BaseException:
+        supervised.close()
+        raise
+    return Engine(url=supervised.launch.url, model_path=model_path, log=supervised.log, kind=kind), supervised.close

@@ -1,8 +1,11 @@
 """One set of cases over SGLang's native API, parametrised by engine.
 
-Today the only param is "cpu" (tether's embedded engine, started as a real subprocess on
-127.0.0.1); the real-SGLang param, marked `sglang`, joins it with the rollout issue. Cases that
-change the served weights put v1 back before they return, so their order does not matter.
+"cpu" is tether's embedded engine; "sglang" (marked `sglang`) is the real SGLang 0.5.x server
+on CPU, run from the venv tests/sglang_env.sh builds and skipped, naming the missing venv, when
+it is absent. Both start through tether's launcher (`tether.rollout.engine_launch`) under a
+Supervisor, one server per param for the whole module. Cases assert the shared contract;
+where a case reads state only one engine exposes, it says so. Cases that change the served
+weights put v1 back before they return, so their order does not matter.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import pytest
 import torch
 from engine_fixtures import (
     Engine,
+    find_sglang_python,
     free_port,
     hf_greedy,
+    hf_logprobs,
     make_models,
     start_cpu_engine,
+    start_supervised,
     stop_engine,
     wait_until,
 )
@@ -40,15 +46,24 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return make_models(tmp_path_factory.mktemp("models"))
 
 
-@pytest.fixture(scope="module", params=["cpu"])
+@pytest.fixture(scope="module", params=["cpu", pytest.param("sglang", marks=pytest.mark.sglang)])
 def engine(
     request: pytest.FixtureRequest, models: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    eng = start_cpu_engine(models[0], tmp_path_factory.mktemp("logs"))
+    python = None
+    if request.param == "sglang":
+        python, missing = find_sglang_python()
+        if python is None:
+            pytest.skip(f"real SGLang unavailable: {missing}")
+    # --enable-metrics: SGLang reports running/queued requests only on /metrics (see `running`).
+    extra = ["--enable-metrics"] if request.param == "sglang" else []
+    eng, stop = start_supervised(
+        request.param, models[0], tmp_path_factory.mktemp("run"), sglang_python=python, sglang_args=extra
+    )
     try:
         yield eng
     finally:
-        stop_engine(eng)
+        stop()
 
 
 def greedy(engine: Engine, prompt: list[int], n: int = N, **extra: Any) -> dict[str, Any]:
@@ -59,12 +74,36 @@ def greedy(engine: Engine, prompt: list[int], n: int = N, **extra: Any) -> dict[
     return engine.post("/generate", {**payload, "return_logprob": True, **extra})
 
 
-def assert_matches_hf(out: dict[str, Any], model_dir: str, prompt: list[int]) -> None:
-    ref_ids, ref_lps = hf_greedy(model_dir, prompt, len(out["output_ids"]))
-    assert out["output_ids"] == ref_ids
+# Log-prob agreement with transformers in fp32. tether's engine runs the same torch ops; SGLang's
+# torch-native kernels differ by up to ~2e-4 on the tiny models, so near-ties may break either way.
+TOLERANCE = {"cpu": 1e-5, "sglang": 1e-3}
+
+
+def assert_matches_hf(out: dict[str, Any], model_dir: str, prompt: list[int], tol: float) -> None:
+    """Greedy output agrees with transformers: each token is an argmax (within `tol`) of the
+    reference distribution given the engine's own prefix, and its reported log-prob matches."""
+    ids = out["output_ids"]
     entries = out["meta_info"]["output_token_logprobs"]
-    assert [e[1] for e in entries] == ref_ids and all(e[2] is None for e in entries)
-    assert max(abs(e[0] - r) for e, r in zip(entries, ref_lps, strict=True)) < 1e-5
+    assert [e[1] for e in entries] == ids and all(e[2] is None for e in entries)
+    full = hf_logprobs(model_dir, prompt + ids)
+    for j, (tok, entry) in enumerate(zip(ids, entries, strict=True)):
+        row = full[len(prompt) - 1 + j]
+        assert float(row[tok]) >= float(row.max()) - tol, f"token {j} ({tok}) is not greedy"
+        assert abs(entry[0] - float(row[tok])) < tol, f"token {j}: {entry[0]} vs {float(row[tok])}"
+    if tol <= 1e-5:  # exact-kernel engines must also reproduce transformers' tokens one for one
+        assert ids == hf_greedy(model_dir, prompt, len(ids))[0]
+
+
+def error_message(body: Any) -> str:
+    """The message of an error answer in any of SGLang's shapes: {"error": {"message"}},
+    {"error": "..."} (request validation) or {"message": ...} (FastAPI's 400 on bad JSON)."""
+    assert isinstance(body, dict), body
+    err = body.get("error")
+    if isinstance(err, dict):
+        return str(err["message"])
+    if isinstance(err, str):
+        return err
+    return str(body["message"])
 
 
 def restore_v1(engine: Engine, models: tuple[str, str]) -> None:
@@ -78,8 +117,30 @@ def long_request(engine: Engine, rid: str, n: int = 1500) -> dict[str, Any]:
     )
 
 
+def _metric(engine: Engine, name: str) -> float:
+    status, text = engine.request("/metrics", method="GET")
+    assert status == 200, text
+    for line in str(text).splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def running(engine: Engine) -> int:
+    """Requests decoding now: tether's engine says so in /get_server_info, SGLang on /metrics."""
+    if engine.kind == "sglang":
+        return int(_metric(engine, "sglang:num_running_reqs"))
     return int(engine.get("/get_server_info")["internal_states"][0]["running"])
+
+
+def waiting(engine: Engine) -> int:
+    if engine.kind == "sglang":
+        return int(_metric(engine, "sglang:num_queue_reqs"))
+    return int(engine.get("/get_server_info")["internal_states"][0]["waiting"])
+
+
+def weight_version(engine: Engine) -> str:
+    return str(engine.get("/get_model_info")["weight_version"])
 
 
 def test_health_and_info(engine: Engine, models: tuple[str, str]) -> None:
@@ -88,12 +149,13 @@ def test_health_and_info(engine: Engine, models: tuple[str, str]) -> None:
     info = engine.get("/get_model_info")
     assert info["model_path"] == models[0] and info["is_generation"] is True and "weight_version" in info
     assert "version" in engine.get("/get_server_info")
-    assert engine.get("/get_weight_version")["weight_version"] == info["weight_version"]
+    if engine.kind == "cpu":  # a tether extension; SGLang 0.5.23 reports it in /get_model_info only
+        assert engine.get("/get_weight_version")["weight_version"] == info["weight_version"]
 
 
 def test_greedy_and_logprobs_equal_transformers(engine: Engine, models: tuple[str, str]) -> None:
     for prompt in PROMPTS:
-        assert_matches_hf(greedy(engine, prompt), models[0], prompt)
+        assert_matches_hf(greedy(engine, prompt), models[0], prompt, TOLERANCE[engine.kind])
     batch = engine.post(
         "/generate",
         {
@@ -104,7 +166,7 @@ def test_greedy_and_logprobs_equal_transformers(engine: Engine, models: tuple[st
     )
     assert isinstance(batch, list) and len(batch) == len(PROMPTS)
     for out, prompt in zip(batch, PROMPTS, strict=True):
-        assert_matches_hf(out, models[0], prompt)
+        assert_matches_hf(out, models[0], prompt, TOLERANCE[engine.kind])
         meta = out["meta_info"]
         assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == N
         assert meta["finish_reason"]["type"] == "length"
@@ -133,7 +195,11 @@ def test_sampling_seed_is_reproducible(engine: Engine) -> None:
         },
     }
     a, b = engine.post("/generate", payload), engine.post("/generate", payload)
-    assert a["output_ids"] == b["output_ids"]
+    assert len(a["output_ids"]) == len(b["output_ids"]) == 16
+    # SGLang honours sampling_seed only with --enable-deterministic-inference, which needs a GPU
+    # attention backend (not torch_native); tether's engine always does.
+    if engine.kind == "cpu":
+        assert a["output_ids"] == b["output_ids"]
 
 
 def test_stop_token_and_stop_string(engine: Engine, models: tuple[str, str]) -> None:
@@ -170,17 +236,19 @@ def test_stop_token_and_stop_string(engine: Engine, models: tuple[str, str]) -> 
 
 def test_errors_answer_like_sglang(engine: Engine) -> None:
     status, body = engine.request("/generate", b"{not json")
-    assert status == 400 and "message" in body["error"]
+    assert status == 400 and error_message(body)
     status, body = engine.request(
         "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}
     )
-    assert status == 400 and "max_new_tokens" in body["error"]["message"]
+    assert status == 400 and "ten" in error_message(body)
+    if engine.kind == "cpu":  # tether names the field; SGLang says only 'invalid type: string "ten"'
+        assert "max_new_tokens" in error_message(body)
     status, body = engine.request(
         "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**6}}
     )
-    assert status == 400 and "context length" in body["error"]["message"]
+    assert status == 400 and "context length" in error_message(body)
     status, body = engine.request("/generate", {"input_ids": [1, 2], "return_logprob": "yes"})
-    assert status == 400
+    assert status == 400 and error_message(body)
     assert engine.request("/health", method="GET")[0] == 200  # still serving
 
 
@@ -216,9 +284,7 @@ def test_pause_abort_retract_in_place_and_continue(engine: Engine) -> None:
         assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
         # while paused, a new request waits; it completes after continue
         waiting = pool.submit(greedy, engine, PROMPTS[0])
-        wait_until(
-            lambda: engine.get("/get_server_info")["internal_states"][0]["waiting"] >= 1, what="queued"
-        )
+        wait_until(lambda: waiting(engine) >= 1, what="queued")
         assert not waiting.done()
         engine.post("/continue_generation", {})
         assert len(waiting.result(timeout=60)["output_ids"]) == N
@@ -228,10 +294,9 @@ def test_pause_abort_retract_in_place_and_continue(engine: Engine) -> None:
             fut = pool.submit(greedy, engine, PROMPTS[1], 300)
             wait_until(lambda: running(engine) >= 1, what="request running")
             engine.post("/pause_generation", {"mode": mode})
-            steps = engine.get("/get_server_info")["internal_states"][0]["steps"]
-            assert (
-                engine.get("/get_server_info")["internal_states"][0]["steps"] == steps
-            )  # no step while paused
+            if engine.kind == "cpu":  # only tether's engine exposes its step counter
+                steps = engine.get("/get_server_info")["internal_states"][0]["steps"]
+                assert engine.get("/get_server_info")["internal_states"][0]["steps"] == steps
             assert not fut.done()
             engine.post("/continue_generation", {})
             out = fut.result(timeout=60)
@@ -245,8 +310,8 @@ def test_update_weights_from_disk(engine: Engine, models: tuple[str, str]) -> No
     try:
         out = greedy(engine, PROMPTS[0])
         assert out["meta_info"]["weight_version"] == "v2"
-        assert_matches_hf(out, models[1], PROMPTS[0])
-        assert engine.get("/get_weight_version")["weight_version"] == "v2"
+        assert_matches_hf(out, models[1], PROMPTS[0], TOLERANCE[engine.kind])
+        assert weight_version(engine) == "v2"
         status, body = engine.request(
             "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "bad"}
         )
@@ -254,7 +319,7 @@ def test_update_weights_from_disk(engine: Engine, models: tuple[str, str]) -> No
         assert greedy(engine, PROMPTS[0])["meta_info"]["weight_version"] == "v2"
     finally:
         restore_v1(engine, models)
-    assert_matches_hf(greedy(engine, PROMPTS[0]), models[0], PROMPTS[0])
+    assert_matches_hf(greedy(engine, PROMPTS[0]), models[0], PROMPTS[0], TOLERANCE[engine.kind])
 
 
 def test_update_weights_from_distributed(engine: Engine, models: tuple[str, str]) -> None:
@@ -308,7 +373,7 @@ def test_update_weights_from_distributed(engine: Engine, models: tuple[str, str]
             engine.post("/end_weight_update", {})
             out = greedy(engine, PROMPTS[1])
             assert out["meta_info"]["weight_version"] == "dist-v2"
-            assert_matches_hf(out, models[1], PROMPTS[1])
+            assert_matches_hf(out, models[1], PROMPTS[1], TOLERANCE[engine.kind])
             status, _ = engine.request(
                 "/init_weights_update_group",
                 {
@@ -336,10 +401,17 @@ def test_update_weights_from_tensor_and_rejections(engine: Engine, models: tuple
         "flush_cache": True,
     }
     try:
+        # SGLang 0.5.23 accepts tensor updates only inside a begin/end weight-update session.
+        engine.post("/begin_weight_update", {})
         assert engine.post("/update_weights_from_tensor", payload)["success"] is True
+        engine.post("/end_weight_update", {})
         out = greedy(engine, PROMPTS[2])
         assert out["meta_info"]["weight_version"] == "tensor-v2"
-        assert_matches_hf(out, models[1], PROMPTS[2])
+        assert_matches_hf(out, models[1], PROMPTS[2], TOLERANCE[engine.kind])
+        got = engine.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 5})
+        assert got == pytest.approx(new["model.norm.weight"][:5].tolist())
+        if engine.kind == "sglang":
+            return  # SGLang 0.5.23's scheduler dies on a wrong-shaped tensor; tether's engine refuses it
         # Wrong shape, unknown name: rejected and the current weights keep serving.
         for bad in (
             [("model.norm.weight", torch.ones(3))],
@@ -358,15 +430,13 @@ def test_update_weights_from_tensor_and_rejections(engine: Engine, models: tuple
         assert (
             after["meta_info"]["weight_version"] == "tensor-v2" and after["output_ids"] == out["output_ids"]
         )
-        got = engine.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 5})
-        assert got == pytest.approx(new["model.norm.weight"][:5].tolist())
     finally:
         restore_v1(engine, models)
 
 
 def test_update_weight_version_and_in_flight_request(engine: Engine, models: tuple[str, str]) -> None:
     assert engine.post("/update_weight_version", {"new_version": "named-1"})["new_version"] == "named-1"
-    assert engine.get("/get_weight_version")["weight_version"] == "named-1"
+    assert weight_version(engine) == "named-1"
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(long_request, engine, "across-update", 1500)
         wait_until(lambda: running(engine) >= 1, what="request running")
@@ -378,6 +448,10 @@ def test_update_weight_version_and_in_flight_request(engine: Engine, models: tup
 
 
 def test_release_and_resume_memory(engine: Engine, models: tuple[str, str]) -> None:
+    if engine.kind == "sglang":
+        # SGLang releases memory through torch_memory_saver, which needs CUDA; on CPU the
+        # request ends the server. The GPU suite covers it.
+        pytest.skip("SGLang's /release_memory_occupation needs CUDA (torch_memory_saver)")
     engine.post("/release_memory_occupation", {})
     status, body = engine.request(
         "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
@@ -385,7 +459,7 @@ def test_release_and_resume_memory(engine: Engine, models: tuple[str, str]) -> N
     assert status == 400 and "released" in body["error"]["message"]
     assert engine.request("/get_weights_by_name", {"name": "model.norm.weight"})[0] == 400  # really dropped
     engine.post("/resume_memory_occupation", {})
-    assert_matches_hf(greedy(engine, PROMPTS[0]), models[0], PROMPTS[0])
+    assert_matches_hf(greedy(engine, PROMPTS[0]), models[0], PROMPTS[0], TOLERANCE[engine.kind])
     flush = engine.request("/flush_cache", b"", method="POST")
     assert flush[0] == 200 and isinstance(flush[1], str)
 

@@ -7,6 +7,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -251,3 +252,44 @@ def test_xor_delta_of_one_percent_change_is_small(tmp_path: Path) -> None:
     assert os.path.getsize(tmp_path / "d" / "delta-00000.bin") == index.delta_bytes
     assert np.isclose(index.full_bytes, 4 * 256 * 256 * 2)
     shutil.rmtree(tmp_path / "d")
+
+
+def test_chain_reuses_only_unshared_files_of_the_pruned_version(tmp_path: Path, chain: list) -> None:
+    # Unchanged tensors get their own shard, so v1 hard-links it from v0.
+    layout = {
+        n: "b.safetensors" if "norm" in n else f"a{i % 2}.safetensors" for i, n in enumerate(chain[0][0])
+    }
+    full = []
+    for v, (state, _) in enumerate(chain[:3]):
+        write_hf_checkpoint(state.items(), tmp_path / f"lay_v{v}", version=v, layout=layout)
+        full.append(tmp_path / f"lay_v{v}")
+    store = LocalCheckpointStore(tmp_path / "store")
+    store.seed(full[0])
+    store.apply(make_delta(full[0], full[1], tmp_path / "d1"))
+    v0, v1 = store.root / "weight_v000000", store.root / "weight_v000001"
+    inodes_v0 = {p.name: p.stat().st_ino for p in v0.glob("*.safetensors")}
+    shared = {p.name for p in v1.glob("*.safetensors") if p.stat().st_nlink > 1}  # hard links to v0
+    assert shared and set(inodes_v0) - shared  # the fixture has both kinds of shard
+    store.apply(make_delta(full[1], full[2], tmp_path / "d2"))
+    v2 = store.root / "weight_v000002"
+    # v0's single-link files were rewritten as v2's changed shards; the shared one still holds v1.
+    reused = {n for n in inodes_v0 if (v2 / n).stat().st_ino == inodes_v0[n]}
+    assert reused - shared == set(inodes_v0) - shared
+    assert_same(tensors_of(v2), chain[2][0])
+    verify_checkpoint(v1)  # the kept previous version (sharing files with v0) is intact
+    assert not v0.exists() and not [p for p in store.root.iterdir() if ".old-" in p.name]
+
+
+def test_frame_outside_its_tensor_is_refused(tmp_path: Path, chain: list) -> None:
+    store = LocalCheckpointStore(tmp_path / "store")
+    store.seed(chain[0][1])
+    delta = make_delta(chain[0][1], chain[1][1], tmp_path / "d1")
+    index = read_index(delta)
+    name = index.changed()[0]
+    frame = index.tensors[name].frames[0]
+    index.tensors[name].frames[0] = msgspec.structs.replace(frame, start=frame.start + frame.count + 1)
+    (delta / DELTA_INDEX).write_bytes(msgspec.json.encode(index))
+    with pytest.raises(CorruptDelta, match="past the tensor's end"):
+        store.apply(delta)
+    assert store.version() == 0
+    verify_checkpoint(store.current_path())  # type: ignore[arg-type]

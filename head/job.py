@@ -1,0 +1,320 @@
+"""One run of `tether run`: set up every component, run the loop, shut everything down.
+
+    run dir + receipt → supervisor → engines → trainer ranks → rollout manager
+      → (resume) → loop under signal handling, failure watching and the systemd watchdog
+
+Every process is started through the supervisor, which owns it; leaving the `async with`
+blocks stops them all, on every exit path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from tether.config import Config
+from tether.engine_pool import EnginePool
+from tether.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
+from tether.metrics import MetricsSink
+from tether.placement.inventory import discover_inventory
+from tether.placement.plan import Plan, plan_from_config
+from tether.progress import RunProgress
+from tether.rollout.router import Router
+from tether.rollout_manager import RolloutManager
+from tether.run_dir import RunDir, default_run_dir
+from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost
+from tether.runtime.sdnotify import Notifier
+from tether.runtime.secret import new_secret
+from tether.runtime.signals import StopRequested, handle_signals
+from tether.runtime.supervisor import Supervisor
+from tether.sync.ledger import LedgerEntry, VersionLedger
+from tether.trainer_pool import TrainerPool
+
+log = logging.getLogger(__name__)
+E = TypeVar("E", bound=BaseException)
+
+
+def make_plan(cfg: Config) -> Plan:
+    inventory = discover_inventory(cfg.cluster)
+    return plan_from_config(cfg.cluster, cfg.debug.debug_rollout_only, cfg.debug.debug_train_only, inventory)
+
+
+class Steps:
+    """What happens around each step (the loops' StepHooks): train, sync, save, evaluate, record."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: RunDir,
+        trainer: TrainerPool | None,
+        engines: EnginePool | None,
+        rollouts: RolloutManager,
+        sink: MetricsSink,
+        progress: RunProgress,
+        notifier: Notifier,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.trainer = trainer
+        self.engines = engines
+        self.rollouts = rollouts
+        self.sink = sink
+        self.progress = progress
+        self.notifier = notifier
+        self.version = 0
+        self.step_metrics: dict[str, float] = {}
+        self.completed: int | None = None  # the last rollout whose step finished
+        self.position: dict[str, Any] = {}  # data position at that step's boundary
+        # Trainer phases (train, sync, save) never interleave: a checkpoint asked for by a
+        # signal waits for the step's trainer phase to finish.
+        self.trainer_lock = asyncio.Lock()
+        self.ledger = VersionLedger(run_dir.ledger_path)
+        self._step_started = time.monotonic()
+        self._stop_after_checkpoint = False
+        self.total = cfg.data.num_rollout or 0
+
+    async def train(self, rollout_id: int, groups: Groups) -> None:
+        self.step_metrics = dict(self.rollouts.metrics)
+        self.progress.phase(f"train step {rollout_id}")
+        if self.trainer is None:
+            return
+        async with self.trainer_lock:
+            started = time.monotonic()
+            metrics = await self.trainer.train(rollout_id, groups, weight_version=self.version)
+            metrics["train/time_s"] = time.monotonic() - started
+            self.step_metrics.update(metrics)
+
+    def sync_due(self, rollout_id: int) -> bool:
+        if self.trainer is None or self.engines is None:
+            return False
+        return (rollout_id + 1) % self.cfg.weight_sync.update_weights_interval == 0
+
+    async def sync_weights(self, rollout_id: int) -> int:
+        assert self.trainer is not None and self.engines is not None
+        self.progress.phase(f"sync v{self.version + 1}")
+        async with self.trainer_lock:
+            started = time.monotonic()
+            entry = await self.trainer.update_weights(self.version + 1, self.engines.urls)
+            self.version = entry["version"]
+            self.engines.served_version = self.version
+            self.step_metrics.update(
+                {
+                    "sync/time_s": time.monotonic() - started,
+                    "sync/version": float(self.version),
+                    "sync/bytes": float(entry.get("bytes_moved", 0)),
+                    "sync/pause_s": float(entry.get("pause_seconds", 0.0)),
+                }
+            )
+            self.ledger.record(msgspec.convert(entry, LedgerEntry))
+            self.run_dir.event("weight_sync", rollout_id=rollout_id, version=self.version)
+        self.rollouts.weight_version = self.version
+        return self.version
+
+    async def after_step(self, rollout_id: int) -> None:
+        cfg = self.cfg
+        if self.rollouts.eval_due(rollout_id):
+            self.progress.phase(f"eval {rollout_id}")
+            self.step_metrics.update(await self.rollouts.evaluate(rollout_id))
+        now = time.monotonic()
+        samples = self.step_metrics.get("rollout/samples", 0.0)
+        self.step_metrics["perf/step_s"] = now - self._step_started
+        self.step_metrics["perf/samples_per_s"] = samples / max(now - self._step_started, 1e-9)
+        self._step_started = now
+        self.completed = rollout_id
+        self.position = self.rollouts.position()
+        target = cfg.run.stop_at_eval_reward
+        reached = target is not None and self.step_metrics.get("eval/reward_mean", float("-inf")) >= target
+        if reached:
+            self._stop_after_checkpoint = True
+            self.run_dir.event(
+                "target_reached", rollout_id=rollout_id, eval_reward=self.step_metrics["eval/reward_mean"]
+            )
+        if self.trainer is not None and cfg.algorithm.save is not None:
+            interval = cfg.algorithm.save_interval
+            last = rollout_id + 1 == self.total or reached
+            if last or (interval is not None and (rollout_id + 1) % interval == 0):
+                await self.checkpoint(reason="interval")
+        self.sink.log(rollout_id, self.step_metrics)
+        self.progress.step_done(rollout_id, self.step_metrics)
+        self.notifier.status(f"step {rollout_id + 1}/{self.total} version {self.version}")
+
+    def should_stop(self) -> bool:
+        return self._stop_after_checkpoint
+
+    async def checkpoint(self, reason: str = "signal") -> None:
+        """Save the state as of the last finished step (called between trainer phases)."""
+        if self.trainer is None or self.cfg.algorithm.save is None or self.completed is None:
+            self.run_dir.event("checkpoint_skipped", reason=reason, completed=self.completed)
+            return
+        lock = self.trainer_lock if reason == "signal" else contextlib.nullcontext()
+        async with lock:
+            started = time.monotonic()
+            path = await self.trainer.save(self.completed, self.version, self.position)
+            self.run_dir.event(
+                "checkpoint",
+                reason=reason,
+                rollout_id=self.completed,
+                path=str(path),
+                seconds=time.monotonic() - started,
+            )
+            self.progress.message(f"checkpoint of step {self.completed} saved to {path} ({reason})")
+
+
+async def run_job(cfg: Config, argv: list[str]) -> int:
+    """Run one job; returns the process exit code."""
+    run_path = Path(cfg.run.run_dir) if cfg.run.run_dir else default_run_dir()
+    run_dir = RunDir(run_path)
+    plan = make_plan(cfg)
+    run_dir.write_receipt(cfg, plan, argv=argv)
+    run_dir.event("start", argv=argv)
+    notifier = Notifier.from_env()
+    sink = MetricsSink(
+        run_dir,
+        metrics_port=cfg.run.metrics_port,
+        use_tensorboard=cfg.run.use_tensorboard,
+        use_wandb=cfg.run.use_wandb,
+        wandb_project=cfg.run.wandb_project,
+        wandb_group=cfg.run.wandb_group,
+    )
+    progress = RunProgress(cfg.data.num_rollout or 0, 0, cfg.run.progress)
+    progress.message(f"run directory: {run_path}")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            secret = new_secret()
+            sup = await stack.enter_async_context(Supervisor(run_path, secret))
+            engines: EnginePool | None = None
+            router: Router | None = None
+            if not cfg.debug.debug_train_only:
+                progress.phase("starting engines")
+                engines = await stack.enter_async_context(EnginePool(sup, plan, cfg, run_dir))
+                router = Router.from_config(cfg.rollout, engines.urls)
+            trainer: TrainerPool | None = None
+            if not cfg.debug.debug_rollout_only:
+                progress.phase("starting trainer")
+                trainer = await stack.enter_async_context(TrainerPool(sup, plan, cfg, run_dir, secret))
+            rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
+            steps = Steps(cfg, run_dir, trainer, engines, rollouts, sink, progress, notifier)
+            start = await resume(cfg, steps)
+            notifier.ready(f"running from step {start}")
+            run_dir.event("ready", start=start, version=steps.version)
+            total = total_rollouts(cfg, rollouts)
+            steps.total = total
+            progress.set_total(total, start)
+            await run_loop(cfg, LoopRange(start, total), sup, steps)
+            if trainer is not None and cfg.run.save_hf is not None:
+                progress.phase("saving HF weights")
+                await trainer.export_hf(cfg.run.save_hf)
+                run_dir.event("saved_hf", path=cfg.run.save_hf)
+        run_dir.event("finished", version=steps.version)
+        progress.message(f"done: receipt {run_dir.receipt_path}, metrics {run_dir.metrics_path}")
+        return 0
+    except BaseException as exc:
+        stop = _find(exc, StopRequested)
+        if stop is not None:
+            run_dir.event("stopped", signal=stop.signum)
+            progress.message(f"stopped by {stop}")
+            return 0
+        failure = _find(exc, ActorDied) or _find(exc, HeartbeatLost)
+        if failure is None:
+            raise
+        run_dir.event("failed", error=str(failure))
+        print(f"tether run: {failure}", file=sys.stderr)
+        return 1
+    finally:
+        notifier.stopping()
+        progress.close()
+        sink.close()
+
+
+def _find(exc: BaseException, kind: type[E]) -> E | None:
+    """The first exception of `kind` in `exc` or, for a TaskGroup's exception group, inside it."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find(inner, kind)
+            if found is not None:
+                return found
+    return None
+
+
+def total_rollouts(cfg: Config, rollouts: RolloutManager) -> int:
+    """--num-rollout, or --num-epoch passes over the prompts."""
+    data = cfg.data
+    if data.num_rollout is not None:
+        return data.num_rollout
+    if data.num_epoch is not None and rollouts.data is not None:
+        return max(1, data.num_epoch * len(rollouts.data) // data.rollout_batch_size)
+    raise ConfigError("--num-rollout", None, "must be set (or --num-epoch with --prompt-data)")
+
+
+async def resume(cfg: Config, steps: Steps) -> int:
+    """Load the last checkpoint when asked; returns the first rollout id to run."""
+    load_dir = cfg.algorithm.load
+    if load_dir is None and cfg.run.auto_resume:
+        load_dir = cfg.algorithm.save
+    if steps.trainer is None or load_dir is None:
+        return 0
+    state = await steps.trainer.load(load_dir)
+    if state is None:
+        steps.run_dir.event("resume_skipped", load=load_dir)
+        return 0
+    steps.completed = state["rollout_id"]
+    steps.position = state["data_position"]
+    steps.rollouts.load_position(state["data_position"])
+    steps.run_dir.event(
+        "resumed", load=load_dir, rollout_id=state["rollout_id"], version=state["weight_version"]
+    )
+    # The engines start from --hf-checkpoint; bring them to the resumed weights first.
+    if steps.engines is not None:
+        steps.version = state["weight_version"] - 1
+        await steps.sync_weights(state["rollout_id"])
+    else:
+        steps.version = state["weight_version"]
+    steps.progress.message(
+        f"resumed from {load_dir} after step {state['rollout_id']}, weights v{steps.version}"
+    )
+    return int(state["rollout_id"]) + 1
+
+
+async def run_loop(cfg: Config, steps_range: LoopRange, sup: Supervisor, steps: Steps) -> None:
+    """The loop, alongside the watchers that can end it: process failures, signals, watchdog."""
+    async with handle_signals(steps.checkpoint) as stop, asyncio.TaskGroup() as tg:
+        watchers = [
+            tg.create_task(sup.watch()),
+            tg.create_task(stop.raise_when_requested()),
+            tg.create_task(steps.notifier.watchdog_loop()),
+        ]
+        try:
+            if cfg.run.loop == "sync":
+                await sync_loop(steps_range, steps.rollouts, steps)
+            elif cfg.run.loop == "async":
+                await async_loop(steps_range, steps.rollouts, steps)
+            else:
+                await fully_async_loop(steps_range, _Warm(steps.rollouts), steps)
+        finally:
+            for watcher in watchers:
+                watcher.cancel()
+
+
+class _Warm:
+    """The fully-async worker as the loop sees it."""
+
+    def __init__(self, rollouts: RolloutManager) -> None:
+        self._r = rollouts
+
+    async def get_batch(self, rollout_id: int) -> Groups:
+        return await self._r.get_batch(rollout_id)
+
+    async def pause(self) -> None:
+        await self._r.pause()
+
+    async def resume(self, weight_version: int | None) -> None:
+        await self._r.resume(weight_version)

@@ -1,0 +1,95 @@
+"""Where step metrics go: metrics.jsonl always; Prometheus, TensorBoard and W&B when asked."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import math
+import re
+from typing import Any
+
+from tether.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def _prom_name(key: str) -> str:
+    return "tether_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class MetricsSink:
+    """Fans each step's metrics out to every configured destination."""
+
+    def __init__(
+        self,
+        run_dir: RunDir,
+        *,
+        metrics_port: int | None = None,
+        use_tensorboard: bool = False,
+        use_wandb: bool = False,
+        wandb_project: str | None = None,
+        wandb_group: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.run_dir = run_dir
+        self._gauges: dict[str, Any] = {}
+        self._registry: Any = None
+        self._server: Any = None
+        self._tb: Any = None
+        self._wandb: Any = None
+        if metrics_port is not None:
+            import prometheus_client
+
+            self._registry = prometheus_client.CollectorRegistry()
+            self._server, _ = prometheus_client.start_http_server(
+                metrics_port, addr="127.0.0.1", registry=self._registry
+            )
+        if use_tensorboard:
+            if importlib.util.find_spec("tensorboard") is None:
+                log.warning("--use-tensorboard: tensorboard is not installed; skipping TensorBoard events")
+            else:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(run_dir.path / "tensorboard"))
+        if use_wandb:
+            import wandb  # an optional dependency: installed by users who ask for it
+
+            self._wandb = wandb.init(
+                project=wandb_project or "tether",
+                group=wandb_group,
+                dir=str(run_dir.path),
+                config=config,
+                name=run_dir.path.name,
+            )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **metrics}
+        self.run_dir.metric(record)
+        numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+        if self._registry is not None:
+            import prometheus_client
+
+            for key, value in {"step": float(step), **numeric}.items():
+                gauge = self._gauges.get(key)
+                if gauge is None:
+                    gauge = self._gauges[key] = prometheus_client.Gauge(
+                        _prom_name(key), key, registry=self._registry
+                    )
+                gauge.set(value)
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+                self._server.server_close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

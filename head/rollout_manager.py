@@ -1,0 +1,152 @@
+"""The head's rollout side: data source, rollout function, fully-async worker, eval, dumps.
+
+One object gives the loops what they ask for (`generate`, or `get_batch`/`pause`/`resume`
+for fully-async) and records, for every Sample, the weight versions that produced it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import msgspec
+
+from tether.config import Config
+from tether.rollout.data_source import DataSource, DataSourceState, load_tokenizer
+from tether.rollout.debug_dump import load_rollout, save_rollout
+from tether.rollout.evaluation import run_evaluation, should_evaluate
+from tether.rollout.fully_async import FullyAsyncWorker
+from tether.rollout.hooks import load_function, maybe_await
+from tether.rollout.rollout_fn import RolloutContext, generate_rollout, using_context
+from tether.rollout.router import Router
+from tether.rollout.sample import Sample
+
+Groups = list[list[Sample]]
+
+
+def version_lags(groups: Groups, current: int) -> list[int]:
+    """Per sample: how many versions its oldest generating weights lag behind `current`."""
+    lags = []
+    for group in groups:
+        for sample in group:
+            versions = [int(v) for v in sample.weight_versions if str(v).lstrip("-").isdigit()]
+            if versions:
+                lags.append(current - min(versions))
+    return lags
+
+
+class RolloutManager:
+    """Owns the rollout context (router, rewards, hooks) and the data source position."""
+
+    def __init__(self, config: Config, router: Router | None) -> None:
+        self.config = config
+        self.tokenizer: Any = None
+        if config.rollout.hf_checkpoint is not None:
+            self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
+        self.data: DataSource | None = None
+        if not config.debug.debug_train_only:
+            self.data = DataSource.from_config(config.data, config.rollout, self.tokenizer)
+        self.router = router
+        self.ctx: RolloutContext | None = None
+        self.worker: FullyAsyncWorker | None = None
+        self.weight_version = 0
+        self.metrics: dict[str, float] = {}
+        self._rollout_fn = generate_rollout
+        if config.rollout.rollout_function_path:
+            self._rollout_fn = load_function(config.rollout.rollout_function_path, "--rollout-function-path")
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> RolloutManager:
+        if self.router is not None:
+            self.ctx = await self._stack.enter_async_context(
+                RolloutContext(self.config, self.router, tokenizer=self.tokenizer)
+            )
+            if self.config.run.loop == "fully-async":
+                assert self.data is not None
+                self.worker = await self._stack.enter_async_context(
+                    FullyAsyncWorker(self.ctx, self.data, weight_version=self.weight_version)
+                )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    # ----- what the loops call -----
+    async def generate(self, rollout_id: int) -> Groups:
+        debug = self.config.debug
+        started = time.monotonic()
+        if debug.load_debug_rollout_data is not None:
+            dump = load_rollout(debug.load_debug_rollout_data, rollout_id)
+            groups = dump.groups
+            self.metrics = dict(dump.metrics)
+        else:
+            assert self.ctx is not None and self.data is not None
+            with using_context(self.ctx):
+                result = await maybe_await(self._rollout_fn(self.ctx.args, rollout_id, self.data))
+            if not isinstance(result, list):
+                raise TypeError(
+                    f"--rollout-function-path returned {type(result).__name__}, expected a list of sample groups"
+                )
+            groups = result
+            self.metrics = dict(self.ctx.metrics)
+        self._after_rollout(rollout_id, groups, time.monotonic() - started)
+        return groups
+
+    async def get_batch(self, rollout_id: int) -> Groups:
+        assert self.worker is not None
+        started = time.monotonic()
+        groups = await self.worker.get_batch(self.config.data.rollout_batch_size, rollout_id)
+        assert self.ctx is not None
+        self.metrics = dict(self.ctx.metrics)
+        self._after_rollout(rollout_id, groups, time.monotonic() - started)
+        return groups
+
+    async def pause(self) -> None:
+        if self.worker is not None:
+            await self.worker.pause()
+
+    async def resume(self, weight_version: int | None) -> None:
+        if weight_version is not None:
+            self.weight_version = weight_version
+        if self.worker is not None:
+            await self.worker.resume(weight_version)
+
+    def _after_rollout(self, rollout_id: int, groups: Groups, seconds: float) -> None:
+        lags = version_lags(groups, self.weight_version)
+        samples = sum(len(g) for g in groups)
+        self.metrics.update(
+            {
+                "rollout/wait_s": seconds,
+                "rollout/version_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+                "rollout/version_lag_max": float(max(lags, default=0)),
+                "rollout/samples": float(samples),
+            }
+        )
+        if self.config.debug.save_debug_rollout_data is not None:
+            save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, groups, metrics=self.metrics)
+
+    # ----- evaluation and checkpoints -----
+    def eval_due(self, rollout_id: int) -> bool:
+        has_data = self.ctx is not None and bool(self.config.data.eval_datasets())
+        return should_evaluate(self.config.data.eval_interval, rollout_id, has_data=has_data)
+
+    async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        assert self.ctx is not None
+        with using_context(self.ctx):
+            metrics = await run_evaluation(self.ctx, rollout_id)
+        means = [v for k, v in metrics.items() if k.endswith("/reward_mean")]
+        if means:  # the headline figure across every eval dataset
+            metrics["eval/reward_mean"] = sum(means) / len(means)
+        return metrics
+
+    def position(self) -> dict[str, Any]:
+        """The data source position now, with drawn-but-unconsumed groups put back first."""
+        if self.data is None:
+            return {}
+        pending = self.worker.unconsumed_groups() if self.worker is not None else []
+        return msgspec.to_builtins(self.data.state_dict(pending=pending))
+
+    def load_position(self, position: dict[str, Any]) -> None:
+        if self.data is not None and position:
+            self.data.load_state_dict(msgspec.convert(position, DataSourceState))

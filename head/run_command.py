@@ -1,0 +1,35 @@
+"""`tether run [flags]`: resolve the configuration, then run the job on uvloop."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from tether.config import Config, help_text, resolve
+from tether.runtime.errors import ConfigError
+
+DESCRIPTION = """Train with RL: start engines and trainer ranks, then run the sync, async or fully-async loop.
+Flags use slime's names; Megatron flags go to Megatron; --sglang-<flag> goes to SGLang as --<flag>.
+"""
+
+
+def parse(argv: Sequence[str]) -> Config:
+    """The resolved Config, or exit 2 with the message naming the flag and the value."""
+    try:
+        return resolve(list(argv))
+    except ConfigError as exc:
+        print(f"tether run: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main_argv(argv: Sequence[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print("usage: tether run [--config YAML] [flags]\n\n" + DESCRIPTION + "\n" + help_text())
+        return 0
+    cfg = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tether.job import run_job
+    from tether.runtime.loop import run
+
+    return run(run_job(cfg, list(argv)))

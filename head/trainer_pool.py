@@ -1,0 +1,264 @@
+"""The trainer ranks of a run: torchrun per actor node, one RPC handle per rank.
+
+The head turns each rollout into train batches (rewards → advantages → steps → DP shards →
+micro-batch plans) and calls every rank with the same method in the same order, as Megatron's
+collectives require; ranks of one data-parallel group receive the same shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from tether.config import Config
+from tether.placement.plan import Plan, TorchrunNode
+from tether.rollout.sample import Sample
+from tether.run_dir import RunDir
+from tether.runtime.process import ProcessSpec
+from tether.runtime.rpc import ActorHandle, connect
+from tether.runtime.supervisor import Supervisor
+from tether.train.advantages import compute_advantages, process_rewards
+from tether.train.batching import (
+    TrainBatch,
+    build_train_batch,
+    plan_micro_batches,
+    shard_for_data_parallel,
+    split_steps,
+)
+from tether.train.worker import WorkerInfo, read_addresses
+
+Groups = list[list[Sample]]
+RPC_TIMEOUT = 3600.0  # a train step or a checkpoint of a large model can take long; never forever
+
+
+class TrainerPool:
+    """Starts the actor's torchrun job(s), connects to every rank, and drives them in lock-step."""
+
+    def __init__(self, sup: Supervisor, plan: Plan, cfg: Config, run_dir: RunDir, secret: bytes) -> None:
+        self.sup = sup
+        self.plan = plan
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.secret = secret
+        self.address_dir = run_dir.path / "trainer"
+        self.ranks: list[ActorHandle] = []
+        self.infos: list[WorkerInfo] = []
+        self.steps_done = 0
+
+    # ----- start and stop -----
+    def _spec(self, node: TorchrunNode) -> ProcessSpec:
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *node.torchrun_args(),
+            "-m",
+            "tether.train.worker",
+            "--rpc-address-dir",
+            str(self.address_dir),
+        ]
+        env = {
+            **node.env,
+            "OMP_NUM_THREADS": "1",
+            "TORCHELASTIC_ERROR_FILE": str(self.run_dir.logs / "trainer-error.json"),
+        }
+        return ProcessSpec(name=f"trainer-node{node.node_rank}", argv=argv, env=env, node="local")
+
+    async def __aenter__(self) -> TrainerPool:
+        group = self.plan.train_group("actor")
+        if group is None:
+            raise RuntimeError("the placement plan has no actor group to start")
+        world = group.world_size
+
+        async def all_ranks_serving() -> bool:
+            return read_addresses(self.address_dir, world) is not None
+
+        started = time.monotonic()
+        async with asyncio.TaskGroup() as tg:
+            for node in group.nodes:
+                tg.create_task(self.sup.start(self._spec(node), ready=all_ranks_serving, ready_timeout=600.0))
+        addresses = read_addresses(self.address_dir, world)
+        assert addresses is not None
+        self.ranks = [
+            await connect(addresses[r], self.secret, name=f"trainer-rank{r}", timeout=60.0)
+            for r in range(world)
+        ]
+        cfg = self.cfg
+        infos = await self._all(
+            "init",
+            hf_checkpoint=cfg.rollout.hf_checkpoint,
+            algorithm=cfg.algorithm,
+            megatron=cfg.megatron,
+            temperature=cfg.rollout.rollout_temperature,
+            result_type=WorkerInfo,
+        )
+        self.infos = infos
+        self.run_dir.event(
+            "trainer_ready",
+            world_size=world,
+            seconds=time.monotonic() - started,
+            dp_size=infos[0].dp_size,
+            tp_size=infos[0].tp_size,
+            pp_size=infos[0].pp_size,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for handle in self.ranks:
+            await handle.close()
+
+    async def _all(self, method: str, *args: Any, result_type: Any = Any, **kwargs: Any) -> list[Any]:
+        """The same call on every rank, concurrently; results in rank order."""
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(h.call(method, *args, timeout=RPC_TIMEOUT, result_type=result_type, **kwargs))
+                for h in self.ranks
+            ]
+        return [t.result() for t in tasks]
+
+    async def _per_rank(self, method: str, per_dp: list[dict[str, Any]], result_type: Any = Any) -> list[Any]:
+        """Each rank gets the arguments of its data-parallel rank."""
+        async with asyncio.TaskGroup() as tg:
+            tasks = [
+                tg.create_task(
+                    h.call(method, timeout=RPC_TIMEOUT, result_type=result_type, **per_dp[info.dp_rank])
+                )
+                for h, info in zip(self.ranks, self.infos, strict=True)
+            ]
+        return [t.result() for t in tasks]
+
+    @property
+    def dp_size(self) -> int:
+        return self.infos[0].dp_size
+
+    # ----- training -----
+    def make_batch(self, groups: Groups) -> TrainBatch:
+        """The rollout as one columnar batch with rewards as the estimator uses them."""
+        algo = self.cfg.algorithm
+        samples = [s for g in groups for s in g]
+        raw = np.array([s.scalar_reward(self.cfg.rollout.reward_key) for s in samples], dtype=np.float64)
+        group_ids = np.array(
+            [s.group_index if s.group_index is not None else i for i, s in enumerate(samples)]
+        )
+        rewards = process_rewards(algo, raw, group_ids)
+        return build_train_batch(
+            samples, rewards=rewards, raw_rewards=raw, per_rollout_loss_mean=algo.per_rollout_loss_mean
+        )
+
+    def _plans(self, shards: list[TrainBatch]) -> list[list[list[int]]]:
+        data = self.cfg.data
+        return plan_micro_batches(
+            shards,
+            micro_batch_size=data.micro_batch_size,
+            max_tokens_per_gpu=data.max_tokens_per_gpu if data.use_dynamic_batch_size else None,
+        )
+
+    async def _log_probs(
+        self, shards: list[TrainBatch], plans: list[list[list[int]]], model: str
+    ) -> list[np.ndarray]:
+        results = await self._per_rank(
+            "compute_log_probs",
+            [{"shard": s, "plan": p, "model": model} for s, p in zip(shards, plans, strict=True)],
+        )
+        by_dp: dict[int, np.ndarray] = {}
+        for info, result in zip(self.infos, results, strict=True):
+            by_dp.setdefault(info.dp_rank, np.asarray(result["log_probs"], dtype=np.float32))
+        return [by_dp[d] for d in range(len(shards))]
+
+    async def train(self, rollout_id: int, groups: Groups, *, weight_version: int) -> dict[str, float]:
+        algo = self.cfg.algorithm
+        batch = self.make_batch(groups)
+        data = self.cfg.data
+        num_steps = max(1, batch.num_samples // data.resolved_global_batch_size)
+        steps = split_steps(batch, num_steps, per_rollout_loss_mean=algo.per_rollout_loss_mean)
+        needs_old = num_steps > 1 or algo.kl_coef != 0
+        needs_ref = algo.needs_ref_log_probs
+        metrics: dict[str, float] = {}
+        for step_batch in steps:
+            rl = algo.loss_type != "sft_loss"
+            # Advantages over the whole step (exact whitening) unless KL shaping needs the
+            # per-shard log-probs first; then each shard is whitened on its own.
+            shaped = algo.kl_coef != 0
+            if rl and not shaped:
+                step_batch.advantages = self._advantages(step_batch)
+            shards = shard_for_data_parallel(step_batch, self.dp_size)
+            plans = self._plans(shards)
+            if rl:
+                old = await self._log_probs(shards, plans, "actor") if needs_old else [None] * len(shards)
+                ref = await self._log_probs(shards, plans, "ref") if needs_ref else [None] * len(shards)
+                for shard, o, r in zip(shards, old, ref, strict=True):
+                    shard.old_log_probs = o
+                    shard.ref_log_probs = r
+                    if shaped:
+                        shard.advantages = self._advantages(shard)
+            results = await self._per_rank(
+                "train",
+                [
+                    {"rollout_id": rollout_id, "shard": s, "plan": p}
+                    for s, p in zip(shards, plans, strict=True)
+                ],
+            )
+            metrics = {f"train/{k}": float(v) for k, v in results[0].items()}
+            self.steps_done += 1
+        metrics["train/weight_version"] = float(weight_version)
+        return metrics
+
+    def _advantages(self, shard: TrainBatch) -> np.ndarray:
+        """Per-token advantages of a batch, computed on the head over the whole batch at once."""
+        as_tensor = lambda a: None if a is None else torch.from_numpy(np.asarray(a))  # noqa: E731
+        adv = compute_advantages(
+            self.cfg.algorithm,
+            rewards=torch.from_numpy(shard.rewards.astype(np.float32)),
+            response_lengths=shard.response_lengths.tolist(),
+            loss_mask=torch.from_numpy(shard.loss_masks.astype(np.float32)),
+            log_probs=as_tensor(shard.old_log_probs),
+            ref_log_probs=as_tensor(shard.ref_log_probs),
+        )
+        return adv.numpy().astype(np.float32)
+
+    # ----- weights and checkpoints -----
+    async def update_weights(self, version: int, engine_urls: list[str]) -> dict[str, Any]:
+        layout = self.plan.weight_sync
+        group: dict[str, Any] = {}
+        if layout is not None:
+            group = {
+                "engine_ranks": [e.size for e in layout.engines],
+                "master_address": layout.master_addr,
+                "master_port": layout.master_port,
+            }
+        results = await self._all(
+            "update_weights",
+            version=version,
+            engine_urls=engine_urls,
+            weight_sync=self.cfg.weight_sync,
+            colocate=self.plan.colocate,
+            **group,
+        )
+        entry = next(r for r in results if r is not None)
+        return dict(msgspec.to_builtins(entry))
+
+    async def save(self, rollout_id: int, weight_version: int, position: dict[str, Any]) -> Path:
+        assert self.cfg.algorithm.save is not None
+        paths = await self._all(
+            "save",
+            save_dir=self.cfg.algorithm.save,
+            step=rollout_id,
+            rollout_id=rollout_id,
+            weight_version=weight_version,
+            data_position=position,
+        )
+        return Path(paths[0])
+
+    async def load(self, load_dir: str) -> dict[str, Any] | None:
+        states = await self._all("load", load_dir=load_dir)
+        return states[0]
+
+    async def export_hf(self, out_dir: str) -> None:
+        await self._all("export_hf", out_dir=out_dir)

@@ -1,0 +1,300 @@
+"""The node agent: starts and reaps one node's processes for the head.
+
+`tether agent --head tcp://HOST:PORT [--node-name N] [--bind-host H]` runs one per node
+(srun, systemd or ssh start it; the run secret comes in `TETHER_SECRET`). It registers the
+node's inventory with the head, serves `NodeAgent`'s methods over RPC, forwards every exit
+to the head, and heartbeats both ways; when the head stops answering it stops its processes
+and exits. On a single machine the head runs the same `NodeAgent` class inside itself.
+
+Every process runs under `tether.runtime.shim` in its own session and process group, with
+its output in `<run_dir>/logs/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tether.runtime import shim
+from tether.runtime.errors import HeartbeatLost
+from tether.runtime.liveness import LivenessMonitor
+from tether.runtime.process import ExitInfo, ProcessSpec, log_path, read_log_tail
+from tether.runtime.secret import SECRET_ENV, secret_to_env
+
+log = logging.getLogger(__name__)
+
+InventoryProvider = Callable[[], dict[str, Any]]
+BIND_HOST_ENV = "TETHER_BIND_HOST"
+EXIT_HEAD_LOST = 3
+
+
+def default_inventory(node: str, address: str = "127.0.0.1") -> dict[str, Any]:
+    """What an agent reports before placement supplies a device probe."""
+    return {"node": node, "hostname": socket.gethostname(), "address": address, "devices": []}
+
+
+def address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+
+
+@dataclass
+class _Child:
+    spec: ProcessSpec
+    proc: asyncio.subprocess.Process
+    log: Path
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    info: ExitInfo | None = None
+
+
+class NodeAgent:
+    """Starts processes on this node, each under the shim; reports each exit to `on_exit`.
+
+    Use as `async with NodeAgent(...) as agent:`; leaving the block stops every process
+    (SIGTERM, `grace` seconds, SIGKILL to the process group). Public async methods are the
+    agent's RPC interface.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        run_dir: Path,
+        secret: bytes,
+        *,
+        on_exit: Callable[[ExitInfo], Awaitable[None]],
+        inventory: InventoryProvider | None = None,
+        grace: float = 10.0,
+        bind_host: str = "127.0.0.1",
+    ) -> None:
+        self.node = node
+        self.run_dir = Path(run_dir)
+        self.grace = grace
+        self.bind_host = bind_host
+        self._secret = secret
+        self._on_exit = on_exit
+        self._inventory = inventory or (lambda: default_inventory(node, bind_host))
+        self._children: dict[str, _Child] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self.shutdown_requested = asyncio.Event()
+
+    async def __aenter__(self) -> NodeAgent:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        try:
+            await self.stop_all(self.grace)
+        finally:
+            tg, self._tg = self._tg, None
+            if tg is not None:
+                await tg.__aexit__(None, None, None)
+
+    # -- RPC interface --------------------------------------------------------------------
+    async def inventory(self) -> dict[str, Any]:
+        return self._inventory()
+
+    async def processes(self) -> dict[str, int]:
+        """Name → pid (of the shim, which leads the process group) of every running process."""
+        return {name: child.proc.pid for name, child in self._children.items()}
+
+    async def start_process(self, spec: ProcessSpec) -> int:
+        """Start `spec` under the shim; return the shim's pid (= its process group id)."""
+        spec.validate()
+        if self._tg is None:
+            raise RuntimeError(f"agent {self.node!r} is not running")
+        if spec.name in self._children:
+            raise ValueError(f"process name {spec.name!r} is already running on node {self.node!r}")
+        env = {**os.environ, **spec.env}
+        env[SECRET_ENV] = secret_to_env(self._secret)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault(BIND_HOST_ENV, self.bind_host)
+        env["TETHER_PROCESS_NAME"] = spec.name
+        env["TETHER_NODE"] = self.node
+        path = log_path(self.run_dir, spec.name)
+        # The shim needs only the standard library: run its file without `site` (-S), which
+        # saves most of an interpreter start on every process launched.
+        argv = [
+            sys.executable, "-S", shim.__file__,
+            "--parent-pid", str(os.getpid()), "--grace", repr(self.grace), "--", *spec.argv,
+        ]  # fmt: skip
+        with open(path, "ab") as logf:  # noqa: ASYNC230  # a local log file opens at once
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=spec.cwd,
+                start_new_session=True,  # own session and group: killed as a group
+            )
+        child = _Child(spec, proc, path)
+        self._children[spec.name] = child
+        self._tg.create_task(self._reap(child), name=f"reap:{spec.name}")
+        return proc.pid
+
+    async def signal_process(self, name: str, signum: int) -> None:
+        """Send `signum` to the process group of `name`."""
+        child = self._child(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, signum)
+
+    async def stop_process(self, name: str, grace: float | None = None) -> ExitInfo:
+        """SIGTERM the group, wait `grace` seconds, then SIGKILL; return how it ended."""
+        child = self._children.get(name)
+        if child is None:
+            raise KeyError(f"no process named {name!r} on node {self.node!r}")
+        return await self._stop(child, self.grace if grace is None else grace)
+
+    async def stop_all(self, grace: float | None = None) -> None:
+        children = list(self._children.values())
+        if children:
+            async with asyncio.TaskGroup() as tg:
+                for child in children:
+                    tg.create_task(self._stop(child, self.grace if grace is None else grace))
+
+    async def shutdown(self) -> None:
+        """Ask a standalone agent to stop its processes and exit."""
+        self.shutdown_requested.set()
+
+    # -- internals ------------------------------------------------------------------------
+    def _child(self, name: str) -> _Child:
+        child = self._children.get(name)
+        if child is None:
+            raise KeyError(f"no process named {name!r} on node {self.node!r}")
+        return child
+
+    async def _stop(self, child: _Child, grace: float) -> ExitInfo:
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            if child.exited.is_set():
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, sig)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await child.exited.wait()
+        await child.exited.wait()
+        assert child.info is not None
+        return child.info
+
+    async def _reap(self, child: _Child) -> None:
+        rc = await child.proc.wait()
+        # The shim is gone; a straggler in its group (it could not clean up) dies now.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        child.info = ExitInfo(
+            name=child.spec.name,
+            node=self.node,
+            pid=child.proc.pid,
+            returncode=rc if rc >= 0 else None,
+            signal=-rc if rc < 0 else None,
+            log_tail=read_log_tail(child.log),
+        )
+        self._children.pop(child.spec.name, None)
+        child.exited.set()
+        try:
+            await self._on_exit(child.info)
+        except Exception:
+            log.exception("agent %r could not report the exit of %r", self.node, child.spec.name)
+
+
+# -- the standalone agent process ---------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--head", required=True, help="The head's control address, tcp://HOST:PORT.")
+    parser.add_argument(
+        "--node-name", default=socket.gethostname(), help="This node's name (default: hostname)."
+    )
+    parser.add_argument(
+        "--bind-host",
+        default=None,
+        help="Interface to serve on (default: this machine's address toward the head).",
+    )
+    parser.add_argument("--run-dir", default=None, help="Run directory for logs (default: the head's).")
+    parser.add_argument("--grace", type=float, default=10.0, help="Seconds between SIGTERM and SIGKILL.")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from tether.runtime.rpc import RpcServer, connect
+    from tether.runtime.secret import secret_from_env
+    from tether.runtime.signals import StopRequested, handle_signals
+
+    if not str(args.head).startswith("tcp://"):
+        raise SystemExit(f"--head={args.head!r}: expected tcp://HOST:PORT")
+    secret = secret_from_env()
+    head_host = str(args.head)[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    bind_host = args.bind_host or address_toward(head_host)
+    head = await connect(args.head, secret, name="head", timeout=30.0)
+    async with head:
+
+        async def report_exit(info: ExitInfo) -> None:
+            await head.call("process_exited", info, timeout=30.0)
+
+        setup = await head.call("agent_setup", timeout=30.0)
+        run_dir = Path(args.run_dir or setup["run_dir"])
+        agent = NodeAgent(
+            args.node_name, run_dir, secret, on_exit=report_exit, grace=args.grace, bind_host=bind_host
+        )
+        async with (
+            agent,
+            RpcServer(agent, f"tcp://{bind_host}:0", secret, name=f"agent:{args.node_name}") as server,
+        ):
+            await head.call(
+                "register_agent", args.node_name, server.address, await agent.inventory(), timeout=30.0
+            )
+            log.info("agent %r serving on %s for head %s", args.node_name, server.address, args.head)
+            monitor = LivenessMonitor(
+                head.ping,
+                interval=setup["interval"],
+                timeout=setup["timeout"],
+                first_wait=setup["interval"],
+                name="head",
+            )
+
+            async def until_shutdown() -> None:
+                await agent.shutdown_requested.wait()
+                raise StopRequested(signal.SIGTERM)
+
+            async def no_checkpoint() -> None:
+                return None
+
+            rc = 0
+            try:
+                async with handle_signals(no_checkpoint) as stop, asyncio.TaskGroup() as tg:
+                    tg.create_task(stop.raise_when_requested())
+                    tg.create_task(until_shutdown())
+                    tg.create_task(monitor.run())
+            except* StopRequested:
+                rc = 0
+            except* HeartbeatLost as group:
+                log.error("agent %r: %s; stopping its processes", args.node_name, group.exceptions[0])
+                rc = EXIT_HEAD_LOST
+    return rc
+
+
+def main(args: argparse.Namespace) -> int:
+    from tether.runtime.loop import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(serve(args))
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tether.runtime.agent")
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))

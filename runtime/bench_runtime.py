@@ -1,0 +1,330 @@
+"""`tether bench runtime --json`: the runtime's figures against raw pyzmq (and Ray, if installed).
+
+Each figure is the min and median over `--repeats` runs, measured in this one run:
+cold start (head plus 4 actor processes all answering), sequential RPC round trip (p50, p99),
+pipelined RPC throughput, Sample-batch throughput (64 and 512 Samples of 1024 tokens: 512
+prompt and 512 response tokens, with loss mask and log-probs), and a raw blocking pyzmq round
+trip as the floor. Sample batches are measured two ways:
+
+- `samples_per_s_<n>`: the columnar frames of `tether.rollout.sample_codec.encode_batch`
+  (encoded once, outside the timing) through RPC; Ray gets the same frames (its numpy path).
+- `full_samples_per_s_<n>`: Sample objects encoded, sent and decoded back into Sample
+  objects for every batch (`encode_batch` → RPC → `decode_batch`); Ray gets the list of
+  Samples (pickled, as a Ray user would send them).
+
+Batches are pipelined (all of a figure's batches in flight at once), like a rollout feeding
+trainers. Ray (the `bench` extra) is imported lazily here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tether.rollout.sample import Sample
+
+TOKENS = 1024
+RESPONSE_TOKENS = 512
+BATCH_SIZES = (64, 512)
+ACTORS = 4
+TARGETS = {  # the issue's targets on this machine
+    "cold_start_ray_over_tether": 10.0,
+    "rtt_p50_ray_over_tether": 5.0,
+    "samples_64_tether_over_ray": 3.0,
+    "samples_512_tether_over_ray": 3.0,
+}
+RTT_VS_RAW_PYZMQ_TARGET = 2.5
+
+
+def _offsets_frame() -> int:
+    from tether.rollout.sample_codec import FRAME_NAMES
+
+    return 1 + FRAME_NAMES.index("token_offsets")  # frame 0 is the header
+
+
+class BenchActor:
+    """The actor every figure calls. numpy and the codec load on first use, so the cold start
+    measures the runtime, not this module's imports."""
+
+    async def echo(self, value: Any) -> Any:
+        return value
+
+    async def take_frames(self, frames: list[Any]) -> int:
+        """A batch's raw columnar frames: count its Samples without decoding them."""
+        return len(frames[_offsets_frame()]) - 1
+
+    async def take_samples(self, frames: list[Any]) -> int:
+        """A batch's frames decoded back into Sample objects."""
+        from tether.rollout.sample_codec import decode_batch
+
+        return len(decode_batch(frames))
+
+
+def make_samples(n: int, tokens: int = TOKENS, response: int = RESPONSE_TOKENS) -> list[Sample]:
+    """`n` completed Samples of `tokens` tokens, the last `response` of them the response."""
+    import numpy as np
+
+    from tether.rollout.sample import Sample, SampleStatus
+
+    rng = np.random.default_rng(0)
+    return [
+        Sample(
+            index=i,
+            group_index=i // 8,
+            rollout_id=i,
+            prompt="Solve: " + "x" * 200,
+            tokens=rng.integers(0, 150_000, tokens).tolist(),
+            response="y" * 400,
+            response_length=response,
+            label="42",
+            reward=1.0,
+            loss_mask=[1] * response,
+            rollout_log_probs=(-rng.random(response, dtype=np.float32)).tolist(),
+            status=SampleStatus.COMPLETED,
+            weight_versions=["3"],
+        )
+        for i in range(n)
+    ]
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values)}
+
+
+_RAW_ECHO = """
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.REP); port = s.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+while True:
+    m = s.recv()
+    if m == b"stop":
+        s.send(b""); break
+    s.send(m)
+"""
+
+
+def raw_pyzmq_round_trip(n: int) -> list[float]:
+    """Blocking REQ/REP round trips (seconds each) to an echo process: the floor."""
+    import zmq
+
+    proc = subprocess.Popen([sys.executable, "-c", _RAW_ECHO], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        payload = b"x" * 64
+        for _ in range(200):
+            sock.send(payload)
+            sock.recv()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            sock.send(payload)
+            sock.recv()
+            times.append(time.perf_counter() - t)
+        sock.send(b"stop")
+        sock.recv()
+        sock.close()
+        ctx.term()
+        return times
+    finally:
+        proc.wait(10)
+
+
+def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
+    # The full path is bounded by Python-level Sample objects, so it gets a quarter of the work.
+    return max(2, args.batch_rounds * 64 // n // (4 if full else 1))
+
+
+async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[int, Any]) -> dict[str, Any]:
+    from tether.rollout.sample_codec import encode_batch
+    from tether.runtime.secret import new_secret
+    from tether.runtime.supervisor import Supervisor
+
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    async with Supervisor(run_dir, new_secret(), grace=2.0) as sup:
+        handles = await asyncio.gather(
+            *(
+                sup.start_actor(f"bench{i}", "tether.runtime.bench_runtime:BenchActor", heartbeat=False)
+                for i in range(ACTORS)
+            )
+        )
+        await asyncio.gather(*(h.echo(0) for h in handles))
+        out["cold_start_s"] = time.perf_counter() - t0
+        h = handles[0]
+        payload = b"x" * 64
+        for _ in range(200):
+            await h.echo(payload)
+        times = []
+        for _ in range(args.calls):
+            t = time.perf_counter()
+            await h.echo(payload)
+            times.append(time.perf_counter() - t)
+        times.sort()
+        out["rtt_p50_s"] = times[len(times) // 2]
+        out["rtt_p99_s"] = times[int(len(times) * 0.99)]
+        t = time.perf_counter()
+        await asyncio.gather(*(h.echo(payload) for _ in range(args.calls)))
+        out["pipelined_calls_per_s"] = args.calls / (time.perf_counter() - t)
+        for n, (samples, frames) in batches.items():
+            await h.take_frames(frames)
+            rounds = _rounds(args, n)
+            t = time.perf_counter()
+            counts = await asyncio.gather(*(h.take_frames(frames) for _ in range(rounds)))
+            out[f"samples_per_s_{n}"] = sum(counts) / (time.perf_counter() - t)
+
+            async def full(samples: list[Sample] = samples) -> int:
+                return int(await h.take_samples(encode_batch(samples)))
+
+            await full()
+            t = time.perf_counter()
+            counts = await asyncio.gather(*(full() for _ in range(_rounds(args, n, full=True))))
+            out[f"full_samples_per_s_{n}"] = sum(counts) / (time.perf_counter() - t)
+    return out
+
+
+def _ray_once(args: argparse.Namespace, batches: dict[int, Any]) -> dict[str, Any]:
+    import ray
+
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    ray.init(num_cpus=ACTORS, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @ray.remote
+        class RayActor:
+            def echo(self, value: Any) -> Any:
+                return value
+
+            def take_frames(self, frames: list[Any]) -> int:
+                return len(frames[_offsets_frame()]) - 1
+
+            def take_samples(self, samples: list[Any]) -> int:
+                return len(samples)
+
+        actors = [RayActor.remote() for _ in range(ACTORS)]  # type: ignore[attr-defined]
+        ray.get([a.echo.remote(0) for a in actors])
+        out["cold_start_s"] = time.perf_counter() - t0
+        a = actors[0]
+        payload = b"x" * 64
+        for _ in range(200):
+            ray.get(a.echo.remote(payload))
+        times = []
+        for _ in range(args.calls):
+            t = time.perf_counter()
+            ray.get(a.echo.remote(payload))
+            times.append(time.perf_counter() - t)
+        times.sort()
+        out["rtt_p50_s"] = times[len(times) // 2]
+        out["rtt_p99_s"] = times[int(len(times) * 0.99)]
+        t = time.perf_counter()
+        ray.get([a.echo.remote(payload) for _ in range(args.calls)])
+        out["pipelined_calls_per_s"] = args.calls / (time.perf_counter() - t)
+        for n, (samples, frames) in batches.items():
+            ray.get(a.take_frames.remote(frames))
+            rounds = _rounds(args, n)
+            t = time.perf_counter()
+            counts = ray.get([a.take_frames.remote(frames) for _ in range(rounds)])
+            out[f"samples_per_s_{n}"] = sum(counts) / (time.perf_counter() - t)
+            ray.get(a.take_samples.remote(samples))
+            t = time.perf_counter()
+            counts = ray.get([a.take_samples.remote(samples) for _ in range(_rounds(args, n, full=True))])
+            out[f"full_samples_per_s_{n}"] = sum(counts) / (time.perf_counter() - t)
+    finally:
+        ray.shutdown()
+    return out
+
+
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    return {key: _stats([r[key] for r in runs]) for key in runs[0]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tether.rollout.sample_codec import encode_batch
+    from tether.runtime.loop import run as run_loop
+
+    batches = {}
+    for n in BATCH_SIZES:
+        samples = make_samples(n)
+        batches[n] = (samples, encode_batch(samples))
+    tether_runs = []
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        for i in range(args.repeats):
+            tether_runs.append(run_loop(_tether_once(args, Path(tmp) / f"run{i}", batches)))
+    raw = [statistics.median(raw_pyzmq_round_trip(args.calls)) for _ in range(args.repeats)]
+    result: dict[str, Any] = {
+        "tether": _summarise(tether_runs),
+        "raw_pyzmq": {"rtt_p50_s": _stats(raw)},
+        "ray": None,
+        "ratios": {},
+        "targets_met": {},
+    }
+    t = result["tether"]
+    ratios = result["ratios"]
+    ratios["rtt_p50_vs_raw_pyzmq"] = t["rtt_p50_s"]["median"] / result["raw_pyzmq"]["rtt_p50_s"]["median"]
+    result["targets_met"]["rtt_p50_vs_raw_pyzmq"] = ratios["rtt_p50_vs_raw_pyzmq"] <= RTT_VS_RAW_PYZMQ_TARGET
+    if not args.skip_ray and importlib.util.find_spec("ray") is not None:
+        r = result["ray"] = _summarise([_ray_once(args, batches) for _ in range(args.repeats)])
+
+        def median(side: dict[str, Any], key: str) -> float:
+            return float(side[key]["median"])
+
+        ratios["cold_start_ray_over_tether"] = median(r, "cold_start_s") / median(t, "cold_start_s")
+        ratios["rtt_p50_ray_over_tether"] = median(r, "rtt_p50_s") / median(t, "rtt_p50_s")
+        ratios["pipelined_calls_tether_over_ray"] = median(t, "pipelined_calls_per_s") / median(
+            r, "pipelined_calls_per_s"
+        )
+        for n in BATCH_SIZES:
+            ratios[f"samples_{n}_tether_over_ray"] = median(t, f"samples_per_s_{n}") / median(
+                r, f"samples_per_s_{n}"
+            )
+            ratios[f"full_samples_{n}_tether_over_ray"] = median(t, f"full_samples_per_s_{n}") / median(
+                r, f"full_samples_per_s_{n}"
+            )
+        for key, target in TARGETS.items():
+            result["targets_met"][key] = ratios[key] >= target
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="Print the figures as JSON (the default output).")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="Runs per figure (min and median are reported)."
+    )
+    parser.add_argument("--calls", type=int, default=2000, help="Calls per round-trip and throughput figure.")
+    parser.add_argument(
+        "--batch-rounds",
+        type=int,
+        default=256,
+        help="Batches of 64 Samples per throughput figure (a quarter of that for the full Sample path).",
+    )
+    parser.add_argument(
+        "--skip-ray", action="store_true", help="Do not measure Ray even when it is installed."
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    for key in ("repeats", "calls", "batch_rounds"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"--{key.replace('_', '-')}={getattr(args, key)!r}: must be at least 1")
+    print(json.dumps(run(args), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tether.runtime.bench_runtime")
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))

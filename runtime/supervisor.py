@@ -1,0 +1,482 @@
+"""The supervisor: the head's owner of every process of a run, on every node.
+
+    async with Supervisor(run_dir, secret, on_exit=report) as sup:
+        engine = await sup.start(ProcessSpec(name="engine0", argv=[...], env=placement_env),
+                                 ready=engine_answers, ready_timeout=300)
+        trainer = await sup.start_actor("ref", "my.module:RefModel", {"path": p}, node="node1")
+        await trainer.score(batch)
+        await sup.watch()          # raises ActorDied / HeartbeatLost at the first failure
+
+Processes start through the node agent of their node: an in-process `NodeAgent` for the
+node named `local` (this machine), and agents that registered with `tether agent --head
+<sup.address>` for the others. Failures the owner did not ask for reach it three ways:
+`on_exit(ExitInfo)` / `on_unresponsive(HeartbeatLost)` callbacks, `ManagedProcess.wait()`,
+and `watch()`, which raises the first failure (run it in the run loop's TaskGroup).
+
+Leaving the block stops everything: SIGTERM to each process group, a grace period, SIGKILL;
+remote agents are told to shut down. If the head dies without that (SIGKILL), the shims'
+PR_SET_PDEATHSIG and the agents' and actors' heartbeats end every child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from tether.runtime.agent import NodeAgent
+from tether.runtime.errors import ActorDied, HeartbeatLost
+from tether.runtime.liveness import LivenessMonitor
+from tether.runtime.process import ExitInfo, ProcessSpec, log_path, read_log_tail
+from tether.runtime.rpc import ActorHandle, RpcServer, connect
+
+log = logging.getLogger(__name__)
+
+LOCAL = "local"
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    """Liveness settings for actors and agents (seconds)."""
+
+    interval: float = 1.0
+    timeout: float = 3.0
+    first_wait: float = 1.0
+
+
+def exit_error(info: ExitInfo) -> ActorDied:
+    return ActorDied(
+        info.name, returncode=info.returncode, signal=info.signal, log_tail=info.log_tail, reason=info.reason
+    )
+
+
+class _Agent(Protocol):
+    async def start_process(self, spec: ProcessSpec) -> int: ...
+
+    async def stop_process(self, name: str, grace: float | None = None) -> ExitInfo: ...
+
+
+class _RemoteAgent:
+    """The head's side of a registered node agent."""
+
+    def __init__(self, node: str, handle: ActorHandle, inventory: dict[str, Any]) -> None:
+        self.node = node
+        self.handle = handle
+        self.inventory = inventory
+        self.monitor: asyncio.Task[None] | None = None
+
+    async def start_process(self, spec: ProcessSpec) -> int:
+        return int(await self.handle.call("start_process", spec, timeout=60.0))
+
+    async def stop_process(self, name: str, grace: float | None = None) -> ExitInfo:
+        budget = 60.0 if grace is None else grace + 30.0
+        return await self.handle.call("stop_process", name, grace, timeout=budget, result_type=ExitInfo)  # type: ignore[no-any-return]
+
+
+@dataclass
+class ManagedProcess:
+    """A process the supervisor started; `wait()` returns how it ended."""
+
+    name: str
+    node: str
+    spec: ProcessSpec
+    pid: int = 0
+    handle: ActorHandle | None = None
+    stopping: bool = False
+    exit: asyncio.Future[ExitInfo] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    monitor: asyncio.Task[None] | None = None
+
+    async def wait(self) -> ExitInfo:
+        return await asyncio.shield(self.exit)
+
+    @property
+    def running(self) -> bool:
+        return not self.exit.done()
+
+
+class _HeadService:
+    """The head's RPC interface, used by node agents and actor processes."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self._sup = sup
+
+    async def agent_setup(self) -> dict[str, Any]:
+        hb = self._sup.heartbeat
+        return {"run_dir": str(self._sup.run_dir), "interval": hb.interval, "timeout": hb.timeout}
+
+    async def register_agent(self, node: str, address: str, inventory: dict[str, Any]) -> None:
+        await self._sup._register_agent(node, address, inventory)
+
+    async def process_exited(self, info: ExitInfo) -> None:
+        self._sup._on_process_exit(info)
+
+    async def actor_setup(self, name: str) -> dict[str, Any]:
+        args = self._sup._actor_args.get(name)
+        if args is None:
+            raise KeyError(f"no actor named {name!r} is starting")
+        hb = self._sup.heartbeat
+        return {"args": args, "interval": hb.interval, "timeout": hb.timeout}
+
+    async def actor_ready(self, name: str, address: str) -> None:
+        fut = self._sup._actor_ready.get(name)
+        if fut is None:
+            raise KeyError(f"no actor named {name!r} is starting")
+        if not fut.done():
+            fut.set_result(address)
+
+
+class Supervisor:
+    """Starts and owns processes on every node; see the module docstring."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        secret: bytes,
+        *,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        grace: float = 10.0,
+        heartbeat: Heartbeat | None = None,
+        on_exit: Callable[[ExitInfo], None] | None = None,
+        on_unresponsive: Callable[[HeartbeatLost], None] | None = None,
+        inventory: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.grace = grace
+        self.heartbeat = heartbeat or Heartbeat()
+        self.bind_host = bind_host
+        self._secret = secret
+        self._port = port
+        self._on_exit_cb = on_exit
+        self._on_unresponsive_cb = on_unresponsive
+        self._inventory = inventory
+        self._procs: dict[str, ManagedProcess] = {}
+        self._agents: dict[str, _RemoteAgent] = {}
+        self._agent_changed = asyncio.Event()
+        self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
+        self._actor_args: dict[str, dict[str, Any]] = {}
+        self._actor_ready: dict[str, asyncio.Future[str]] = {}
+        self._stack = contextlib.AsyncExitStack()
+        self._tg: asyncio.TaskGroup | None = None
+        self._server: RpcServer | None = None
+        self._local: NodeAgent | None = None
+
+    @property
+    def address(self) -> str:
+        """The control address agents connect to (`tether agent --head <address>`)."""
+        if self._server is None:
+            raise RuntimeError("the supervisor is not running")
+        return self._server.address
+
+    @property
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """Node name → inventory, for this machine and every registered agent."""
+        found = {LOCAL: self._local_inventory()}
+        found.update({name: agent.inventory for name, agent in self._agents.items()})
+        return found
+
+    def _local_inventory(self) -> dict[str, Any]:
+        if self._inventory is not None:
+            return self._inventory()
+        from tether.runtime.agent import default_inventory
+
+        return default_inventory(LOCAL, self.bind_host)
+
+    async def __aenter__(self) -> Supervisor:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+            self._server = await self._stack.enter_async_context(
+                RpcServer(
+                    _HeadService(self), f"tcp://{self.bind_host}:{self._port}", self._secret, name="head"
+                )
+            )
+            self._local = await self._stack.enter_async_context(
+                NodeAgent(
+                    LOCAL,
+                    self.run_dir,
+                    self._secret,
+                    on_exit=self._local_exit,
+                    inventory=self._inventory,
+                    grace=self.grace,
+                    bind_host=self.bind_host,
+                )
+            )
+            self._stack.push_async_callback(self._shutdown)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._stack.aclose()
+
+    async def _shutdown(self) -> None:
+        """Stop every process, then the agents; runs before the server and local agent close."""
+        running = [p for p in self._procs.values() if p.running]
+        async with asyncio.TaskGroup() as tg:
+            for proc in running:
+                tg.create_task(self._stop_quietly(proc.name))
+        for agent in self._agents.values():
+            with contextlib.suppress(Exception):
+                await agent.handle.call("shutdown", timeout=5.0)
+            if agent.monitor is not None:
+                agent.monitor.cancel()
+            await agent.handle.close()
+        for proc in self._procs.values():
+            if proc.monitor is not None:
+                proc.monitor.cancel()
+            if proc.handle is not None:
+                await proc.handle.close()
+
+    async def _stop_quietly(self, name: str) -> None:
+        try:
+            await self.stop(name)
+        except Exception:
+            log.exception("stopping %r failed", name)
+
+    # -- agents ---------------------------------------------------------------------------
+    async def _register_agent(self, node: str, address: str, inventory: dict[str, Any]) -> None:
+        if node == LOCAL or node in self._agents:
+            raise ValueError(f"node name {node!r} is already taken; give the agent another --node-name")
+        assert self._tg is not None
+        handle = await connect(address, self._secret, name=f"agent:{node}", timeout=30.0)
+        agent = _RemoteAgent(node, handle, inventory)
+        self._agents[node] = agent
+        hb = self.heartbeat
+        monitor = LivenessMonitor(
+            handle.ping,
+            interval=hb.interval,
+            timeout=hb.timeout,
+            first_wait=hb.first_wait,
+            name=f"agent {node!r}",
+        )
+        agent.monitor = self._tg.create_task(self._watch_agent(agent, monitor))
+        self._agent_changed.set()
+        log.info("node %r registered from %s", node, address)
+
+    async def wait_for_agents(self, nodes: list[str], timeout: float) -> None:  # noqa: ASYNC109  # the API takes per-call timeouts
+        """Wait until every node in `nodes` has a registered agent."""
+        async with asyncio.timeout(timeout):
+            while any(n != LOCAL and n not in self._agents for n in nodes):
+                self._agent_changed.clear()
+                await self._agent_changed.wait()
+
+    async def _watch_agent(self, agent: _RemoteAgent, monitor: LivenessMonitor) -> None:
+        try:
+            await monitor.run()
+        except HeartbeatLost as lost:
+            log.error("%s; its processes are lost", lost)
+            self._agents.pop(agent.node, None)
+            for proc in list(self._procs.values()):
+                if proc.node == agent.node and proc.running:
+                    self._on_process_exit(
+                        ExitInfo(
+                            name=proc.name,
+                            node=agent.node,
+                            pid=proc.pid,
+                            reason=f"node agent lost: {lost.reason}",
+                        )
+                    )
+            await agent.handle.close()
+
+    def _agent(self, node: str) -> _Agent:
+        if node == LOCAL:
+            assert self._local is not None
+            return self._local
+        agent = self._agents.get(node)
+        if agent is None:
+            known = ", ".join([LOCAL, *self._agents]) or LOCAL
+            raise ValueError(f"node={node!r}: no agent registered for it (known: {known})")
+        return agent
+
+    # -- processes ------------------------------------------------------------------------
+    async def _local_exit(self, info: ExitInfo) -> None:
+        self._on_process_exit(info)
+
+    def _on_process_exit(self, info: ExitInfo) -> None:
+        proc = self._procs.get(info.name)
+        if proc is None or not proc.running:
+            return
+        proc.exit.set_result(info)
+        if proc.monitor is not None:
+            proc.monitor.cancel()
+        if proc.handle is not None:
+            proc.handle.mark_dead(exit_error(info))
+        if proc.stopping:
+            return
+        log.error("process %r on node %r ended unexpectedly: %s", info.name, info.node, exit_error(info))
+        self._failures.put_nowait(exit_error(info))
+        if self._on_exit_cb is not None:
+            self._on_exit_cb(info)
+
+    async def start(
+        self,
+        spec: ProcessSpec,
+        ready: Callable[[], Awaitable[bool]] | None = None,
+        ready_timeout: float = 120.0,
+    ) -> ManagedProcess:
+        """Start `spec` on its node; return once `ready()` is true (when given).
+
+        Raises ActorDied, with the log tail, if the process exits first or is not ready in time
+        (it is stopped then).
+        """
+        return await self._start(spec, ready, None, ready_timeout)
+
+    async def _start(
+        self,
+        spec: ProcessSpec,
+        ready: Callable[[], Awaitable[bool]] | None,
+        ready_future: asyncio.Future[Any] | None,
+        ready_timeout: float,
+    ) -> ManagedProcess:
+        spec.validate()
+        existing = self._procs.get(spec.name)
+        if existing is not None and existing.running:
+            raise ValueError(f"a process named {spec.name!r} is already running")
+        agent = self._agent(spec.node)
+        proc = ManagedProcess(spec.name, spec.node, spec)
+        self._procs[spec.name] = proc
+        proc.pid = await agent.start_process(spec)
+        try:
+            async with asyncio.timeout(ready_timeout):
+                if ready_future is not None:
+                    await asyncio.wait((ready_future, proc.exit), return_when=asyncio.FIRST_COMPLETED)
+                elif ready is not None:
+                    delay = 0.01
+                    while proc.running and not await ready():
+                        await asyncio.wait((proc.exit,), timeout=delay)
+                        delay = min(delay * 2, 0.5)
+        except TimeoutError:
+            info = await self.stop(spec.name)
+            raise ActorDied(
+                spec.name,
+                returncode=info.returncode,
+                signal=info.signal,
+                log_tail=info.log_tail,
+                reason=f"not ready within {ready_timeout:g} s",
+            ) from None
+        if proc.exit.done():
+            raise exit_error(proc.exit.result())
+        return proc
+
+    async def stop(self, name: str, grace: float | None = None) -> ExitInfo:
+        """Stop `name` (SIGTERM, `grace` seconds, SIGKILL) and return how it ended."""
+        proc = self._procs.get(name)
+        if proc is None:
+            raise KeyError(f"no process named {name!r}")
+        if proc.running:
+            proc.stopping = True
+            if proc.monitor is not None:
+                proc.monitor.cancel()
+            try:
+                await self._agent(proc.node).stop_process(name, grace)
+            except (KeyError, ValueError) as exc:
+                # Already reaped on the agent, or its node is gone: its exit is (being) reported.
+                log.info("stop %r: %s", name, exc)
+            except Exception as exc:
+                self._on_process_exit(
+                    ExitInfo(name=name, node=proc.node, pid=proc.pid, reason=f"stop failed: {exc}")
+                )
+        if proc.handle is not None:
+            await proc.handle.close()
+        return await proc.wait()
+
+    def process(self, name: str) -> ManagedProcess:
+        return self._procs[name]
+
+    async def watch(self) -> None:
+        """Raise the first failure the owner did not ask for (ActorDied or HeartbeatLost)."""
+        raise await self._failures.get()
+
+    # -- Python actors --------------------------------------------------------------------
+    async def start_actor(
+        self,
+        name: str,
+        target: str,
+        args: dict[str, Any] | None = None,
+        *,
+        node: str = LOCAL,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 120.0,
+        heartbeat: bool = True,
+        transport: str = "tcp",
+    ) -> ActorHandle:
+        """Start a process that builds `target` ("module.path:ClassName") with `**args` and
+        serves it; return a handle to it once it answers.
+
+        `transport="ipc"` serves on a Unix socket in the run directory (same node only).
+        With `heartbeat`, an actor that stops answering pings is reported (see `watch`).
+        """
+        if transport not in ("tcp", "ipc"):
+            raise ValueError(f"transport={transport!r}: expected 'tcp' or 'ipc'")
+        if transport == "ipc" and node != LOCAL:
+            raise ValueError(f"transport='ipc' with node={node!r}: ipc reaches this machine only")
+        argv = [sys.executable, "-m", "tether.runtime.actor_host", "--name", name, "--target", target]
+        argv += ["--head", self.address]
+        if transport == "ipc":
+            sock_dir = self.run_dir / "sock"
+            sock_dir.mkdir(exist_ok=True)
+            argv += ["--bind", f"ipc://{sock_dir / name}.ipc"]
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[str] = loop.create_future()
+        self._actor_args[name] = dict(args or {})
+        self._actor_ready[name] = ready
+        try:
+            proc = await self._start(
+                ProcessSpec(name=name, argv=argv, env=dict(env or {}), node=node), None, ready, ready_timeout
+            )
+            address = ready.result()
+        finally:
+            self._actor_args.pop(name, None)
+            self._actor_ready.pop(name, None)
+        handle = await connect(address, self._secret, name=name, timeout=30.0)
+        handle.expect_exit_report()
+        proc.handle = handle
+        if not proc.running:  # it died between saying ready and our connecting
+            handle.mark_dead(exit_error(proc.exit.result()))
+        elif heartbeat:
+            hb = self.heartbeat
+            monitor = LivenessMonitor(
+                handle.ping,
+                interval=hb.interval,
+                timeout=hb.timeout,
+                first_wait=hb.first_wait,
+                name=f"actor {name!r}",
+            )
+            assert self._tg is not None
+            proc.monitor = self._tg.create_task(self._watch_actor(proc, monitor))
+        return handle
+
+    async def _watch_actor(self, proc: ManagedProcess, monitor: LivenessMonitor) -> None:
+        try:
+            await monitor.run()
+        except HeartbeatLost as lost:
+            if proc.running and not proc.stopping:
+                log.error("%s (pid %d on node %r)", lost, proc.pid, proc.node)
+                self._failures.put_nowait(lost)
+                if self._on_unresponsive_cb is not None:
+                    self._on_unresponsive_cb(lost)
+
+
+def local_log_tail(run_dir: Path, name: str) -> str:
+    """The tail of a process log written on this machine."""
+    return read_log_tail(log_path(run_dir, name))
+
+
+__all__ = [
+    "LOCAL",
+    "ExitInfo",
+    "Heartbeat",
+    "ManagedProcess",
+    "ProcessSpec",
+    "Supervisor",
+    "exit_error",
+    "local_log_tail",
+]

@@ -1,0 +1,56 @@
+"""The transport a run's flags choose, built on the sync source (trainer rank 0)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tether.rollout.engine_client import EngineClient
+from tether.sync.config import WeightSyncConfig
+from tether.sync.ledger import LedgerEntry
+from tether.sync.transport_delta import DeltaDiskTransport
+from tether.sync.transport_disk import FullDiskTransport
+from tether.sync.transport_distributed import DistributedTransport
+from tether.sync.transport_tensor import TensorTransport
+
+
+class Transport(Protocol):
+    name: str
+
+    async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry: ...
+
+
+def engine_clients(urls: Sequence[str], timeout: float) -> list[EngineClient]:
+    # The one HTTP client tether has for engines; sync depends on it rather than keeping a twin.
+    return [EngineClient(url, name=f"engine{i}", request_timeout=timeout) for i, url in enumerate(urls)]
+
+
+def make_transport(
+    cfg: WeightSyncConfig,
+    engines: Sequence[EngineClient],
+    *,
+    hf_checkpoint: str,
+    colocate: bool,
+    engine_ranks: Sequence[int],
+    master_address: str,
+    master_port: int,
+) -> Transport:
+    """The transport for --update-weight-mode / --update-weight-transport / --colocate."""
+    if colocate:
+        return TensorTransport(engines, cfg, engine_ranks=engine_ranks)
+    if cfg.update_weight_mode == "delta":
+        return DeltaDiskTransport(engines, cfg, hf_checkpoint=Path(hf_checkpoint))
+    if cfg.update_weight_transport == "disk":
+        return FullDiskTransport(engines, cfg, base_dir=Path(hf_checkpoint))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return DistributedTransport(
+        engines,
+        cfg,
+        master_address=master_address,
+        master_port=master_port,
+        engine_ranks=engine_ranks,
+        backend=backend,
+    )

@@ -1,0 +1,281 @@
+"""Training checkpoints: Megatron distributed checkpoint of model + optimizer, plus the run state.
+
+Layout under the --save directory:
+
+    iter_0000012/            a complete checkpoint (renamed into place only when complete)
+      model_optim/           megatron.core.dist_checkpointing, `torch_dist` format (works on gloo)
+      rng/rank_00003.msgpack per-rank RNG states: python, numpy, torch (CPU and CUDA), Megatron tracker
+      run_state.msgpack      rollout id, data-source position, weight version, LR scheduler state
+    iter_0000013.tmp/        a save in progress (or one a crash interrupted): never loaded
+    latest                   "12", rewritten atomically after the rename
+
+A save writes `iter_N.tmp`, then rank 0 fsyncs it, renames it to `iter_N` and rewrites `latest`.
+A load reads `latest`; if it names no complete checkpoint (or a chosen one is unreadable) it
+falls back to the newest complete `iter_*` directory and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tether.sync.atomic import fsync_path, fsync_tree, write_bytes_atomic
+from tether.train.megatron_cpu import quiet_megatron_imports
+from tether.train.model import Actor, unwrap
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+RUN_STATE = "run_state.msgpack"
+MODEL_OPTIM = "model_optim"
+_ITER = re.compile(r"^iter_(\d{7})$")
+# How the distributed optimizer lays out its state: resumable at another DP size, same TP/PP.
+# (In megatron-core 0.16.1 with torch's Adam, "fully_sharded_model_space" fails validation and
+# "fully_reshardable" loses Adam's per-parameter "step".)
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+class RunState(msgspec.Struct, kw_only=True):
+    """What a resumed run needs besides weights and optimizer: where it was."""
+
+    step: int
+    rollout_id: int
+    weight_version: int = 0
+    data_position: dict[str, Any] = msgspec.field(default_factory=dict)
+    scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
+    optimizer_step: int | None = None
+
+
+class RngState(msgspec.Struct, kw_only=True):
+    """One rank's random generators, as bytes (msgpack has no tensors)."""
+
+    python: list[Any]
+    numpy_state: tuple[str, bytes, int, int, float]
+    torch_cpu: bytes
+    torch_cuda: bytes | None
+    tracker: dict[str, bytes]
+
+
+def iter_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _bytes_tensor(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()
+
+
+def capture_rng() -> RngState:
+    """This rank's RNG states (the Megatron tracker holds the model-parallel dropout streams)."""
+    with quiet_megatron_imports():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    version, keys, pos, has_gauss, cached = cast(tuple[Any, ...], np.random.get_state(legacy=True))
+    return RngState(
+        python=_to_lists(random.getstate()),
+        numpy_state=(
+            str(version),
+            np.asarray(keys, dtype=np.uint32).tobytes(),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ),
+        torch_cpu=_tensor_bytes(torch.get_rng_state()),
+        torch_cuda=_tensor_bytes(torch.cuda.get_rng_state()) if torch.cuda.is_available() else None,
+        tracker={k: _tensor_bytes(v) for k, v in get_cuda_rng_tracker().get_states().items()},
+    )
+
+
+def restore_rng(state: RngState) -> None:
+    with quiet_megatron_imports():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(_to_tuples(state.python))
+    version, keys, pos, has_gauss, cached = state.numpy_state
+    np.random.set_state((version, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
+    torch.set_rng_state(_bytes_tensor(state.torch_cpu))
+    if state.torch_cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_bytes_tensor(state.torch_cuda))
+    get_cuda_rng_tracker().set_states({k: _bytes_tensor(v) for k, v in state.tracker.items()})
+
+
+def _to_lists(x: Any) -> Any:
+    return [_to_lists(i) for i in x] if isinstance(x, tuple | list) else x
+
+
+def _to_tuples(x: Any) -> Any:
+    return tuple(_to_tuples(i) for i in x) if isinstance(x, list) else x
+
+
+def _inner_optimizers(actor: Actor) -> list[Any]:
+    return [opt.optimizer for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+
+
+def _adam_step(actor: Actor) -> int | None:
+    for inner in _inner_optimizers(actor):
+        for st in inner.state.values():
+            if "step" in st:
+                return int(st["step"])
+    return None
+
+
+def _restore_adam_step(actor: Actor, step: int) -> None:
+    # megatron-core 0.16.1's distributed-optimizer load does not restore torch Adam's per-param
+    # "step" (bias correction); every parameter steps together, so one saved count restores it.
+    for inner in _inner_optimizers(actor):
+        for st in inner.state.values():
+            if "step" in st:
+                old = st["step"]
+                st["step"] = torch.full_like(old, float(step)) if torch.is_tensor(old) else step
+
+
+def _sharded_state(actor: Actor, *, is_loading: bool) -> dict[str, Any]:
+    model_sd: dict[str, Any] = {}
+    for i, chunk in enumerate(actor.chunks):
+        key = "model" if len(actor.chunks) == 1 else f"model{i}"
+        # The bare GPTModel: DDP would prefix "module." and could not load into a reference model.
+        model_sd[key] = unwrap(chunk).sharded_state_dict()
+    flat: dict[str, Any] = {}
+    for sub in model_sd.values():
+        flat.update(sub)
+    if is_loading:
+        # A fresh distributed optimizer has no Adam state yet ("step" missing); Megatron fills it
+        # with placeholders that the load overwrites.
+        for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+            init_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            if init_dummy is not None and not opt.optimizer.state:
+                init_dummy()
+    optim = actor.optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=_OPTIM_METADATA)
+    return {**model_sd, "optimizer": optim}
+
+
+def save(actor: Actor, save_dir: str | Path, state: RunState) -> Path:
+    """Write checkpoint `iter_{state.step}`; collective over every rank of the job."""
+    with quiet_megatron_imports():
+        from megatron.core import dist_checkpointing
+
+    root = Path(save_dir)
+    final = root / iter_dir_name(state.step)
+    tmp = root / f"{iter_dir_name(state.step)}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MODEL_OPTIM).mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    state.scheduler = actor.scheduler.state_dict()
+    state.optimizer_step = _adam_step(actor)
+    dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp / MODEL_OPTIM))
+    write_bytes_atomic(tmp / "rng" / f"rank_{rank:05d}.msgpack", msgspec.msgpack.encode(capture_rng()))
+    dist.barrier()
+    if rank == 0:
+        write_bytes_atomic(tmp / RUN_STATE, msgspec.msgpack.encode(state))
+        fsync_tree(tmp)
+        if final.exists():  # re-saving the same step: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_path(root)
+        write_bytes_atomic(root / LATEST, str(state.step).encode())
+    dist.barrier()
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[int]:
+    """Steps with a complete checkpoint directory under root, ascending."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        m = _ITER.match(entry.name)
+        if m and entry.is_dir() and (entry / RUN_STATE).is_file() and (entry / MODEL_OPTIM).is_dir():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def find_checkpoint(load_dir: str | Path) -> Path | None:
+    """The checkpoint to resume from: the one `latest` names, or the newest complete one."""
+    root = Path(load_dir)
+    complete = complete_checkpoints(root)
+    marker = root / LATEST
+    if marker.is_file():
+        text = marker.read_text().strip()
+        if text.isdigit() and int(text) in complete:
+            return root / iter_dir_name(int(text))
+        if complete:
+            log.warning(
+                "%s names step %r, which has no complete checkpoint; loading the newest complete one, step %d",
+                marker,
+                text,
+                complete[-1],
+            )
+    if complete:
+        return root / iter_dir_name(complete[-1])
+    return None
+
+
+def load(actor: Actor, load_dir: str | Path, *, finetune: bool = False) -> RunState | None:
+    """Restore model, optimizer, scheduler and RNG from the newest complete checkpoint.
+
+    Returns the run state, or None when `load_dir` holds no complete checkpoint. With `finetune`
+    only the weights are loaded (the run starts fresh from them). Collective over every rank.
+    """
+    with quiet_megatron_imports():
+        from megatron.core import dist_checkpointing
+
+    path = find_checkpoint(load_dir)
+    if path is None:
+        return None
+    sharded = _sharded_state(actor, is_loading=True)
+    if finetune:
+        sharded.pop("optimizer")
+    loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
+    for i, chunk in enumerate(actor.chunks):
+        key = "model" if len(actor.chunks) == 1 else f"model{i}"
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    state = msgspec.msgpack.decode((path / RUN_STATE).read_bytes(), type=RunState)
+    if finetune:
+        return state
+    with torch.no_grad():  # Megatron copies into leaf main params in place
+        actor.optimizer.load_state_dict(loaded["optimizer"])
+    if state.optimizer_step is not None:
+        _restore_adam_step(actor, state.optimizer_step)
+    if state.scheduler:
+        actor.scheduler.load_state_dict(state.scheduler)
+    rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.msgpack"
+    if rng_file.is_file():
+        restore_rng(msgspec.msgpack.decode(rng_file.read_bytes(), type=RngState))
+    else:
+        log.warning(
+            "%s has no RNG state for rank %d (different world size); RNG not restored", path, dist.get_rank()
+        )
+    return state
+
+
+def load_weights_only(chunks: list[Any], load_dir: str | Path) -> Path:
+    """Load only model weights (e.g. a frozen reference from --ref-load); returns the directory."""
+    with quiet_megatron_imports():
+        from megatron.core import dist_checkpointing
+
+    path = find_checkpoint(load_dir)
+    if path is None:
+        raise FileNotFoundError(f"--ref-load={load_dir}: no complete checkpoint (iter_*/ with {RUN_STATE})")
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    sharded = {k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
+    loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
+    for k, chunk in zip(keys, chunks, strict=True):
+        unwrap(chunk).load_state_dict(loaded[k], strict=True)
+    return path

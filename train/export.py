@@ -1,0 +1,127 @@
+"""Megatron → Hugging Face weights: full tensors under HF names, gathered from TP shards.
+
+Each PP stage exports its own layers under their global layer numbers. Every rank of a TP
+group must iterate `iter_hf_weights` to the end (the TP gathers are collectives); all of them
+receive the full tensors, and the stage's sync source (`Topology.is_sync_source`: TP rank 0,
+DP rank 0) is the one that sends them on. `save_hf` streams every stage's tensors to global
+rank 0, which writes one atomic HF directory with `tether.sync.hf_writer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tether.train import hf_convert
+from tether.train.hf_config import ModelArch
+from tether.train.model import unwrap
+from tether.train.parallel import Topology
+
+_END = "__tether_end_of_stage__"
+
+
+def _gather_tp(tensor: torch.Tensor, tp_group: Any, tp_size: int) -> list[torch.Tensor]:
+    if tp_size == 1:
+        return [tensor]
+    local = tensor.detach().contiguous()
+    shards = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(shards, local, group=tp_group)
+    return shards
+
+
+def iter_hf_weights(
+    chunks: list[Any], arch: ModelArch, *, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) for every parameter of this stage; collective over the TP group.
+
+    With tied embeddings `lm_head.weight` is not emitted (HF reties it); the last stage's copy
+    of the embedding is skipped when the first stage exports the original.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    for chunk in chunks:
+        module = unwrap(chunk)
+        numbering = hf_convert.layer_numbering(module)
+        for name, param in module.named_parameters():
+            if arch.tie_word_embeddings and name == "output_layer.weight":
+                # The first stage exports the embedding; at PP=1 this parameter does not exist.
+                continue
+            spec = hf_convert.param_spec(arch, name, numbering)
+            shards = _gather_tp(param.data, tp_group, tp_size)
+            for hf_name, full in hf_convert.megatron_to_hf(arch, spec, shards):
+                out = full.detach().to("cpu")
+                yield hf_name, out.to(dtype) if dtype is not None else out
+
+
+def stream_to_rank0(
+    chunks: list[Any], arch: ModelArch, topo: Topology, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """On global rank 0: this stage's tensors, then every later stage's, received in stage order.
+
+    On every other rank: iterates its own stage (for the TP gathers) and, if it is a stage's
+    sync source, sends each tensor to rank 0; yields nothing.
+    """
+    from megatron.core import parallel_state as ps
+
+    if topo.rank == 0:
+        yield from iter_hf_weights(chunks, arch, dtype=dtype)
+        for stage in range(1, topo.pp_size):
+            src = _stage_source_rank(ps, stage)
+            while True:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=src)
+                name, tensor = box[0]
+                if name == _END:
+                    break
+                yield name, tensor
+        return
+    send = topo.is_sync_source and topo.pp_rank > 0
+    for name, tensor in iter_hf_weights(chunks, arch, dtype=dtype):
+        if send:
+            dist.send_object_list([(name, tensor)], dst=0)
+    if send:
+        dist.send_object_list([(_END, None)], dst=0)
+
+
+def _stage_source_rank(ps: Any, stage: int) -> int:
+    """Global rank of the sync source of pipeline stage `stage`, as seen from global rank 0.
+
+    Rank 0 is TP 0 / DP 0, so its pipeline group links the sync sources of all stages.
+    """
+    ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    return int(ranks[stage])
+
+
+def save_hf(
+    chunks: list[Any],
+    arch: ModelArch,
+    topo: Topology,
+    out_dir: str | Path,
+    *,
+    base_dir: str | Path,
+    version: int = 0,
+    dtype: torch.dtype | None = None,
+) -> Path | None:
+    """Write the whole model as an HF checkpoint at `out_dir` (atomic); collective over all ranks.
+
+    Rank 0 writes; config and tokenizer files are copied from `base_dir` (the --hf-checkpoint).
+    Returns the directory on rank 0, None elsewhere.
+    """
+    from tether.sync.hf_writer import write_hf_checkpoint
+
+    stream = stream_to_rank0(chunks, arch, topo, dtype)
+    out: Path | None = None
+    if topo.rank == 0:
+        write_hf_checkpoint(stream, Path(out_dir), version=version, base_dir=Path(base_dir))
+        out = Path(out_dir)
+    else:
+        for _ in stream:
+            pass
+    dist.barrier()
+    return out

@@ -1,0 +1,350 @@
+"""One optimizer step and forward-only passes through Megatron's pipeline schedule.
+
+`run_schedule` drives `get_forward_backward_func()` over a list of micro-batches with a loss
+callback that sees this rank's vocab-parallel logits shard. Loss scaling follows the
+contract of the RL math (tether.train.losses): a micro-batch's loss is already a *sum* of
+token losses times per-token weights whose total over the step (all micro-batches, all DP
+ranks) is the step mean; `losses.megatron_loss_scale` undoes Megatron's division by the
+micro-batch count and DDP's DP average, so the gradient is exactly that of the summed loss.
+
+`train_step` and `compute_log_probs` are what the worker runs: every rank of the job calls
+them with its DP shard (ranks of one DP group get the same shard) and the same micro-batch
+plan length, and every rank returns the same result (broadcast from the last PP stage).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tether.runtime.errors import ConfigError
+from tether.train import losses
+from tether.train.batching import MicroBatchTensors, TrainBatch, micro_batch_tensors
+from tether.train.config import AlgorithmConfig
+from tether.train.logprobs import log_probs_and_entropy
+from tether.train.megatron_cpu import quiet_megatron_imports
+
+
+class ForwardInput(Protocol):
+    """What a micro-batch must carry for the GPT forward (and optionally `attention_mask`)."""
+
+    @property
+    def tokens(self) -> torch.Tensor: ...
+
+    @property
+    def position_ids(self) -> torch.Tensor: ...
+
+
+# (logits shard [b, s, V/TP], micro-batch) → (loss to backprop, metrics to report)
+LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class MicroBatch:
+    """Bare forward input (no loss columns): `tokens`/`position_ids` [b, s], causal attention."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+
+
+def _forward_step(loss_fn: LossFn, scale: float, device: torch.device) -> Callable[[Any, Any], Any]:
+    def forward_step(data_iterator: Any, model: Any) -> Any:
+        mb = next(data_iterator)
+        mask = getattr(mb, "attention_mask", None)
+        logits = model(
+            mb.tokens.to(device),
+            mb.position_ids.to(device),
+            None if mask is None else mask.to(device),
+        )
+
+        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss, metrics = loss_fn(output, mb)
+            return loss * scale, metrics
+
+        return logits, loss_func
+
+    return forward_step
+
+
+def run_schedule(
+    chunks: list[Any],
+    config: Any,
+    microbatches: Sequence[ForwardInput],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """Run every micro-batch through the pipeline; metrics per micro-batch on the last stage.
+
+    All ranks of the job must call this with the same number of micro-batches (ranks of one DP
+    group get the same ones; shapes may vary between micro-batches).
+    """
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tether.train.parallel import device
+
+    if not microbatches:
+        return []
+    n = len(microbatches)
+    scale = losses.megatron_loss_scale(n, ps.get_data_parallel_world_size())
+    # Micro-batches differ in shape; PP must then exchange shapes before each activation.
+    config.variable_seq_lengths = ps.get_pipeline_model_parallel_world_size() > 1
+    seq_length = max(int(mb.tokens.shape[1]) for mb in microbatches)
+    micro_batch_size = max(int(mb.tokens.shape[0]) for mb in microbatches)
+    fb = get_forward_backward_func()
+    out = fb(
+        forward_step_func=_forward_step(loss_fn, scale, device()),
+        data_iterator=iter(list(microbatches)),
+        model=chunks,
+        num_microbatches=n,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    return list(out) if out else []
+
+
+def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocab logits from a TP shard (tests and debugging; training never gathers)."""
+    with quiet_megatron_imports():
+        from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+
+def forward_logits(
+    chunks: list[Any], config: Any, microbatches: Sequence[MicroBatch], vocab_size: int
+) -> list[torch.Tensor]:
+    """Full-vocab logits per micro-batch on the last PP stage (empty list elsewhere)."""
+
+    def keep(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        full = gather_vocab(logits.detach())[..., :vocab_size]
+        return logits.new_zeros(()), {"logits": full}
+
+    with torch.no_grad():
+        out = run_schedule(chunks, config, microbatches, keep, forward_only=True)
+    return [m["logits"] for m in out]
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exclude the rows Megatron pads the vocabulary with (to a multiple of TP) from the softmax.
+
+    A very negative finite value (not -inf) keeps entropy's p * log p at 0 instead of NaN.
+    """
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+
+    local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * local
+    valid = vocab_size - start
+    if valid >= local:
+        return logits
+    keep = torch.arange(local, device=logits.device) < valid
+    return logits.masked_fill(~keep, -1e30)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """Per-step settings the head passes (from the rollout and algorithm slices)."""
+
+    temperature: float = 1.0
+    with_entropy: bool = True
+
+
+def _load_custom_loss(path: str | None) -> Callable[..., losses.LossOutput]:
+    if not path:
+        raise ConfigError("--custom-loss-function-path", path, "required with --loss-type custom_loss")
+    module, _, attr = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError("--custom-loss-function-path", path, f"cannot import: {e}") from e
+    if not callable(fn):
+        raise ConfigError("--custom-loss-function-path", path, "is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def rl_loss_fn(algo: AlgorithmConfig, vocab_size: int, opts: StepOptions) -> LossFn:
+    """The loss for a micro-batch: policy (PPO/GSPO + KL/entropy/TIS), SFT, or a custom function.
+
+    A custom function takes `(algo, **columns)` like `losses.policy_loss` and returns a LossOutput.
+    """
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+
+    custom = _load_custom_loss(algo.custom_loss_function_path) if algo.loss_type == "custom_loss" else None
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatchTensors) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = mask_padded_vocab(logits, vocab_size)
+        tp_group = (
+            ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        )
+        log_probs, entropy = log_probs_and_entropy(
+            logits,
+            mb.response_index.to(logits.device),
+            mb.targets.to(logits.device),
+            tp_group=tp_group,
+            temperature=opts.temperature,
+            with_entropy=opts.with_entropy,
+        )
+        mbd = mb.to(logits.device)
+        if algo.loss_type == "sft_loss":
+            out = losses.sft_loss(log_probs=log_probs, token_weight=mbd.token_weight)
+            if entropy is not None:
+                out.metrics["entropy"] = losses.weighted_sum(entropy, mbd.token_weight).detach()
+        else:
+            if mbd.advantages is None:
+                raise ValueError("the batch has no advantages; compute them before a policy-loss step")
+            columns: dict[str, Any] = {
+                "log_probs": log_probs,
+                "token_weight": mbd.token_weight,
+                "loss_mask": mbd.loss_mask,
+                "response_lengths": mbd.response_lengths,
+                "advantages": mbd.advantages,
+                "old_log_probs": mbd.old_log_probs,
+                "rollout_log_probs": mbd.rollout_log_probs,
+                "ref_log_probs": mbd.ref_log_probs,
+                "entropy": entropy,
+            }
+            out = (custom or losses.policy_loss)(algo, **columns)
+        out.metrics["trainable_tokens"] = mbd.loss_mask.sum().detach()
+        return out.loss, out.metrics
+
+    return loss_fn
+
+
+def _broadcast_from_last_stage(obj: Any) -> Any:
+    """Send a picklable object from the last PP stage to every stage of this pipeline."""
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    box = [obj]
+    dist.broadcast_object_list(box, src=ranks[-1], group=group)
+    return box[0]
+
+
+def _dp_sum(t: torch.Tensor) -> torch.Tensor:
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return t
+
+
+def build_micro_batches(shard: TrainBatch, plan: Sequence[Sequence[int]]) -> list[MicroBatchTensors]:
+    """This rank's micro-batch tensors from its DP shard and its row of the plan."""
+    return [micro_batch_tensors(shard, list(idx)) for idx in plan]
+
+
+def train_step(
+    actor: Any,
+    shard: TrainBatch,
+    plan: Sequence[Sequence[int]],
+    algo: AlgorithmConfig,
+    opts: StepOptions = StepOptions(),
+) -> dict[str, float]:
+    """Forward/backward over the micro-batches, then one optimizer step; step metrics on every rank.
+
+    Metrics: each loss term and statistic from the loss (step means), grad_norm, lr, whether the
+    step was applied, trainable tokens, tokens/s over the whole job.
+    """
+    start = time.perf_counter()
+    for chunk in actor.chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    actor.optimizer.zero_grad()
+    mbs = build_micro_batches(shard, plan)
+    per_mb = run_schedule(
+        actor.chunks, actor.config, mbs, rl_loss_fn(algo, actor.arch.vocab_size, opts), forward_only=False
+    )
+    ok, grad_norm, _ = actor.optimizer.step()
+    lr = float(actor.optimizer.param_groups[0]["lr"])
+    if ok:
+        actor.scheduler.step(increment=1)
+    metrics: dict[str, float] | None = None
+    if per_mb:
+        # Token-weighted terms are shares of step means: summing over micro-batches and DP ranks
+        # gives the step value. The trainable-token count sums the same way.
+        metrics = losses.sum_metrics(per_mb, all_reduce=_dp_sum)
+    metrics = _broadcast_from_last_stage(metrics) or {}
+    tokens = torch.tensor([float(sum(mb.num_tokens for mb in mbs))])
+    tokens = _dp_sum(tokens)
+    elapsed = time.perf_counter() - start
+    metrics.update(
+        grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+        lr=lr,
+        step_applied=float(bool(ok)),
+        tokens=float(tokens.item()),
+        tokens_per_second=float(tokens.item()) / max(elapsed, 1e-9),
+        step_seconds=elapsed,
+    )
+    return metrics
+
+
+def compute_log_probs(
+    chunks: list[Any],
+    config: Any,
+    vocab_size: int,
+    shard: TrainBatch,
+    plan: Sequence[Sequence[int]],
+    opts: StepOptions = StepOptions(),
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-response-token log-probs (and entropy) of this DP shard, float32, in shard order.
+
+    Every rank of a DP group returns the same arrays (broadcast from the last PP stage).
+    """
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+    def keep(logits: torch.Tensor, mb: MicroBatchTensors) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        lp, ent = log_probs_and_entropy(
+            mask_padded_vocab(logits, vocab_size),
+            mb.response_index.to(logits.device),
+            mb.targets.to(logits.device),
+            tp_group=tp_group,
+            temperature=opts.temperature,
+            with_entropy=opts.with_entropy,
+        )
+        out = {"log_probs": lp.detach().float().cpu()}
+        if ent is not None:
+            out["entropy"] = ent.detach().float().cpu()
+        return logits.new_zeros(()), out
+
+    for chunk in chunks:
+        chunk.eval()
+    mbs = build_micro_batches(shard, plan)
+    with torch.no_grad():
+        per_mb = run_schedule(chunks, config, mbs, keep, forward_only=True)
+    result: tuple[np.ndarray, np.ndarray | None] | None = None
+    if per_mb:
+        # Put every micro-batch's response tokens back at their place in the shard.
+        total = int(shard.response_lengths.sum())
+        ro = shard.response_offsets
+        lp_out = np.zeros(total, dtype=np.float32)
+        ent_out = np.zeros(total, dtype=np.float32) if "entropy" in per_mb[0] else None
+        for idx, m in zip(plan, per_mb, strict=True):
+            pos = np.concatenate([np.arange(ro[i], ro[i + 1]) for i in idx])
+            lp_out[pos] = m["log_probs"].numpy()
+            if ent_out is not None:
+                ent_out[pos] = m["entropy"].numpy()
+        result = (lp_out, ent_out)
+    result = _broadcast_from_last_stage(result)
+    assert result is not None
+    return result

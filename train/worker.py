@@ -1,0 +1,417 @@
+"""A trainer rank: `python -m tether.train.worker` under torchrun, serving RPC to the head.
+
+    torchrun --nnodes N --node-rank R --nproc-per-node G --rdzv-endpoint HOST:PORT \\
+        -m tether.train.worker --rpc-address-dir RUN_DIR/trainer [--bind-host 127.0.0.1]
+
+Address discovery: every rank binds `tcp://BIND_HOST:0` and writes
+`RUN_DIR/trainer/rank_{RANK:05d}.json` (`{"rank", "address", "pid", "host"}`) atomically once
+it serves; the head waits for WORLD_SIZE files and connects to each. The run secret comes
+from the environment (TETHER_SECRET), never the command line.
+
+Ordering contract: Megatron's collectives must run in the same order on every rank, so the
+head calls every rank with the same method and awaits all of them before the next collective
+call (`init`, `train`, `compute_log_probs`, `save`, `load`, `export_hf`). Each rank runs
+these on one dedicated thread, in arrival order, so the event loop keeps answering `health`
+and pings while a step runs. Ranks of one data-parallel group receive the same shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from tether.runtime.errors import ConfigError
+from tether.sync.config import WeightSyncConfig
+from tether.train.batching import TrainBatch
+from tether.train.config import AlgorithmConfig, MegatronConfig
+
+T = TypeVar("T")
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """What `init` and `health` report about a rank."""
+
+    rank: int
+    world_size: int
+    initialized: bool
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    is_sync_source: bool = False
+    steps: int = 0
+    busy: bool = False
+
+
+def model_options(hf_checkpoint: str, algorithm: AlgorithmConfig, megatron: MegatronConfig) -> Any:
+    """The model builder's options from the two trainer config slices."""
+    from tether.train.model import ModelOptions
+
+    if megatron.optimizer != "adam":
+        raise ConfigError("--optimizer", megatron.optimizer, "tether's trainer supports adam")
+    if megatron.context_parallel_size != 1:
+        raise ConfigError("--context-parallel-size", megatron.context_parallel_size, "only 1 is supported")
+    return ModelOptions(
+        hf_checkpoint=hf_checkpoint,
+        lr=algorithm.lr,
+        min_lr=megatron.min_lr,
+        lr_warmup_iters=megatron.lr_warmup_iters,
+        lr_decay_iters=megatron.lr_decay_iters,
+        lr_decay_style=megatron.lr_decay_style,
+        weight_decay=megatron.weight_decay,
+        adam_beta1=megatron.adam_beta1,
+        adam_beta2=megatron.adam_beta2,
+        adam_eps=megatron.adam_eps,
+        clip_grad=megatron.clip_grad,
+        use_distributed_optimizer=megatron.use_distributed_optimizer,
+        bf16=megatron.bf16,
+        hidden_dropout=megatron.hidden_dropout,
+        attention_dropout=megatron.attention_dropout,
+    )
+
+
+class TrainerWorker:
+    """The RPC target of one rank. Public async methods are the RPC surface."""
+
+    def __init__(self, executor: ThreadPoolExecutor) -> None:
+        self._executor = executor
+        self._stop = asyncio.Event()
+        self._actor: Any = None
+        self._ref: Any = None
+        self._topo: Any = None
+        self._algorithm: AlgorithmConfig | None = None
+        self._hf_checkpoint = ""
+        self._temperature = 1.0
+        self._steps = 0
+        self._busy = False
+        self._transport: Any = None
+        self._engines: list[Any] = []
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """Run torch/Megatron work on this rank's single worker thread, in call order."""
+        self._busy = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        finally:
+            self._busy = False
+
+    def _require_init(self) -> Any:
+        if self._actor is None:
+            raise RuntimeError("call init(...) on every rank first")
+        return self._actor
+
+    async def init(
+        self,
+        hf_checkpoint: str,
+        algorithm: AlgorithmConfig,
+        megatron: MegatronConfig,
+        temperature: float = 1.0,
+        with_reference: bool = False,
+    ) -> WorkerInfo:
+        """Join the job's process groups and build the actor (and the reference model for KL).
+
+        The reference comes from --ref-load when set, else from the HF checkpoint. With --load
+        (AlgorithmConfig.load) the head calls `load` next.
+        """
+        if self._actor is not None:
+            raise RuntimeError("init was already called on this rank")
+        if temperature <= 0:
+            raise ConfigError("--rollout-temperature", temperature, "must be > 0 for log-probs")
+
+        def work() -> WorkerInfo:
+            from tether.train import checkpoint, model, parallel
+            from tether.train.hf_config import check_architecture_flags, load_arch
+
+            arch = load_arch(hf_checkpoint)
+            check_architecture_flags(arch, megatron.architecture())
+            topo = parallel.init_distributed(
+                megatron.tensor_model_parallel_size,
+                megatron.pipeline_model_parallel_size,
+                seed=algorithm.seed,
+            )
+            opts = model_options(hf_checkpoint, algorithm, megatron)
+            self._actor = model.build_actor(opts, topo)
+            needs_ref = with_reference or algorithm.use_kl_loss or algorithm.kl_coef > 0
+            if needs_ref:
+                self._ref = model.build_reference(opts, topo, load_weights=algorithm.ref_load is None)
+                if algorithm.ref_load is not None:
+                    checkpoint.load_weights_only(self._ref.chunks, algorithm.ref_load)
+            self._topo = topo
+            self._algorithm = algorithm
+            self._hf_checkpoint = hf_checkpoint
+            self._temperature = temperature
+            return self._info()
+
+        return await self._run(work)
+
+    def _info(self) -> WorkerInfo:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        t = self._topo
+        if t is None:
+            return WorkerInfo(rank=rank, world_size=world, initialized=False, busy=self._busy)
+        return WorkerInfo(
+            rank=rank,
+            world_size=world,
+            initialized=True,
+            tp_rank=t.tp_rank,
+            tp_size=t.tp_size,
+            pp_rank=t.pp_rank,
+            pp_size=t.pp_size,
+            dp_rank=t.dp_rank,
+            dp_size=t.dp_size,
+            is_sync_source=t.is_sync_source,
+            steps=self._steps,
+            busy=self._busy,
+        )
+
+    async def train(self, rollout_id: int, shard: TrainBatch, plan: list[list[int]]) -> dict[str, float]:
+        """One optimizer step on this rank's DP shard, micro-batched by `plan`; the step's metrics."""
+        actor = self._require_init()
+        shard.validate()
+        algorithm = self._algorithm
+        assert algorithm is not None
+
+        def work() -> dict[str, float]:
+            from tether.train import step
+
+            metrics = step.train_step(
+                actor, shard, plan, algorithm, step.StepOptions(temperature=self._temperature)
+            )
+            self._steps += 1
+            metrics["rollout_id"] = float(rollout_id)
+            return metrics
+
+        return await self._run(work)
+
+    async def compute_log_probs(
+        self, shard: TrainBatch, plan: list[list[int]], model: str = "actor", with_entropy: bool = False
+    ) -> dict[str, np.ndarray | None]:
+        """Per-response-token log-probs of `model` ("actor" for old, "ref" for reference)."""
+        actor = self._require_init()
+        if model == "actor":
+            chunks, config = actor.chunks, actor.config
+        elif model == "ref":
+            if self._ref is None:
+                raise ValueError(
+                    "model='ref': no reference model (init with_reference, --use-kl-loss or --kl-coef)"
+                )
+            chunks, config = self._ref.chunks, self._ref.config
+        else:
+            raise ValueError(f"model={model!r}: expected 'actor' or 'ref'")
+        shard.validate()
+
+        def work() -> dict[str, np.ndarray | None]:
+            from tether.train import step
+
+            opts = step.StepOptions(temperature=self._temperature, with_entropy=with_entropy)
+            lp, ent = step.compute_log_probs(chunks, config, actor.arch.vocab_size, shard, plan, opts)
+            return {"log_probs": lp, "entropy": ent}
+
+        return await self._run(work)
+
+    async def save(
+        self,
+        save_dir: str,
+        step: int,
+        rollout_id: int,
+        weight_version: int = 0,
+        data_position: dict[str, Any] | None = None,
+    ) -> str:
+        """Write checkpoint iter_{step} under save_dir (atomic); returns its path."""
+        actor = self._require_init()
+
+        def work() -> str:
+            from tether.train import checkpoint
+
+            state = checkpoint.RunState(
+                step=step,
+                rollout_id=rollout_id,
+                weight_version=weight_version,
+                data_position=data_position or {},
+            )
+            return str(checkpoint.save(actor, save_dir, state))
+
+        return await self._run(work)
+
+    async def load(self, load_dir: str, finetune: bool = False) -> dict[str, Any] | None:
+        """Resume from the newest complete checkpoint in load_dir; its run state, or None if none."""
+        actor = self._require_init()
+
+        def work() -> dict[str, Any] | None:
+            from tether.train import checkpoint
+
+            state = checkpoint.load(actor, load_dir, finetune=finetune)
+            if state is None:
+                return None
+            return {
+                "step": state.step,
+                "rollout_id": state.rollout_id,
+                "weight_version": state.weight_version,
+                "data_position": state.data_position,
+            }
+
+        return await self._run(work)
+
+    async def export_hf(self, out_dir: str, version: int = 0) -> str | None:
+        """Write the actor as an HF checkpoint directory (rank 0 writes; returns the path there)."""
+        actor = self._require_init()
+
+        def work() -> str | None:
+            from tether.train import export
+
+            path = export.save_hf(
+                actor.chunks, actor.arch, self._topo, out_dir, base_dir=self._hf_checkpoint, version=version
+            )
+            return None if path is None else str(path)
+
+        return await self._run(work)
+
+    async def update_weights(
+        self,
+        version: int,
+        engine_urls: list[str],
+        weight_sync: WeightSyncConfig,
+        colocate: bool = False,
+        engine_ranks: list[int] | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+    ) -> dict[str, Any] | None:
+        """Publish the actor's weights as `version` to every engine; collective over all ranks.
+
+        Every rank takes part in gathering the HF tensors (TP gathers, PP stages streamed to
+        rank 0); rank 0 is the sync source and runs the transport the flags chose, keeping it
+        (the update group, the delta baseline) across syncs. Returns the ledger entry on rank 0.
+        """
+        actor = self._require_init()
+        from tether.train import export
+
+        stream = export.stream_to_rank0(actor.chunks, actor.arch, self._topo, None)
+        if self._topo.rank != 0:
+            await self._run(lambda: _drain(stream))
+            return None
+        if self._transport is None:
+            from tether.sync.factory import engine_clients, make_transport
+
+            self._engines = engine_clients(engine_urls, weight_sync.update_weight_request_timeout)
+            self._transport = make_transport(
+                weight_sync,
+                self._engines,
+                hf_checkpoint=self._hf_checkpoint,
+                colocate=colocate,
+                engine_ranks=engine_ranks or [1] * len(engine_urls),
+                master_address=master_address,
+                master_port=master_port,
+            )
+        self._busy = True
+        try:
+            entry = await self._transport.sync(version, stream)
+        finally:
+            self._busy = False
+        return msgspec.to_builtins(entry)
+
+    async def health(self) -> WorkerInfo:
+        """Answered from the event loop, even while a step runs on the worker thread."""
+        return self._info()
+
+    async def shutdown(self) -> None:
+        """Stop serving; the process then leaves its process groups and exits 0."""
+        for client in self._engines:
+            await client.close()
+        self._stop.set()
+
+    async def _wait_stopped(self) -> None:
+        await self._stop.wait()
+
+
+def _drain(stream: Any) -> None:
+    for _ in stream:
+        pass
+
+
+def _write_address(directory: Path, rank: int, address: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank_{rank:05d}.json"
+    tmp = directory / f".rank_{rank:05d}.json.tmp-{os.getpid()}"
+    data = {"rank": rank, "address": address, "pid": os.getpid(), "host": socket.gethostname()}
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def read_addresses(directory: str | Path, world_size: int) -> dict[int, str] | None:
+    """The ranks' RPC addresses once all `world_size` ranks wrote theirs, else None (poll again)."""
+    found: dict[int, str] = {}
+    for rank in range(world_size):
+        path = Path(directory) / f"rank_{rank:05d}.json"
+        if not path.is_file():
+            return None
+        found[rank] = str(json.loads(path.read_text())["address"])
+    return found
+
+
+async def serve(address_dir: Path, bind_host: str) -> None:
+    """Serve this rank's RPC until `shutdown` is called."""
+    from tether.runtime.rpc import RpcServer
+    from tether.runtime.secret import secret_from_env
+
+    secret = secret_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-rank{rank}") as executor:
+        worker = TrainerWorker(executor)
+        async with RpcServer(worker, f"tcp://{bind_host}:0", secret, name=f"trainer-rank{rank}") as server:
+            _write_address(address_dir, rank, server.address)
+            await worker._wait_stopped()
+    from tether.train import parallel
+
+    with contextlib.suppress(Exception):  # the job is ending; a peer may already be gone
+        parallel.destroy()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rpc-address-dir",
+        required=True,
+        type=Path,
+        help="Directory where each rank writes rank_NNNNN.json.",
+    )
+    parser.add_argument("--bind-host", default="127.0.0.1", help="Interface the rank's RPC server binds.")
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from tether.train.megatron_cpu import quiet_megatron_imports
+
+    with quiet_megatron_imports():
+        import megatron.core  # noqa: F401  (import once, quietly, before any rank work)
+    uvloop.run(serve(args.rpc_address_dir, args.bind_host))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tether.train.worker", description=__doc__)
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
