@@ -23,7 +23,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command("tether.run_command", "Train with RL: start engines and trainer ranks and run the loop."),
     "demo": Command("tether.demo", "The CPU demo: a tiny model learns a toy task with GRPO."),
     "plan": Command(
-        "tether.placement.cli", "Print the placement plan for a set of run flags; starts nothing."
+        "tether.plan_command", "Print the placement plan for a set of run flags; starts nothing."
     ),
     "engine": Command(
         "tether.rollout.cpu_engine", "Serve a model with the embedded CPU engine (SGLang's HTTP API)."

@@ -1,8 +1,8 @@
-"""The demo's verifiable toy task: sort the digits of a 4–5 digit string.
+"""The demo's verifiable toy task: sort a string of 4–5 distinct digits.
 
 Prompt `"sort 53142="`, answer `"12345"`. The verifier gives partial credit only to an
 answer that uses exactly the input's digits (a permutation), so neither a constant answer
-nor a one-token answer can score: every input has at least two distinct digits.
+nor a one-token answer can score: every input has at least four distinct digits.
 
     reward = 1.0                                          exact answer
            = 0.5 * (digits in their sorted place) / len   a permutation of the input's digits
@@ -29,10 +29,8 @@ def target(digits: str) -> str:
 
 
 def extract_answer(response: str) -> str:
-    """The answer part of a response: up to the first whitespace or end-of-text marker."""
-    text = response.strip()
-    for marker in ("</s>", "<|endoftext|>", "<eos>"):
-        text = text.split(marker, 1)[0]
+    """The answer part of a response: up to the first whitespace or special-token marker (`<...>`)."""
+    text = response.strip().split("<", 1)[0]
     return text.split()[0] if text.split() else ""
 
 
@@ -49,12 +47,13 @@ def score(digits: str, response: str) -> float:
 
 
 def _inputs(rng: random.Random, count: int) -> list[str]:
+    """Distinct digits: with repeats allowed (60% of inputs), GRPO on the tiny model settles on
+    sorting the *set* of digits (dropping repeats) and plateaus near 0.45 (measured). Distinct
+    digits also mean every input has several distinct digits, so no constant answer scores."""
     found: set[str] = set()
     while len(found) < count:
         n = rng.randint(MIN_DIGITS, MAX_DIGITS)
-        digits = "".join(rng.choice("0123456789") for _ in range(n))
-        if len(set(digits)) > 1:  # an all-same input would let a constant answer score
-            found.add(digits)
+        found.add("".join(rng.sample("0123456789", n)))
     return sorted(found)
 
 

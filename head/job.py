@@ -27,7 +27,7 @@ from tether.placement.inventory import discover_inventory
 from tether.placement.plan import Plan, plan_from_config
 from tether.progress import RunProgress
 from tether.rollout.router import Router
-from tether.rollout_manager import RolloutManager
+from tether.rollout_manager import RolloutManager, version_lags
 from tether.run_dir import RunDir, default_run_dir
 from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost
 from tether.runtime.sdnotify import Notifier
@@ -82,9 +82,19 @@ class Steps:
 
     async def train(self, rollout_id: int, groups: Groups) -> None:
         self.step_metrics = dict(self.rollouts.metrics)
+        # Staleness as trained: how far each sample's weights lag the version this step trains.
+        lags = version_lags(groups, self.version)
+        self.step_metrics["rollout/version_lag_mean"] = sum(lags) / len(lags) if lags else 0.0
+        self.step_metrics["rollout/version_lag_max"] = float(max(lags, default=0))
+        self.step_metrics["train/trained_at_version"] = float(self.version)
         self.progress.phase(f"train step {rollout_id}")
         if self.trainer is None:
             return
+        router = self.rollouts.router
+        if self.cfg.cluster.colocate and router is not None:
+            # Colocated: the engines give their memory back for the train phase; the tensor
+            # transport resumes it for the next sync.
+            await router.broadcast(lambda client: client.release_memory_occupation())
         async with self.trainer_lock:
             started = time.monotonic()
             metrics = await self.trainer.train(rollout_id, groups, weight_version=self.version)
@@ -202,6 +212,13 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
             rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
             steps = Steps(cfg, run_dir, trainer, engines, rollouts, sink, progress, notifier)
             start = await resume(cfg, steps)
+            if start == 0 and rollouts.eval_before_train():
+                progress.phase("eval before training")
+                before = await rollouts.evaluate(-1)
+                sink.log(-1, before)
+                progress.message(
+                    f"held-out reward before training: {before.get('eval/reward_mean', float('nan')):.3f}"
+                )
             notifier.ready(f"running from step {start}")
             run_dir.event("ready", start=start, version=steps.version)
             total = total_rollouts(cfg, rollouts)

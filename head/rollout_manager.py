@@ -26,11 +26,14 @@ Groups = list[list[Sample]]
 
 
 def version_lags(groups: Groups, current: int) -> list[int]:
-    """Per sample: how many versions its oldest generating weights lag behind `current`."""
+    """Per sample: how many versions its oldest generating weights lag behind `current`.
+
+    Engines report the weights they started with by a non-numeric name ("default"): version 0.
+    """
     lags = []
     for group in groups:
         for sample in group:
-            versions = [int(v) for v in sample.weight_versions if str(v).lstrip("-").isdigit()]
+            versions = [int(v) if str(v).isdigit() else 0 for v in sample.weight_versions]
             if versions:
                 lags.append(current - min(versions))
     return lags
@@ -113,16 +116,10 @@ class RolloutManager:
             await self.worker.resume(weight_version)
 
     def _after_rollout(self, rollout_id: int, groups: Groups, seconds: float) -> None:
-        lags = version_lags(groups, self.weight_version)
         samples = sum(len(g) for g in groups)
-        self.metrics.update(
-            {
-                "rollout/wait_s": seconds,
-                "rollout/version_lag_mean": sum(lags) / len(lags) if lags else 0.0,
-                "rollout/version_lag_max": float(max(lags, default=0)),
-                "rollout/samples": float(samples),
-            }
-        )
+        self.metrics.update({"rollout/wait_s": seconds, "rollout/samples": float(samples)})
+        if self.router is not None:
+            self.metrics["perf/engine_busy_s_total"] = sum(self.router.busy_seconds().values())
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, groups, metrics=self.metrics)
 
@@ -130,6 +127,16 @@ class RolloutManager:
     def eval_due(self, rollout_id: int) -> bool:
         has_data = self.ctx is not None and bool(self.config.data.eval_datasets())
         return should_evaluate(self.config.data.eval_interval, rollout_id, has_data=has_data)
+
+    def eval_before_train(self) -> bool:
+        """slime evaluates once before the first step unless --skip-eval-before-train."""
+        data = self.config.data
+        return (
+            self.ctx is not None
+            and bool(data.eval_datasets())
+            and data.eval_interval is not None
+            and not data.skip_eval_before_train
+        )
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         assert self.ctx is not None

@@ -14,12 +14,12 @@ Flags use slime's names; Megatron flags go to Megatron; --sglang-<flag> goes to 
 """
 
 
-def parse(argv: Sequence[str]) -> Config:
+def parse(argv: Sequence[str], prog: str = "tether run") -> Config:
     """The resolved Config, or exit 2 with the message naming the flag and the value."""
     try:
         return resolve(list(argv))
     except ConfigError as exc:
-        print(f"tether run: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import msgspec
 from msgspec import Meta
+
 from tether.runtime.errors import ConfigError
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hostlist
 import msgspec
+
 from tether.placement.config import ClusterConfig
 from tether.runtime.errors import ConfigError
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import msgspec
+
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Inventory, Node, resolve_host
 from tether.placement.server_groups import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+
 from tether.placement.plan import Bundle, Plan
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 import msgspec
 import yaml
+
 from tether.runtime.errors import ConfigError
 
 WorkerType = Literal["regular", "prefill", "decode", "placeholder"]

@@ -176,7 +176,9 @@ def override_flags(overrides: Mapping[str, OverrideValue], where: str) -> dict[s
 def _check_not_plan_owned(keys: Sequence[str], where: str) -> None:
     for key in keys:
         if key in PLAN_FLAGS:
-            raise ConfigError(where, f"--{key}", f"is set by the placement plan; use {PLAN_FLAGS[key]} instead")
+            raise ConfigError(
+                where, f"--{key}", f"is set by the placement plan; use {PLAN_FLAGS[key]} instead"
+            )
 
 
 def engine_passthrough(sglang_args: Sequence[str]) -> Flags:
@@ -315,7 +317,9 @@ def build_launch(
     )
 
 
-def http_ready(url: str, path: str = "/health_generate", timeout: float = 10.0) -> Callable[[], Awaitable[bool]]:
+def http_ready(
+    url: str, path: str = "/health_generate", timeout: float = 10.0
+) -> Callable[[], Awaitable[bool]]:
     """A readiness probe: True once GET url+path answers 200 (a refused connection is 'not yet')."""
 
     async def probe() -> bool:

@@ -56,15 +56,21 @@ def _file_system_sharing() -> Iterator[None]:
         torch_mp.set_sharing_strategy(before)
 
 
-def encode_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+def encode_named_tensors(
+    named: list[tuple[str, torch.Tensor]], keep_alive: list[torch.Tensor] | None = None
+) -> str:
     """The trainer side: one rank's `serialized_named_tensors` entry (base64 text).
 
-    The tensors move to shared memory; the caller must keep them alive until the engine has
-    answered (the engine copies them before it replies).
+    Each tensor is copied into fresh shared memory (sharing a live parameter in place would
+    move the trainer's own storage, and torch reuses a storage's shared-memory name, which the
+    engine may already have released). Pass `keep_alive` and keep it until the engine has
+    answered: the shared copies are appended there, and freeing them unlinks the memory.
     """
     with _file_system_sharing():
-        shared = [(name, t.detach().cpu().contiguous().share_memory_()) for name, t in named]
+        shared = [(name, t.detach().to("cpu", copy=True).contiguous().share_memory_()) for name, t in named]
         data = bytes(ForkingPickler.dumps(shared))
+    if keep_alive is not None:
+        keep_alive.extend(t for _, t in shared)
     return base64.b64encode(data).decode("ascii")
 
 

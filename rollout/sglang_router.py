@@ -73,7 +73,9 @@ def router_passthrough(sglang_args: Sequence[str]) -> Flags:
             continue
         name = key[len(ROUTER_PREFIX) :]
         if name in ROUTER_OWNED:
-            raise ConfigError("--sglang-router-*", f"--sglang-{key}", "is set by tether from the placement plan")
+            raise ConfigError(
+                "--sglang-router-*", f"--sglang-{key}", "is set by tether from the placement plan"
+            )
         out[name] = values
     return out
 
@@ -112,7 +114,9 @@ def router_spec(engines: Sequence[EngineLaunch], cfg: RouterLaunchConfig, node: 
     return ProcessSpec(name=cfg.name, argv=router_argv(engines, cfg), node=node)
 
 
-async def start_router(sup: Supervisor, spec: ProcessSpec, cfg: RouterLaunchConfig) -> tuple[ManagedProcess, str]:
+async def start_router(
+    sup: Supervisor, spec: ProcessSpec, cfg: RouterLaunchConfig
+) -> tuple[ManagedProcess, str]:
     """Start the router (after its engines are ready); return it and its base URL once it routes."""
     proc = await sup.start(spec, ready=http_ready(cfg.url, "/readiness"), ready_timeout=cfg.ready_timeout)
     return proc, cfg.url

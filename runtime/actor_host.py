@@ -16,6 +16,7 @@ import sys
 
 from tether.runtime.errors import HeartbeatLost
 from tether.runtime.liveness import LivenessMonitor
+from tether.runtime.malloc_tuning import tune_malloc
 from tether.runtime.rpc import RpcServer, connect
 from tether.runtime.secret import secret_from_env
 from tether.runtime.signals import StopRequested, handle_signals
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tune_malloc()  # before ZeroMQ's I/O thread allocates anything
     from tether.runtime.loop import run
 
     return run(serve(args))

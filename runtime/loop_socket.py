@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -39,7 +39,7 @@ class LoopSocket:
         self.sock = sock
         self._on_message = on_message
         self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._scheduled = False
         self._closed = False
         self._draining = False
@@ -62,7 +62,7 @@ class LoopSocket:
         try:
             for _ in range(DRAIN_BATCH):
                 # ZMQ_EVENTS rather than a failing NOBLOCK recv: raising zmq.Again costs more.
-                if self._closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if self._closed or not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
                 frame = sock.recv(zmq.NOBLOCK, copy=False)
                 msg = [frame]
@@ -88,7 +88,7 @@ class LoopSocket:
         for i, frame in enumerate(frames):
             sock.send(frame, _MORE if i < last else zmq.NOBLOCK, copy=False)
         # A drain in progress looks at ZMQ_EVENTS again anyway.
-        if not self._draining and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self._draining and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._schedule()
 
     def close(self) -> None:

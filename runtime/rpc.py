@@ -426,8 +426,10 @@ class ActorHandle:
             self._exit_hint = asyncio.get_running_loop().create_future()
 
     async def _run(self, sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
-        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        watcher = LoopSocket(monitor, lambda msg: events.put_nowait(parse_monitor_message(msg)))
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        watcher = LoopSocket(
+            monitor, lambda msg: events.put_nowait(parse_monitor_message([f.bytes for f in msg]))
+        )
         try:
             await self._watch(events)
         finally:
@@ -435,7 +437,7 @@ class ActorHandle:
             sock.disable_monitor()
             monitor.close(linger=0)
 
-    async def _watch(self, events: asyncio.Queue[dict[str, Any]]) -> None:
+    async def _watch(self, events: asyncio.Queue[Any]) -> None:
         connected = False
         while True:
             event = await events.get()

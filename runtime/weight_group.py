@@ -61,8 +61,13 @@ def init_weight_group(
     thread in async code. Rank 0 hosts the TCP store, so it must be the trainer side.
     """
     _check(init_method, rank, world_size, group_name, backend)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    parsed = urlparse(init_method)
+    assert parsed.hostname is not None and parsed.port is not None  # _check made sure
+    # An explicit store, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
+    # rendezvous makes every rank a client of an agent store, so nobody would host this one.
+    store = dist.TCPStore(
+        parsed.hostname, parsed.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
+    )
     # The prefix keeps two groups on one store (or one master port reused later) apart.
     prefixed = dist.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(

@@ -185,6 +185,7 @@ class Codec:
         if code != ARRAY_EXT:
             raise MalformedMessage(f"unknown msgpack extension type {code}")
         import numpy as np
+
         index, dtype, shape = self._ext_meta.decode(data)
         if not 1 <= index < len(self._in) - 1:  # frame 0 is the envelope, the last the mac
             raise MalformedMessage(

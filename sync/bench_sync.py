@@ -5,6 +5,12 @@ elements moved by an optimizer-like step, delta bytes over full bytes, encode GB
 apply-and-verify GB/s (into a host-local store); then against one CPU engine serving a tiny model
 (--engine-hidden/--engine-layers), end-to-end full-disk and delta sync seconds, and distributed
 (gloo) sync GB/s next to a raw single-buffer broadcast of the same bytes to a plain receiver.
+
+The machine is shared, so timings are best-of-N: encode best of 2; apply-and-verify
+(`apply_verify_gb_s`) best of 3 chain steps after the first, where the version being pruned
+lends its cached files, and `apply_verify_first_gb_s` the first apply into a freshly seeded store
+(every output page newly allocated); each distributed sync is paired with a raw broadcast right
+after it (`over_raw` = best raw time / best sync time per bucket size).
 """
 
 from __future__ import annotations
@@ -114,7 +120,7 @@ def _reversed_delta(delta: Path, out: Path) -> None:
 
 
 def delta_figures(
-    work: Path, size_gib: float, fractions: list[float], threads: int
+    work: Path, size_gib: float, fractions: list[float], threads: int, repeats: int = 2
 ) -> list[dict[str, float]]:
     base = _synthetic(size_gib)
     layout = {n: f"model-{i // 8:05d}.safetensors" for i, n in enumerate(base)}
@@ -125,13 +131,19 @@ def delta_figures(
     for k, frac in enumerate(fractions):
         new = _step(base, frac, seed=k + 1)
         out = work / f"delta_{k}"
-        with open_checkpoint(base_dir) as view, staged_dir(out) as staging:
-            t0 = time.perf_counter()
-            index = encode_delta(
-                checkpoint_tensors(view), _raw(new), staging, version=1, base_version=0, weight_map=layout,
-                threads=threads,
-            )  # fmt: skip
-            encode_s = time.perf_counter() - t0
+        encode_times = []
+        for attempt in range(repeats):  # best of `repeats`: this machine's other load comes and goes
+            target = out if attempt == repeats - 1 else work / f"delta_{k}_try{attempt}"
+            with open_checkpoint(base_dir) as view, staged_dir(target) as staging:
+                t0 = time.perf_counter()
+                index = encode_delta(
+                    checkpoint_tensors(view), _raw(new), staging, version=1, base_version=0,
+                    weight_map=layout, threads=threads,
+                )  # fmt: skip
+                encode_times.append(time.perf_counter() - t0)
+            if target != out:
+                shutil.rmtree(target)
+        encode_s = min(encode_times)
         del new
         store = LocalCheckpointStore(work / f"store_{k}", threads=threads)
         store.seed(base_dir)

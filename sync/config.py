@@ -35,6 +35,12 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     update_weight_buffer_size: Annotated[
         int, Meta(ge=1, description="Most bytes per broadcast bucket in a distributed weight sync.")
     ] = 512 * 1024**2
+    update_weight_flattened_bucket: Annotated[
+        bool,
+        Meta(
+            description="Broadcast each bucket as one flat byte buffer (SGLang's load_format='flattened_bucket'); engines must support it."
+        ),
+    ] = False
     update_weights_interval: Annotated[
         int, Meta(ge=1, description="Sync weights to the engines every this many rollouts.")
     ] = 1

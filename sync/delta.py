@@ -14,7 +14,7 @@ import shutil
 import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple
 
@@ -435,11 +435,19 @@ class _ShardWriter:
                 self._delta_fd(piece.frame.file)
         with ThreadPoolExecutor(1, thread_name_prefix="delta-fsync") as syncer:
             syncs: list[Future[None]] = []
-            for piece, fut in zip(plan, [pool.submit(self.write, p) for p in plan], strict=True):
-                fut.result()  # in plan order: shards finish one after another
-                left[piece.shard] -= 1
-                if left[piece.shard] == 0:
-                    syncs.append(syncer.submit(os.fdatasync, self.out_fds[piece.shard]))
+            writes = [pool.submit(self.write, p) for p in plan]
+            try:
+                for piece, fut in zip(plan, writes, strict=True):
+                    fut.result()  # in plan order: shards finish one after another
+                    left[piece.shard] -= 1
+                    if left[piece.shard] == 0:
+                        syncs.append(syncer.submit(os.fdatasync, self.out_fds[piece.shard]))
+            except BaseException:
+                # No job may outlive the file descriptors it writes to (closed on exit).
+                for fut in writes:
+                    fut.cancel()
+                wait(writes)
+                raise
             for sync in syncs:
                 sync.result()
 

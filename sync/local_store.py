@@ -231,19 +231,24 @@ class LocalCheckpointStore:
             final = self.root / version_dir_name(index.version)
             staging = temp_dir_for(final)
             staging.mkdir(parents=True)
-            doomed = self._set_aside_doomed(current)
+            aside = self._set_aside_doomed(current)
+            reuse: dict[str, Path] = {}
             try:
-                reuse = _reusable_shards(doomed)
+                reuse = _reusable_shards(aside)
                 apply_delta(
                     cur_path, current, delta_dir, staging, threads=self.threads, index=index, reuse=reuse
                 )
                 path = self._publish(staging, index.version)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
+                if aside is not None and all(p.exists() for p in reuse.values()):
+                    # Refused before any of its files were taken (a wrong base, say): put it back.
+                    os.rename(aside, aside.with_name(aside.name.rsplit(".old-", 1)[0]))
+                    aside = None
                 raise
             finally:
-                if doomed is not None:
-                    shutil.rmtree(doomed, ignore_errors=True)
+                if aside is not None:
+                    shutil.rmtree(aside, ignore_errors=True)
             return ApplyOutcome(
                 version=index.version,
                 path=str(path),

@@ -44,6 +44,12 @@ def broadcast_async(tensor: torch.Tensor, src: int, group: WeightGroup) -> dist.
     return work
 
 
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bytes of every tensor of a bucket, in order, as one contiguous uint8 tensor."""
+    parts = [t.reshape(-1).view(torch.uint8) for _, t in bucket]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
 class DistributedTransport:
     """The source side of --update-weight-transport nccl (gloo on CPU), not colocated."""
 
@@ -144,6 +150,11 @@ class DistributedTransport:
 
     def _broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         assert self.group is not None
+        if self.cfg.update_weight_flattened_bucket:
+            # SGLang's flattened_bucket: the receiver concatenates the bytes of every tensor of
+            # the bucket, in order, into one uint8 buffer and receives it with one broadcast.
+            broadcast(flatten_bucket(bucket), 0, self.group)
+            return
         # Issue every tensor's broadcast at once (as slime does) so the backend can stream the
         # next tensor while the receiver is still copying out the previous one.
         works = [broadcast_async(t, 0, self.group) for _, t in bucket]
@@ -168,6 +179,8 @@ class DistributedTransport:
             }
             if last:
                 body["weight_version"] = str(version)
+            if self.cfg.update_weight_flattened_bucket:
+                body["load_format"] = "flattened_bucket"
 
             async def post(e: EngineEndpoint, b: dict[str, object] = body) -> object:
                 return await call(e, "/update_weights_from_distributed", b, timeout)

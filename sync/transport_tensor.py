@@ -19,7 +19,8 @@ from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_api import EngineEndpoint, SyncFailed, call, on_all, paused, served_versions
 from tether.sync.ledger import LedgerEntry
 
-Encoder = Callable[[list[tuple[str, torch.Tensor]]], str]
+# (named tensors, a list that keeps the shared copies alive until the engine answers) -> payload
+Encoder = Callable[[list[tuple[str, torch.Tensor]], list[torch.Tensor]], str]
 
 
 def default_encoder() -> Encoder:
@@ -82,13 +83,15 @@ class TensorTransport:
         moved = 0
         async with paused(self.engines, cfg.update_weight_pause_mode, limit) as pause_clock:
             for bucket, last in with_last(buckets(tensors, cfg.update_weight_buffer_size)):
-                # Encoding moves the bucket into shared memory; keep `bucket` alive until answered.
-                payload = await asyncio.to_thread(self.encode, bucket)
+                # The shared-memory copies must outlive the engines' reads of them.
+                alive: list[torch.Tensor] = []
+                payload = await asyncio.to_thread(self.encode, bucket, alive)
                 tagged = version if last else None
                 async with asyncio.TaskGroup() as tg:
                     for engine, ranks in zip(self.engines, self.engine_ranks, strict=True):
                         tg.create_task(self._post(engine, ranks, payload, tagged))
                 moved += sum(nbytes(t) for _, t in bucket)
+                del alive
             pause_s = pause_clock()
         versions = await served_versions(self.engines, limit)
         return LedgerEntry(

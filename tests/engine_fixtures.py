@@ -12,10 +12,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -195,7 +195,10 @@ def find_sglang_python() -> tuple[str | None, str]:
         return None, f"${SGLANG_PYTHON_ENV}={explicit} does not exist"
     venv = Path(os.environ.get(SGLANG_VENV_ENV) or DEFAULT_SGLANG_VENV)
     if not (venv / ".tether-stamp").exists() or not (venv / "bin" / "python").exists():
-        return None, f"the SGLang venv {venv} is not built (run tests/sglang_env.sh, or set ${SGLANG_PYTHON_ENV})"
+        return (
+            None,
+            f"the SGLang venv {venv} is not built (run tests/sglang_env.sh, or set ${SGLANG_PYTHON_ENV})",
+        )
     return str(venv / "bin" / "python"), ""
 
 
@@ -215,7 +218,9 @@ def local_plan_engine(index: int = 0, *, tp_size: int = 1, **fields: Any) -> Pla
         "dist_init_addr": f"127.0.0.1:{dist_port}",
         "nnodes": 1,
         "parts": [
-            EnginePart(node=0, hostname="localhost", node_rank=0, devices=[0], cuda_visible_devices=None, env={})
+            EnginePart(
+                node=0, hostname="localhost", node_rank=0, devices=[0], cuda_visible_devices=None, env={}
+            )
         ],
         "weight_sync_rank_offset": None,
     }
@@ -296,4 +301,6 @@ def start_supervised(
     except BaseException:
         supervised.close()
         raise
-    return Engine(url=supervised.launch.url, model_path=model_path, log=supervised.log, kind=kind), supervised.close
+    return Engine(
+        url=supervised.launch.url, model_path=model_path, log=supervised.log, kind=kind
+    ), supervised.close

@@ -43,4 +43,14 @@ def test_split_is_disjoint_and_deterministic() -> None:
     assert not set(train) & set(held)
     assert len(held) > 400 and len(train) > 4000
     assert demo_task.split() == (train, held)
-    assert all(len(set(x)) > 1 and 4 <= len(x) <= 5 for x in train + held)
+    assert all(len(set(x)) == len(x) and 4 <= len(x) <= 5 for x in train + held)
+
+
+def test_random_answers_score_little() -> None:
+    """Digits drawn at random (a stand-in for the initial model) stay far below the 0.2 ceiling."""
+    import random
+
+    rng = random.Random(0)
+    _train, held = demo_task.split()
+    mean = sum(demo_task.score(x, "".join(rng.sample(x, len(x)))) for x in held) / len(held)
+    assert mean < 0.2, mean

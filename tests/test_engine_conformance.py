@@ -133,7 +133,7 @@ def running(engine: Engine) -> int:
     return int(engine.get("/get_server_info")["internal_states"][0]["running"])
 
 
-def waiting(engine: Engine) -> int:
+def queued(engine: Engine) -> int:
     if engine.kind == "sglang":
         return int(_metric(engine, "sglang:num_queue_reqs"))
     return int(engine.get("/get_server_info")["internal_states"][0]["waiting"])
@@ -240,7 +240,7 @@ def test_errors_answer_like_sglang(engine: Engine) -> None:
     status, body = engine.request(
         "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}
     )
-    assert status == 400 and "ten" in error_message(body)
+    assert status == 400 and error_message(body)
     if engine.kind == "cpu":  # tether names the field; SGLang says only 'invalid type: string "ten"'
         assert "max_new_tokens" in error_message(body)
     status, body = engine.request(
@@ -283,10 +283,13 @@ def test_pause_abort_retract_in_place_and_continue(engine: Engine) -> None:
         engine.post("/pause_generation", {"mode": "abort"})
         assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
         # while paused, a new request waits; it completes after continue
-        waiting = pool.submit(greedy, engine, PROMPTS[0])
-        wait_until(lambda: waiting(engine) >= 1, what="queued")
-        assert not waiting.done()
-        engine.post("/continue_generation", {})
+        try:
+            waiting = pool.submit(greedy, engine, PROMPTS[0])
+            if engine.kind == "cpu":  # SGLang holds it before its scheduler, where no counter sees it
+                wait_until(lambda: queued(engine) >= 1, what="queued")
+            assert not waiting.done()
+        finally:
+            engine.post("/continue_generation", {})
         assert len(waiting.result(timeout=60)["output_ids"]) == N
     reference = greedy(engine, PROMPTS[1], n=300)["output_ids"]
     for mode in ("retract", "in_place"):
@@ -374,18 +377,21 @@ def test_update_weights_from_distributed(engine: Engine, models: tuple[str, str]
             out = greedy(engine, PROMPTS[1])
             assert out["meta_info"]["weight_version"] == "dist-v2"
             assert_matches_hf(out, models[1], PROMPTS[1], TOLERANCE[engine.kind])
-            status, _ = engine.request(
-                "/init_weights_update_group",
-                {
-                    "master_address": "127.0.0.1",
-                    "master_port": free_port(),
-                    "rank_offset": 1,
-                    "world_size": 2,
-                    "group_name": group_name,
-                    "backend": "gloo",
-                },
-            )
-            assert status == 400  # a group name is usable once per server
+            if engine.kind == "cpu":
+                # A group name is usable once per server. SGLang 0.5.23 on CPU does not answer a
+                # reused name before its rendezvous times out (minutes), so only tether's is asked.
+                status, _ = engine.request(
+                    "/init_weights_update_group",
+                    {
+                        "master_address": "127.0.0.1",
+                        "master_port": free_port(),
+                        "rank_offset": 1,
+                        "world_size": 2,
+                        "group_name": group_name,
+                        "backend": "gloo",
+                    },
+                )
+                assert status == 400
             engine.post("/destroy_weights_update_group", {"group_name": group_name})
         finally:
             destroy_weight_group(group)
@@ -395,8 +401,9 @@ def test_update_weights_from_distributed(engine: Engine, models: tuple[str, str]
 def test_update_weights_from_tensor_and_rejections(engine: Engine, models: tuple[str, str]) -> None:
     new = load_file(str(Path(models[1]) / "model.safetensors"))
     tensors = [(name, t) for name, t in new.items()]
+    alive: list[torch.Tensor] = []  # the shared copies live until the engine has answered
     payload = {
-        "serialized_named_tensors": [encode_named_tensors(tensors)],
+        "serialized_named_tensors": [encode_named_tensors(tensors, alive)],
         "weight_version": "tensor-v2",
         "flush_cache": True,
     }
@@ -419,7 +426,7 @@ def test_update_weights_from_tensor_and_rejections(engine: Engine, models: tuple
         ):
             status, body = engine.request(
                 "/update_weights_from_tensor",
-                {"serialized_named_tensors": [encode_named_tensors(bad)], "weight_version": "bad"},
+                {"serialized_named_tensors": [encode_named_tensors(bad, alive)], "weight_version": "bad"},
             )
             assert status == 400 and body["success"] is False
         # A pickle naming anything but torch's tensor rebuilders is refused by name.
@@ -440,7 +447,12 @@ def test_update_weight_version_and_in_flight_request(engine: Engine, models: tup
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(long_request, engine, "across-update", 1500)
         wait_until(lambda: running(engine) >= 1, what="request running")
-        engine.post("/update_weights_from_disk", {"model_path": models[1], "weight_version": "mid-v2"})
+        update: dict[str, Any] = {"model_path": models[1], "weight_version": "mid-v2"}
+        if engine.kind == "sglang":
+            # SGLang 0.5.23 updates but answers 400 when it cannot flush the cache under running
+            # requests; without the flush the update is a plain success.
+            update["flush_cache"] = False
+        engine.post("/update_weights_from_disk", update)
         out = fut.result(timeout=120)
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["meta_info"]["weight_version"] == "mid-v2"  # the version it finished under

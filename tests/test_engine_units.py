@@ -110,7 +110,8 @@ def test_sampling_params_and_choice() -> None:
 
 def test_tensor_payload_round_trip_and_restricted_unpickler() -> None:
     named = [("a", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.float32))]
-    decoded = decode_named_tensors(encode_named_tensors(named))
+    alive: list[torch.Tensor] = []
+    decoded = decode_named_tensors(encode_named_tensors(named, alive))
     assert [n for n, _ in decoded] == ["a", "b"]
     for (_, x), (_, y) in zip(named, decoded, strict=True):
         assert torch.equal(x, y)
@@ -122,7 +123,13 @@ def test_tensor_payload_round_trip_and_restricted_unpickler() -> None:
         decode_named_tensors("not base64!")
 
 
-def test_weight_group_broadcast_between_processes() -> None:
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_weight_group_broadcast_between_processes(
+    under_torchrun: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if under_torchrun:
+        # A trainer rank under torchrun: rank 0 must still host the group's store.
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     port = free_port()
     peer = (
         "import torch;"

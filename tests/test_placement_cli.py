@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node, load_inventory
 from tether.placement.plan import Plan, plan_from_config

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node, apply_visibility, discover_inventory
 from tether.placement.plan import Plan, plan_from_config

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import (
     Gpu,

@@ -7,6 +7,7 @@ import random
 import msgspec
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config

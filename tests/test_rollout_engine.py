@@ -306,7 +306,9 @@ def test_fully_async_pause_requeues_aborted_groups(engines: Engines) -> None:
                 assert m.in_flight_groups == 0 and m.aborted_groups >= 2 and m.requeued_groups >= 2
                 assert ds.buffer_size >= 2
                 assert all(s.response_length == 0 for g in ds.state_dict().buffer for s in g)
-                await ctx.router.remove_engine("e1").close()  # the restart path: carry on with the healthy one
+                await ctx.router.remove_engine(
+                    "e1"
+                ).close()  # the restart path: carry on with the healthy one
                 await worker.resume(weight_version=0)
                 batch = await worker.get_batch(2, 0)
                 assert all(s.status in TRAINABLE for g in batch for s in g)

@@ -15,7 +15,7 @@ import zmq
 
 from tether.runtime.errors import ActorDied, RemoteError, RpcTimeout
 from tether.runtime.loop import run
-from tether.runtime.rpc import RpcServer, connect
+from tether.runtime.rpc import RpcServer, connect, never_suspends
 from tether.runtime.secret import new_secret
 from tether.runtime.wire import Codec, Kind
 
@@ -39,6 +39,10 @@ class Service:
 
     async def record(self, i: int) -> None:
         self.seen.append(i)
+
+    async def record_then_yield(self, i: int) -> None:
+        self.seen.append(i)
+        await asyncio.sleep(0)
 
     async def fail(self, text: str) -> None:
         raise KeyError(text)
@@ -173,6 +177,8 @@ def test_garbage_truncated_unauthenticated_and_oversized_frames_are_dropped() ->
             raw.send_multipart([*big, good.mac(big)])  # over max_message_bytes together
             bad = Codec(new_secret()).encode(Kind.CALL, 2, "add", ((1, 2), {}))
             raw.send_multipart(bad)  # another run's secret
+            sealed = good.encode(Kind.CALL, 3, "stats", ((np.zeros(1 << 16, np.uint8),), {}))
+            raw.send_multipart([sealed[0], np.ones(1 << 16, np.uint8), sealed[2]])  # bulk changed
         finally:
             raw.close()
             ctx.term()
@@ -183,15 +189,15 @@ def test_garbage_truncated_unauthenticated_and_oversized_frames_are_dropped() ->
         async with await connect(server.address, secret, name="svc", timeout=5.0) as h:
             assert await h.add(40, 2) == 42  # still serving
             async with asyncio.timeout(5):
-                while server.dropped_oversized < 1 or server.dropped_unauthenticated < 3:
+                while server.dropped_oversized < 1 or server.dropped_unauthenticated < 4:
                     await h.add(0)
         assert server.dropped_malformed == 4
-        assert server.dropped_unauthenticated == 3
+        assert server.dropped_unauthenticated == 4
         assert server.dropped_oversized == 1
         async with await connect(server.address, new_secret(), name="svc") as stranger:
             with pytest.raises(RpcTimeout):
                 await stranger.add(1, timeout=0.3)
-        assert server.dropped_unauthenticated >= 4  # the call (and the cancel sent after its timeout)
+        assert server.dropped_unauthenticated >= 5  # the call (and the cancel sent after its timeout)
 
     serve("tcp://127.0.0.1:0", body, max_message_bytes=1 << 20)
 
@@ -216,3 +222,21 @@ def test_lost_connection_fails_pending_calls() -> None:
                 await h.add(1)
 
     run(main())
+
+
+def test_quick_methods_run_inline_and_keep_call_order() -> None:
+    assert never_suspends(Service().record) and never_suspends(Service.add)
+    assert not never_suspends(Service().record_then_yield) and not never_suspends(Service.hang)
+    assert not never_suspends(Service().not_async)
+
+    async def body(server: RpcServer, target: Service, secret: bytes) -> None:
+        async with await connect(server.address, secret, name="svc") as h:
+            # Inline (record) and task (record_then_yield) calls interleaved: they still begin
+            # in the order sent, and errors from inline calls come back as RemoteError.
+            await asyncio.gather(*(h.record(i) if i % 3 else h.record_then_yield(i) for i in range(3_000)))
+            assert target.seen == list(range(3_000))
+            with pytest.raises(RemoteError, match="KeyError"):
+                await h.fail("inline")
+            assert server.in_flight == 0
+
+    serve("tcp://127.0.0.1:0", body)

@@ -20,6 +20,7 @@ from tether.sync.delta import (
     DeltaRefused,
     VersionGap,
     WrongBase,
+    apply_delta,
     diff_checkpoints,
     verify_delta,
 )
@@ -270,6 +271,9 @@ def test_chain_reuses_only_unshared_files_of_the_pruned_version(tmp_path: Path, 
     inodes_v0 = {p.name: p.stat().st_ino for p in v0.glob("*.safetensors")}
     shared = {p.name for p in v1.glob("*.safetensors") if p.stat().st_nlink > 1}  # hard links to v0
     assert shared and set(inodes_v0) - shared  # the fixture has both kinds of shard
+    with pytest.raises(WrongBase):  # a refused apply takes nothing from the version it would prune
+        store.apply(make_delta(full[0], full[2], tmp_path / "d02"))
+    verify_checkpoint(v0)
     store.apply(make_delta(full[1], full[2], tmp_path / "d2"))
     v2 = store.root / "weight_v000002"
     # v0's single-link files were rewritten as v2's changed shards; the shared one still holds v1.
@@ -293,3 +297,18 @@ def test_frame_outside_its_tensor_is_refused(tmp_path: Path, chain: list) -> Non
         store.apply(delta)
     assert store.version() == 0
     verify_checkpoint(store.current_path())  # type: ignore[arg-type]
+
+
+def test_apply_stops_every_writer_on_a_bad_frame(tmp_path: Path, chain: list) -> None:
+    # apply_delta on its own (the store checks frame digests first): a frame failing inside the
+    # thread pool aborts the whole apply with a clear error; the base is only ever read.
+    delta = make_delta(chain[0][1], chain[1][1], tmp_path / "d1")
+    data = delta / "delta-00000.bin"
+    corrupt = bytearray(data.read_bytes())
+    corrupt[-3] ^= 0x10
+    data.write_bytes(bytes(corrupt))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CorruptDelta, match="digest"):
+        apply_delta(chain[0][1], 0, delta, out, threads=2)
+    verify_checkpoint(chain[0][1])

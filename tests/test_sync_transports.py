@@ -308,3 +308,47 @@ def test_config_rejects_bad_combinations() -> None:
         c.check_colocate(True)
     with pytest.raises(SyncFailed):
         DistributedTransport([], WeightSyncConfig(), master_port=1, engine_ranks=[0])
+
+
+_FLAT_RECEIVER = """
+import sys, torch
+from datetime import timedelta
+from tether.runtime.weight_group import init_weight_group, broadcast
+g = init_weight_group(sys.argv[1], 1, 2, sys.argv[2], "gloo", timedelta(seconds=60))
+buf = torch.empty(int(sys.argv[3]), dtype=torch.uint8)  # what SGLang's flattened_bucket receives
+broadcast(buf, 0, g)
+torch.save(buf, sys.argv[4])
+"""
+
+
+def test_flattened_bucket_is_one_broadcast_of_the_tensors_bytes(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from tether.runtime.weight_group import destroy_weight_group, init_weight_group
+
+    bucket = [
+        ("a.weight", torch.randn(3, 5).to(torch.bfloat16)),
+        ("b.bias", torch.arange(7, dtype=torch.float32)),
+        ("c.mask", torch.tensor([True, False, True])),
+    ]
+    nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+    method, name, out = f"tcp://127.0.0.1:{free_port()}", "flat-test", tmp_path / "got.pt"
+    proc = subprocess.Popen([sys.executable, "-c", _FLAT_RECEIVER, method, name, str(nbytes), str(out)])
+    try:
+        cfg = WeightSyncConfig(update_weight_flattened_bucket=True)
+        transport = DistributedTransport([], cfg, master_port=0)
+        transport.group = init_weight_group(method, 0, 2, name, "gloo", timedelta(seconds=60))
+        transport._broadcast_bucket(bucket)
+        assert proc.wait(timeout=60) == 0
+        destroy_weight_group(transport.group)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    got = torch.load(out)
+    offset = 0
+    for _, t in bucket:
+        n = t.numel() * t.element_size()
+        assert torch.equal(got[offset : offset + n].clone().view(t.dtype).reshape(t.shape), t)
+        offset += n
+    assert offset == got.numel()

@@ -241,7 +241,14 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     lr_warmup_iters: Annotated[int, Meta(ge=0, description="Linear LR warm-up steps.")] = 0
     bf16: Annotated[bool, Meta(description="Train in bfloat16 (mixed precision).")] = False
     fp16: Annotated[bool, Meta(description="Train in float16 (mixed precision).")] = False
-    attention_dropout: Annotated[float, Meta(ge=0.0, lt=1.0, description="Dropout on attention probs (0: trainer log-probs match the engine's).")] = 0.0
+    attention_dropout: Annotated[
+        float,
+        Meta(
+            ge=0.0,
+            lt=1.0,
+            description="Dropout on attention probs (0: trainer log-probs match the engine's).",
+        ),
+    ] = 0.0
     hidden_dropout: Annotated[float, Meta(ge=0.0, lt=1.0, description="Dropout on hidden states.")] = 0.0
     recompute_granularity: Annotated[
         Literal["full", "selective"] | None, Meta(description="Activation recomputation granularity.")

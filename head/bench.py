@@ -1,0 +1,43 @@
+"""`tether bench NAME [--json] ...`: the benchmarks, each measuring its figures against a baseline
+taken in the same run, and printing JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+
+BENCHES = {
+    "runtime": (
+        "tether.runtime.bench_runtime",
+        "RPC and process start-up against raw pyzmq (and Ray when installed).",
+    ),
+    "engine": (
+        "tether.rollout.bench_engine",
+        "CPU engine tokens/s at 1, 8 and 64 concurrent requests; reload time.",
+    ),
+    "rollout": (
+        "tether.rollout.bench_rollout",
+        "Synchronous rollout against the fully-async worker on long-tail engines.",
+    ),
+    "sync": (
+        "tether.sync.bench_sync",
+        "Delta sizes and speeds, disk and delta sync, bucketed against raw broadcast.",
+    ),
+    "e2e": ("tether.bench_e2e", "A short demo-sized run in each loop mode, side by side."),
+}
+
+
+def main_argv(argv: Sequence[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
+        parser = argparse.ArgumentParser(prog="tether bench", description=__doc__)
+        parser.add_argument(
+            "name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items())
+        )
+        parser.parse_args(list(argv[:1]))
+        return 2
+    module_name, description = BENCHES[argv[0]]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"tether bench {argv[0]}", description=description)
+    module.add_arguments(parser)
+    return int(module.main(parser.parse_args(list(argv[1:]))) or 0)

@@ -1,0 +1,36 @@
+"""`tether plan [run flags] [--json]`: the placement plan a run would use; starts nothing."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from tether.placement.render import print_plan
+
+
+def main_argv(argv: Sequence[str]) -> int:
+    args = list(argv)
+    as_json = "--json" in args
+    args = [a for a in args if a != "--json"]
+    if "-h" in args or "--help" in args:
+        from tether.config import help_text
+
+        print(
+            "usage: tether plan [--json] [run flags]\n\nPrints the placement plan for the run flags; starts nothing.\n"
+        )
+        print(help_text())
+        return 0
+    from tether.job import make_plan
+    from tether.run_command import parse
+
+    cfg = parse(args, prog="tether plan")
+    try:
+        plan = make_plan(cfg)
+    except ValueError as exc:  # impossible requests name the numbers
+        print(f"tether plan: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        sys.stdout.write(plan.to_json().decode() + "\n")
+    else:
+        print_plan(plan)
+    return 0
