@@ -84,6 +84,17 @@ class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
         Literal["auto", "rich", "plain"],
         Meta(description="Progress display: rich bars, plain lines, or auto."),
     ] = "auto"
+    head_bind_host: Annotated[
+        str,
+        Meta(description="Interface the head's control socket binds (agents on other nodes connect to it)."),
+    ] = "127.0.0.1"
+    head_port: Annotated[
+        int, Meta(ge=0, le=65535, description="Port of the head's control socket (0: any free port).")
+    ] = 0
+    agents_timeout: Annotated[
+        float,
+        Meta(gt=0, description="Seconds to wait for the node agents of the plan's other nodes to register."),
+    ] = 300.0
     save_hf: Annotated[
         str | None,
         Meta(description="Write the final weights as a Hugging Face checkpoint into this directory."),

@@ -1,23 +1,49 @@
-"""The rollout engines of a run: started from the plan through the supervisor, all at once."""
+"""The rollout engines of a run: started from the plan through the supervisor, all at once,
+and — with --use-fault-tolerance — watched and replaced when they die or hang.
+
+Recovery of one engine: detect (its process exited, or /health_generate failed or did not
+answer within --rollout-health-check-timeout) → take it out of routing (its in-flight samples
+come back aborted and their groups are requeued whole) → stop it (SIGTERM, then SIGKILL: a
+SIGSTOPped engine only dies by the latter) → start it again on the same devices and ports →
+bring it to the version the others serve → route to it again. More than
+--max-engine-restarts restarts of one engine end the run with an error naming it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from tether.config import Config
 from tether.placement.plan import Plan
+from tether.rollout.engine_client import EngineClient
 from tether.rollout.engine_launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
+from tether.rollout.router import Router
 from tether.run_dir import RunDir
-from tether.runtime.supervisor import Supervisor
+from tether.runtime.errors import HeartbeatLost
+from tether.runtime.liveness import LivenessMonitor
+from tether.runtime.supervisor import ManagedProcess, Supervisor
 
 log = logging.getLogger(__name__)
+
+CatchUp = Callable[[EngineClient], Awaitable[None]]
+HUNG_ENGINE_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an engine being replaced
+
+
+class EngineRestartsExhausted(RuntimeError):
+    """An engine failed more often than --max-engine-restarts allows."""
 
 
 class EnginePool:
     """Engines tether starts (and external ones it only talks to), with the version they serve."""
 
-    def __init__(self, sup: Supervisor, plan: Plan, cfg: Config, run_dir: RunDir) -> None:
+    def __init__(
+        self, sup: Supervisor, plan: Plan, cfg: Config, run_dir: RunDir, names: dict[int, str]
+    ) -> None:
+        self.names = names
         self.sup = sup
         self.plan = plan
         self.cfg = cfg
@@ -26,19 +52,35 @@ class EnginePool:
             cfg.rollout, cfg.fault_tolerance, cfg.sglang_args, plan
         )
         self.launches: dict[str, EngineLaunch] = {}
+        self.procs: dict[str, list[ManagedProcess]] = {}
         self.external: list[str] = []
         self.served_version = 0
+        self.restarts: dict[str, int] = {}
+        self.metrics: dict[str, float] = {"ft/engine_restarts": 0.0}
+        self.router: Router | None = None
+        self.catch_up: CatchUp | None = None
+        self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
+        self._retired: list[EngineClient] = []
+        self._monitors: list[asyncio.Task[None]] = []
+        self._recovering: set[str] = set()
+        self._recovery_changed = asyncio.Event()
+        self._stack = contextlib.AsyncExitStack()
+        self._tg: asyncio.TaskGroup | None = None
 
     @property
     def urls(self) -> list[str]:
         return [launch.url for launch in self.launches.values()] + self.external
+
+    @property
+    def fault_tolerant(self) -> bool:
+        return self.cfg.fault_tolerance.use_fault_tolerance
 
     async def __aenter__(self) -> EnginePool:
         for engine in self.plan.engines:
             if engine.external:
                 self.external.append(f"http://{engine.address}")
             elif engine.worker_type != "placeholder":
-                launch = build_launch(engine, self.launch_cfg)
+                launch = build_launch(engine, self.launch_cfg, node_name=lambda part: self.names[part.node])
                 self.launches[launch.name] = launch
         # Start every engine at once: startup time is dominated by each engine's own load.
         async with asyncio.TaskGroup() as tg:
@@ -47,12 +89,142 @@ class EnginePool:
         return self
 
     async def _start(self, launch: EngineLaunch) -> None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        await start_engine(self.sup, launch)
-        seconds = loop.time() - started
+        started = time.monotonic()
+        self.procs[launch.name] = await start_engine(self.sup, launch, restartable=self.fault_tolerant)
+        seconds = time.monotonic() - started
         self.run_dir.event("engine_ready", engine=launch.name, url=launch.url, seconds=seconds)
         log.info("%s ready at %s after %.1fs", launch.name, launch.url, seconds)
 
     async def __aexit__(self, *exc: object) -> None:
-        pass  # the supervisor owns the processes and stops them when its block ends
+        for task in self._monitors:  # they run until cancelled
+            task.cancel()
+        await self._stack.aclose()  # the monitors' task group; the supervisor stops the processes
+        for client in self._retired:
+            await client.close()
+
+    # ----- fault tolerance -----
+    async def start_monitoring(self, router: Router, catch_up: CatchUp) -> None:
+        """Watch every engine this pool started (with --use-fault-tolerance)."""
+        self.router = router
+        self.catch_up = catch_up
+        if not self.fault_tolerant:
+            return
+        self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._monitors = [self._tg.create_task(self._watch(name)) for name in self.launches]
+
+    async def watch(self) -> None:
+        """Raise the first failure recovery could not handle (run it beside the loop)."""
+        raise await self._failures.get()
+
+    async def _watch(self, name: str) -> None:
+        ft = self.cfg.fault_tolerance
+        while True:
+            client = self._client(name)
+
+            async def probe(c: EngineClient = client) -> None:
+                await c.health_generate(request_timeout=ft.rollout_health_check_timeout)
+
+            monitor = LivenessMonitor(
+                probe,
+                interval=ft.rollout_health_check_interval,
+                timeout=ft.rollout_health_check_timeout,
+                first_wait=ft.rollout_health_check_first_wait,
+                name=name,
+            )
+            exited = asyncio.ensure_future(self.procs[name][-1].wait())
+            probing = asyncio.ensure_future(monitor.run())
+            try:
+                done, _ = await asyncio.wait((exited, probing), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (exited, probing):
+                    task.cancel()
+            detected = time.monotonic()
+            if exited in done and not exited.cancelled():
+                info = exited.result()
+                reason, detection_s = (
+                    f"exited ({info.returncode if info.signal is None else info.signal})",
+                    0.0,
+                )
+            else:
+                lost = probing.exception() if probing.done() and not probing.cancelled() else None
+                reason = str(lost) if isinstance(lost, HeartbeatLost) else "heartbeat failed"
+                last_ok = monitor.last_ok
+                detection_s = (
+                    detected - last_ok if last_ok is not None else float(ft.rollout_health_check_timeout)
+                )
+            try:
+                await self._recover(name, reason, detection_s)
+            except BaseException as exc:  # the run cannot go on without this engine
+                self._failures.put_nowait(exc)
+                return
+
+    def _client(self, name: str) -> EngineClient:
+        assert self.router is not None
+        found = next((c for c in self.router.engines if c.url == self.launches[name].url), None)
+        if found is not None:
+            return found
+        return EngineClient(self.launches[name].url, name=name)
+
+    async def settled(self, grace: float) -> None:
+        """Return once no engine is being replaced, allowing `grace` seconds for a failure that
+        has happened to be detected (a sync that just failed on a dying engine, say)."""
+        if not self._recovering:
+            self._recovery_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._recovery_changed.wait()
+        while self._recovering:
+            self._recovery_changed.clear()
+            await self._recovery_changed.wait()
+
+    async def _recover(self, name: str, reason: str, detection_s: float) -> None:
+        self._recovering.add(name)
+        self._recovery_changed.set()
+        try:
+            await self._replace(name, reason, detection_s)
+        finally:
+            self._recovering.discard(name)
+            self._recovery_changed.set()
+
+    async def _replace(self, name: str, reason: str, detection_s: float) -> None:
+        ft = self.cfg.fault_tolerance
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.run_dir.event(
+            "engine_failed", engine=name, reason=reason, detection_s=detection_s, restart=count
+        )
+        log.warning("%s failed (%s); restart %d of %d", name, reason, count, ft.max_engine_restarts)
+        if count > ft.max_engine_restarts:
+            raise EngineRestartsExhausted(
+                f"{name} failed {count} times ({reason}); --max-engine-restarts={ft.max_engine_restarts} is used up"
+            )
+        started = time.monotonic()
+        assert self.router is not None and self.catch_up is not None
+        routed = next((c for c in self.router.engines if c.url == self.launches[name].url), None)
+        if routed is not None:
+            self.router.remove_engine(routed.name)
+            routed.retire()
+            # Its in-flight requests fail on their own as the process goes; closing the client
+            # under them would turn a clean engine fault into an unrelated error.
+            self._retired.append(routed)
+        for proc in self.procs[name]:
+            if proc.running:
+                await self.sup.stop(proc.name, grace=HUNG_ENGINE_GRACE)
+        launch = self.launches[name]
+        self.procs[name] = await start_engine(self.sup, launch, restartable=True)
+        client = EngineClient(
+            launch.url,
+            name=name,
+            max_connections=self.cfg.rollout.sglang_server_concurrency,
+            request_timeout=self.cfg.rollout.engine_request_timeout_seconds,
+        )
+        await self.catch_up(client)  # the current version before the first request
+        self.router.add_engine(client)
+        restart_s = time.monotonic() - started
+        self.metrics.update(
+            {
+                "ft/engine_restarts": float(sum(self.restarts.values())),
+                "ft/last_detection_s": detection_s,
+                "ft/last_restart_s": restart_s,
+            }
+        )
+        self.run_dir.event("engine_restarted", engine=name, restart_s=restart_s, version=self.served_version)

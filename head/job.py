@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,21 +21,25 @@ from typing import Any, TypeVar
 import msgspec
 
 from tether.config import Config
-from tether.engine_pool import EnginePool
+from tether.engine_pool import EnginePool, EngineRestartsExhausted
 from tether.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
 from tether.metrics import MetricsSink
+from tether.nodes import node_names, remote_nodes
 from tether.placement.inventory import discover_inventory
 from tether.placement.plan import Plan, plan_from_config
 from tether.progress import RunProgress
+from tether.rollout.engine_client import EngineClient
 from tether.rollout.router import Router
 from tether.rollout_manager import RolloutManager, version_lags
-from tether.run_dir import RunDir, default_run_dir
-from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost
+from tether.run_dir import RunDir, atomic_write_bytes, default_run_dir
+from tether.runtime import task_dump
+from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError
 from tether.runtime.sdnotify import Notifier
-from tether.runtime.secret import new_secret
+from tether.runtime.secret import SECRET_ENV, new_secret, secret_from_env
 from tether.runtime.signals import StopRequested, handle_signals
 from tether.runtime.supervisor import Supervisor
 from tether.sync.ledger import LedgerEntry, VersionLedger
+from tether.sync.local_store import LocalCheckpointStore
 from tether.trainer_pool import TrainerPool
 
 log = logging.getLogger(__name__)
@@ -84,6 +89,13 @@ class Steps:
         self.step_metrics = dict(self.rollouts.metrics)
         # Staleness as trained: how far each sample's weights lag the version this step trains.
         lags = version_lags(groups, self.version)
+        self.run_dir.trained_samples(
+            {
+                "step": rollout_id,
+                "trained_at_version": self.version,
+                "samples": [[s.index, s.group_index, s.weight_versions] for g in groups for s in g],
+            }
+        )
         self.step_metrics["rollout/version_lag_mean"] = sum(lags) / len(lags) if lags else 0.0
         self.step_metrics["rollout/version_lag_max"] = float(max(lags, default=0))
         self.step_metrics["train/trained_at_version"] = float(self.version)
@@ -107,31 +119,81 @@ class Steps:
         return (rollout_id + 1) % self.cfg.weight_sync.update_weights_interval == 0
 
     async def sync_weights(self, rollout_id: int) -> int:
+        attempt = 0
+        while True:
+            try:
+                async with self.trainer_lock:
+                    return await self._sync(rollout_id)
+            except RemoteError as exc:
+                # Under --use-fault-tolerance an engine dying mid-sync is replaced (and brought to
+                # the last complete version); then the same version is published again to all.
+                ft = self.cfg.fault_tolerance
+                if not ft.use_fault_tolerance or self.engines is None or attempt >= ft.max_engine_restarts:
+                    raise
+                attempt += 1
+                self.run_dir.event(
+                    "sync_retry", rollout_id=rollout_id, attempt=attempt, error=str(exc)[-800:]
+                )
+                log.warning("weight sync failed (%s); retrying once the engines are back", exc.message[-300:])
+                await self.engines.settled(
+                    ft.rollout_health_check_interval + ft.rollout_health_check_timeout + 1.0
+                )
+
+    async def _sync(self, rollout_id: int, *, engines_restarted: bool = False) -> int:
+        """Publish the trainer's weights as the next version; the caller holds the trainer lock."""
         assert self.trainer is not None and self.engines is not None
         self.progress.phase(f"sync v{self.version + 1}")
-        async with self.trainer_lock:
-            started = time.monotonic()
-            entry = await self.trainer.update_weights(self.version + 1, self.engines.urls)
-            self.version = entry["version"]
-            self.engines.served_version = self.version
-            self.step_metrics.update(
-                {
-                    "sync/time_s": time.monotonic() - started,
-                    "sync/version": float(self.version),
-                    "sync/bytes": float(entry.get("bytes_moved", 0)),
-                    "sync/pause_s": float(entry.get("pause_seconds", 0.0)),
-                }
-            )
-            self.ledger.record(msgspec.convert(entry, LedgerEntry))
-            self.run_dir.event("weight_sync", rollout_id=rollout_id, version=self.version)
+        started = time.monotonic()
+        entry = await self.trainer.update_weights(
+            self.version + 1, self.engines.urls, engines_restarted=engines_restarted
+        )
+        self.version = entry["version"]
+        self.engines.served_version = self.version
+        self.step_metrics.update(
+            {
+                "sync/time_s": time.monotonic() - started,
+                "sync/version": float(self.version),
+                "sync/bytes": float(entry.get("bytes_moved", 0)),
+                "sync/pause_s": float(entry.get("pause_seconds", 0.0)),
+            }
+        )
+        self.ledger.record(msgspec.convert(entry, LedgerEntry))
+        self.run_dir.event("weight_sync", rollout_id=rollout_id, version=self.version)
         self.rollouts.weight_version = self.version
         return self.version
+
+    async def catch_up(self, client: EngineClient) -> None:
+        """Bring a restarted engine to the version the others serve, before it gets a request."""
+        async with self.trainer_lock:  # no sync in flight: the version is settled
+            version = self.version
+            if version == 0 or self.trainer is None:
+                return  # it loaded --hf-checkpoint, which is version 0
+            ws = self.cfg.weight_sync
+            if ws.update_weight_mode == "delta":
+                assert ws.update_weight_local_checkpoint_dir is not None
+                current = LocalCheckpointStore(Path(ws.update_weight_local_checkpoint_dir)).current_path()
+                if current is None:
+                    raise RuntimeError(
+                        f"the local checkpoint store {ws.update_weight_local_checkpoint_dir} is empty"
+                    )
+                path = current
+            elif ws.update_weight_transport == "disk" and not self.cfg.cluster.colocate:
+                assert ws.update_weight_disk_dir is not None
+                path = Path(ws.update_weight_disk_dir) / f"weight_v{version:06d}"
+            else:
+                # No full copy on disk: rebuild the update group and send everything, as a new version.
+                await self._sync(self.completed if self.completed is not None else -1, engines_restarted=True)
+                return
+            await client.update_weights_from_disk(str(path), weight_version=str(version))
+            self.run_dir.event("engine_caught_up", engine=client.name, version=version, path=str(path))
 
     async def after_step(self, rollout_id: int) -> None:
         cfg = self.cfg
         if self.rollouts.eval_due(rollout_id):
             self.progress.phase(f"eval {rollout_id}")
             self.step_metrics.update(await self.rollouts.evaluate(rollout_id))
+        if self.engines is not None:
+            self.step_metrics.update(self.engines.metrics)
         now = time.monotonic()
         samples = self.step_metrics.get("rollout/samples", 0.0)
         self.step_metrics["perf/step_s"] = now - self._step_started
@@ -185,6 +247,7 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
     run_dir.write_receipt(cfg, plan, argv=argv)
     run_dir.event("start", argv=argv)
     notifier = Notifier.from_env()
+    task_dump.install(run_dir.logs)
     sink = MetricsSink(
         run_dir,
         metrics_port=cfg.run.metrics_port,
@@ -197,20 +260,33 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
     progress.message(f"run directory: {run_path}")
     try:
         async with contextlib.AsyncExitStack() as stack:
-            secret = new_secret()
-            sup = await stack.enter_async_context(Supervisor(run_path, secret))
+            # Agents on other nodes share the secret through their environment (launch scripts
+            # export it); a run on one machine makes its own.
+            secret = secret_from_env() if SECRET_ENV in os.environ else new_secret()
+            sup = await stack.enter_async_context(
+                Supervisor(run_path, secret, bind_host=cfg.run.head_bind_host, port=cfg.run.head_port)
+            )
+            names = node_names(plan)
+            atomic_write_bytes(run_path / "head_address", sup.address.encode())
+            remote = remote_nodes(plan, names)
+            if remote:
+                progress.message(f"waiting for node agents {remote} at {sup.address}")
+                await sup.wait_for_agents(remote, cfg.run.agents_timeout)
+                run_dir.event("agents_ready", nodes=remote)
             engines: EnginePool | None = None
             router: Router | None = None
             if not cfg.debug.debug_train_only:
                 progress.phase("starting engines")
-                engines = await stack.enter_async_context(EnginePool(sup, plan, cfg, run_dir))
+                engines = await stack.enter_async_context(EnginePool(sup, plan, cfg, run_dir, names))
                 router = Router.from_config(cfg.rollout, engines.urls)
             trainer: TrainerPool | None = None
             if not cfg.debug.debug_rollout_only:
                 progress.phase("starting trainer")
-                trainer = await stack.enter_async_context(TrainerPool(sup, plan, cfg, run_dir, secret))
+                trainer = await stack.enter_async_context(TrainerPool(sup, plan, cfg, run_dir, secret, names))
             rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
             steps = Steps(cfg, run_dir, trainer, engines, rollouts, sink, progress, notifier)
+            if engines is not None and router is not None:
+                await engines.start_monitoring(router, steps.catch_up)
             start = await resume(cfg, steps)
             if start == 0 and rollouts.eval_before_train():
                 progress.phase("eval before training")
@@ -238,7 +314,7 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
             run_dir.event("stopped", signal=stop.signum)
             progress.message(f"stopped by {stop}")
             return 0
-        failure = _find(exc, ActorDied) or _find(exc, HeartbeatLost)
+        failure = _find(exc, ActorDied) or _find(exc, HeartbeatLost) or _find(exc, EngineRestartsExhausted)
         if failure is None:
             raise
         run_dir.event("failed", error=str(failure))
@@ -305,6 +381,7 @@ async def run_loop(cfg: Config, steps_range: LoopRange, sup: Supervisor, steps: 
     """The loop, alongside the watchers that can end it: process failures, signals, watchdog."""
     async with handle_signals(steps.checkpoint) as stop, asyncio.TaskGroup() as tg:
         watchers = [
+            *([tg.create_task(steps.engines.watch())] if steps.engines is not None else []),
             tg.create_task(sup.watch()),
             tg.create_task(stop.raise_when_requested()),
             tg.create_task(steps.notifier.watchdog_loop()),

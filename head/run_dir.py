@@ -86,6 +86,7 @@ class RunDir:
         self.metrics_path = path / "metrics.jsonl"
         self.events_path = path / "events.jsonl"
         self.ledger_path = path / "ledger.jsonl"
+        self.samples_path = path / "samples.jsonl"
 
     def write_receipt(
         self, config: Any, plan: Any, *, argv: list[str], extra: dict[str, Any] | None = None
@@ -116,6 +117,9 @@ class RunDir:
 
     def metric(self, record: dict[str, Any]) -> None:
         self._append(self.metrics_path, {"time": time.time(), **record})
+
+    def trained_samples(self, record: dict[str, Any]) -> None:
+        self._append(self.samples_path, record)
 
     def event(self, kind: str, **fields: Any) -> None:
         self._append(self.events_path, {"time": time.time(), "event": kind, **fields})

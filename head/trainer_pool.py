@@ -38,10 +38,22 @@ Groups = list[list[Sample]]
 RPC_TIMEOUT = 3600.0  # a train step or a checkpoint of a large model can take long; never forever
 
 
+def _first(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first rank's error: what the caller (and the user) needs, not the task-group wrapper."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, Exception)
+    return exc
+
+
 class TrainerPool:
     """Starts the actor's torchrun job(s), connects to every rank, and drives them in lock-step."""
 
-    def __init__(self, sup: Supervisor, plan: Plan, cfg: Config, run_dir: RunDir, secret: bytes) -> None:
+    def __init__(
+        self, sup: Supervisor, plan: Plan, cfg: Config, run_dir: RunDir, secret: bytes, names: dict[int, str]
+    ) -> None:
+        self.names = names
         self.sup = sup
         self.plan = plan
         self.cfg = cfg
@@ -69,13 +81,19 @@ class TrainerPool:
             "OMP_NUM_THREADS": "1",
             "TORCHELASTIC_ERROR_FILE": str(self.run_dir.logs / "trainer-error.json"),
         }
-        return ProcessSpec(name=f"trainer-node{node.node_rank}", argv=argv, env=env, node="local")
+        return ProcessSpec(
+            name=f"trainer-node{node.node_rank}", argv=argv, env=env, node=self.names[node.node]
+        )
 
     async def __aenter__(self) -> TrainerPool:
         group = self.plan.train_group("actor")
         if group is None:
             raise RuntimeError("the placement plan has no actor group to start")
         world = group.world_size
+        # A run directory used again (requeued job, restarted service) still holds the last
+        # start's rank addresses; only the ranks started now may be read.
+        for stale in self.address_dir.glob("rank_*.json"):
+            stale.unlink(missing_ok=True)
 
         async def all_ranks_serving() -> bool:
             return read_addresses(self.address_dir, world) is not None
@@ -116,11 +134,16 @@ class TrainerPool:
 
     async def _all(self, method: str, *args: Any, result_type: Any = Any, **kwargs: Any) -> list[Any]:
         """The same call on every rank, concurrently; results in rank order."""
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(h.call(method, *args, timeout=RPC_TIMEOUT, result_type=result_type, **kwargs))
-                for h in self.ranks
-            ]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(
+                        h.call(method, *args, timeout=RPC_TIMEOUT, result_type=result_type, **kwargs)
+                    )
+                    for h in self.ranks
+                ]
+        except* Exception as group:
+            raise _first(group) from group
         return [t.result() for t in tasks]
 
     async def _per_rank(self, method: str, per_dp: list[dict[str, Any]], result_type: Any = Any) -> list[Any]:
@@ -224,7 +247,9 @@ class TrainerPool:
         return adv.numpy().astype(np.float32)
 
     # ----- weights and checkpoints -----
-    async def update_weights(self, version: int, engine_urls: list[str]) -> dict[str, Any]:
+    async def update_weights(
+        self, version: int, engine_urls: list[str], *, engines_restarted: bool = False
+    ) -> dict[str, Any]:
         layout = self.plan.weight_sync
         group: dict[str, Any] = {}
         if layout is not None:

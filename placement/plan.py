@@ -8,6 +8,7 @@ devices, ports and SGLang spanning arguments, and the weight-sync group layout.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Literal
 
@@ -188,11 +189,16 @@ class _Ports:
         self._nodes = nodes
         self._first = first
         self._last = last
-        self._next = [first] * len(nodes)
+        # Every loopback address is this one machine: nodes declared there (a one-machine test of
+        # a multi-node plan) share one cursor, else a port bound on 0.0.0.0 by one clashes with
+        # the same number bound by another.
+        self._machine = [_machine(node.address) for node in nodes]
+        self._next = dict.fromkeys(self._machine, first)
 
     def take(self, on: list[int], what: str) -> int:
         """One port free on every node in `on` (a spanning engine binds the same port number on each)."""
-        port = max(self._next[n] for n in on)
+        machines = {self._machine[n] for n in on}
+        port = max(self._next[m] for m in machines)
         if port > self._last:
             names = ", ".join(self._nodes[n].hostname for n in on)
             size = self._last - self._first + 1
@@ -202,9 +208,16 @@ class _Ports:
                 f"port range {self._first}-{self._last} ({size} ports) on {names} is exhausted "
                 f"while assigning the {what}",
             )
-        for n in on:
-            self._next[n] = port + 1
+        for m in machines:
+            self._next[m] = port + 1
         return port
+
+
+def _machine(address: str) -> str:
+    try:
+        return "loopback" if ipaddress.ip_address(address).is_loopback else address
+    except ValueError:
+        return address
 
 
 class _Devices:

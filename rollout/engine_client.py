@@ -128,6 +128,7 @@ class EngineClient:
         self._retries = retries
         self._retry_backoff = retry_backoff
         self._session: aiohttp.ClientSession | None = None
+        self._retired = False
 
     def __repr__(self) -> str:
         return f"EngineClient({self.name!r}, {self.url!r})"
@@ -139,6 +140,10 @@ class EngineClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    def retire(self) -> None:
+        """Refuse every further request (the engine behind this client is being replaced)."""
+        self._retired = True
 
     async def close(self) -> None:
         if self._session is not None:
@@ -190,6 +195,11 @@ class EngineClient:
         request_timeout: float | None,
         headers: Mapping[str, str] | None,
     ) -> bytes:
+        if self._retired:
+            # A replaced engine's new process may answer at this URL before it is ready for us.
+            raise EngineUnavailable(
+                self.name, path, ConnectionAbortedError("the engine was taken out of routing")
+            )
         session = self._ensure_session()
         client_timeout = aiohttp.ClientTimeout(
             total=request_timeout or self._request_timeout, sock_connect=self._connect_timeout
@@ -279,8 +289,9 @@ class EngineClient:
         return dict(await self.request("GET", "/get_server_info"))
 
     async def get_weight_version(self) -> str | None:
-        answer = await self.request("GET", "/get_weight_version")
-        value = answer.get("weight_version") if isinstance(answer, dict) else answer
+        # SGLang 0.5.23 reports the version only in /get_model_info (/get_weight_version is a 404).
+        answer = await self.get_model_info()
+        value = answer.get("weight_version")
         return None if value is None else str(value)
 
     # ----- flow control -----

@@ -337,8 +337,10 @@ class EngineApp:
         return web.Response(status=200 if self.sched.model.loaded else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        if self.sched.running:
-            return web.Response(status=200)  # tokens are flowing: the engine is healthy
+        if self.sched.running or self.sched.paused:
+            # Tokens are flowing, or generation is paused on purpose (a weight update): the
+            # engine is healthy, and a probe queued behind the pause would only time out.
+            return web.Response(status=200)
         req = Request(
             rid=f"HEALTH_CHECK_{time.time()}",
             prompt=[0],
@@ -638,6 +640,11 @@ class EngineApp:
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body: TensorUpdateReq = await read_body(request, TensorUpdateReq)
+        if not self.s.session_open:  # as SGLang 0.5.23 does
+            return result_response(
+                False,
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            )
         if body.load_format not in (None, "direct"):
             return result_response(
                 False, f"load_format={body.load_format!r} is not supported by the CPU engine"

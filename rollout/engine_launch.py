@@ -111,7 +111,8 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
             device_kind=plan.device_kind,
             sglang_args=list(sglang_args),
             sglang_python=sglang_python,
-            ready_timeout=fault_tolerance.rollout_health_check_first_wait,
+            # Loading can take long (compiling, big weights); heartbeats start only after first-wait.
+            ready_timeout=max(fault_tolerance.rollout_health_check_first_wait, 600.0),
             offload=plan.offload_rollout,
         )
 
@@ -336,14 +337,22 @@ def http_ready(
     return probe
 
 
-async def start_engine(sup: Supervisor, launch: EngineLaunch) -> list[ManagedProcess]:
+async def start_engine(
+    sup: Supervisor, launch: EngineLaunch, *, restartable: bool = False
+) -> list[ManagedProcess]:
     """Start the engine's processes through the supervisor; return once the head serves /generate.
 
     Followers start first without a probe (they serve no HTTP and wait for the head to
     rendezvous); the head then has `ready_timeout` seconds to answer /health_generate. If a
     process exits first, this raises ActorDied with its log tail at once (the supervisor stops
-    what it started when its block ends).
+    what it started when its block ends). `restartable` engines' later exits are left to their
+    owner (the fault-tolerance monitor), which replaces them.
     """
-    procs = [await sup.start(spec) for spec in launch.specs[:-1]]
-    head = await sup.start(launch.specs[-1], ready=http_ready(launch.url), ready_timeout=launch.ready_timeout)
+    procs = [await sup.start(spec, restartable=restartable) for spec in launch.specs[:-1]]
+    head = await sup.start(
+        launch.specs[-1],
+        ready=http_ready(launch.url),
+        ready_timeout=launch.ready_timeout,
+        restartable=restartable,
+    )
     return [*procs, head]

@@ -24,6 +24,7 @@ import msgspec
 from tether.rollout.data_source import DataSource
 from tether.rollout.rollout_fn import (
     RolloutContext,
+    engine_failed,
     finalize_groups,
     generate_group,
     group_aborted,
@@ -114,6 +115,7 @@ class FullyAsyncWorker:
             0,
         )
         self._last_lags: list[int] = []
+        self._error: BaseException | None = None
         self._next_id = 0
 
     # ----- lifecycle -----
@@ -168,15 +170,23 @@ class FullyAsyncWorker:
             self._tg.create_task(self._run_group(key, group))
 
     async def _run_group(self, key: int, group: list[Sample]) -> None:
-        with using_context(self._ctx):
-            result = await generate_group(self._ctx, group, self._params)
+        try:
+            with using_context(self._ctx):
+                result = await generate_group(self._ctx, group, self._params)
+        except Exception as exc:
+            # Hand the failure to whoever waits for a batch, instead of leaving them waiting.
+            async with self._changed:
+                self._in_flight.pop(key, None)
+                self._error = self._error or exc
+                self._changed.notify_all()
+            raise
         async with self._changed:
             del self._in_flight[key]
             self._settle(result)
             self._changed.notify_all()
 
     def _requeue(self, group: list[Sample]) -> None:
-        if self._ctx.rollout.partial_rollout:
+        if self._ctx.rollout.partial_rollout and not engine_failed(group):
             self._data.add_samples([group])
         else:
             self._data.add_samples([[reset_to_prompt(s) for s in group]])
@@ -219,6 +229,8 @@ class FullyAsyncWorker:
             raise ValueError(f"a batch of {num_groups} groups can never fill a queue capped at {self._cap}")
         async with self._changed:
             while True:
+                if self._error is not None:
+                    raise self._error
                 # versions may have moved on while groups waited in the queue
                 fresh = [(t, g) for t, g in self._queue if not self._is_stale(g)]
                 if len(fresh) != len(self._queue):

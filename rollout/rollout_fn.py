@@ -27,6 +27,7 @@ import msgspec
 
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data_source import DataSource
+from tether.rollout.engine_client import EngineUnavailable
 from tether.rollout.hooks import (
     FlatArgs,
     HookError,
@@ -36,7 +37,7 @@ from tether.rollout.hooks import (
     load_function,
 )
 from tether.rollout.rewards import RewardModel
-from tether.rollout.router import Router
+from tether.rollout.router import NoEngineError, Router
 from tether.rollout.sample import (
     TRAINABLE,
     Sample,
@@ -81,6 +82,9 @@ class RolloutContext:
         self.metrics: dict[str, float] = {}
         """Metrics of the latest rollout (read by the manager after each call)."""
         self.stop = asyncio.Event()
+        fault_tolerance = getattr(config, "fault_tolerance", None)
+        self.fault_tolerant = bool(fault_tolerance is not None and fault_tolerance.use_fault_tolerance)
+        """Engine faults abort and requeue the samples they cut off instead of failing the rollout."""
         """Set while surplus requests are being aborted: samples not yet sent are not sent."""
 
     async def __aenter__(self) -> RolloutContext:
@@ -94,6 +98,9 @@ class RolloutContext:
         finally:
             await self.router.close()
 
+
+ENGINE_FAILURE = "tether_engine_failure"
+"""Metadata key set on a sample cut off by an engine fault (the group is requeued whole)."""
 
 _current: contextvars.ContextVar[RolloutContext] = contextvars.ContextVar("tether_rollout_context")
 
@@ -185,7 +192,7 @@ def append_segment(
 
 def reset_to_prompt(sample: Sample) -> Sample:
     """The sample as it was drawn: prompt tokens only, no response, pending."""
-    metadata = {k: v for k, v in sample.metadata.items() if k != SEGMENTS_KEY}
+    metadata = {k: v for k, v in sample.metadata.items() if k not in (SEGMENTS_KEY, ENGINE_FAILURE)}
     return msgspec.structs.replace(
         sample,
         tokens=sample.tokens[: sample.prompt_length],
@@ -216,7 +223,17 @@ async def generate_one(ctx: RolloutContext, sample: Sample, params: dict[str, An
             sample.status = SampleStatus.TRUNCATED
             return sample
         params["max_new_tokens"] = remaining
-    _, resp = await ctx.router.generate(sample.tokens, params, routing_key=sample.session_id)
+    try:
+        _, resp = await ctx.router.generate(sample.tokens, params, routing_key=sample.session_id)
+    except (EngineUnavailable, NoEngineError) as exc:
+        if not ctx.fault_tolerant:
+            raise
+        # The engine died or is being replaced: this sample goes back with its group, whole.
+        sample.status = SampleStatus.ABORTED
+        sample.metadata[ENGINE_FAILURE] = str(exc)
+        if isinstance(exc, NoEngineError):
+            await ctx.router.wait_for_engine()
+        return sample
     append_segment(
         sample,
         resp.output_ids,
@@ -274,6 +291,11 @@ def group_aborted(group: Sequence[Sample]) -> bool:
     return any(s.status == SampleStatus.ABORTED for s in group)
 
 
+def engine_failed(group: Sequence[Sample]) -> bool:
+    """Some sample of the group was cut off by an engine fault (see --use-fault-tolerance)."""
+    return any(ENGINE_FAILURE in s.metadata for s in group)
+
+
 def group_failed(group: Sequence[Sample]) -> bool:
     return any(s.status == SampleStatus.FAILED for s in group)
 
@@ -315,12 +337,26 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
     started = time.monotonic()
     kept: list[list[Sample]] = []
     counts = dict.fromkeys(
-        ("filtered_groups", "aborted_groups", "surplus_groups", "requeued_partial_groups", "failed_groups"), 0
+        (
+            "filtered_groups",
+            "aborted_groups",
+            "surplus_groups",
+            "requeued_partial_groups",
+            "failed_groups",
+            "requeued_engine_failure_groups",
+        ),
+        0,
     )
     reasons: dict[str, int] = {}
     ctx.stop.clear()
 
     def settle(group: list[Sample]) -> None:
+        if engine_failed(group):
+            # Lost to an engine fault, not to the sampler: the prompt goes back whole, so it is
+            # generated again and trained exactly once.
+            data_source.add_samples([[reset_to_prompt(s) for s in group]])
+            counts["requeued_engine_failure_groups"] += 1
+            return
         if group_aborted(group):
             counts["aborted_groups"] += 1
             if cfg.partial_rollout:

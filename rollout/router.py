@@ -91,6 +91,7 @@ class Router:
         self._slots: dict[str, _Slot] = {}
         self._ring: list[tuple[int, str]] = []
         self._rr = itertools.count()
+        self._has_engine = asyncio.Event()
         for engine in engines:
             self.add_engine(engine)
 
@@ -148,6 +149,14 @@ class Router:
         ]
         ring.sort()
         self._ring = ring
+        if self._slots:
+            self._has_engine.set()
+        else:
+            self._has_engine.clear()
+
+    async def wait_for_engine(self) -> None:
+        """Return once at least one engine is routed (all of them may be restarting)."""
+        await self._has_engine.wait()
 
     # ----- choosing -----
     def pick(self, routing_key: str | None = None) -> EngineClient:

@@ -91,6 +91,8 @@ class ManagedProcess:
     stopping: bool = False
     exit: asyncio.Future[ExitInfo] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     monitor: asyncio.Task[None] | None = None
+    restartable: bool = False
+    """The owner watches this process (`wait()`) and replaces it when it dies: its exit does not end the run."""
 
     async def wait(self) -> ExitInfo:
         return await asyncio.shield(self.exit)
@@ -311,6 +313,14 @@ class Supervisor:
             proc.handle.mark_dead(exit_error(info))
         if proc.stopping:
             return
+        if proc.restartable:
+            log.warning(
+                "process %r on node %r ended: %s; its owner replaces it",
+                info.name,
+                info.node,
+                exit_error(info),
+            )
+            return
         log.error("process %r on node %r ended unexpectedly: %s", info.name, info.node, exit_error(info))
         self._failures.put_nowait(exit_error(info))
         if self._on_exit_cb is not None:
@@ -321,13 +331,16 @@ class Supervisor:
         spec: ProcessSpec,
         ready: Callable[[], Awaitable[bool]] | None = None,
         ready_timeout: float = 120.0,
+        *,
+        restartable: bool = False,
     ) -> ManagedProcess:
         """Start `spec` on its node; return once `ready()` is true (when given).
 
         Raises ActorDied, with the log tail, if the process exits first or is not ready in time
-        (it is stopped then).
+        (it is stopped then). With `restartable` a later exit is left to the owner (who awaits
+        `wait()` and replaces the process) instead of ending the run through `watch()`.
         """
-        return await self._start(spec, ready, None, ready_timeout)
+        return await self._start(spec, ready, None, ready_timeout, restartable)
 
     async def _start(
         self,
@@ -335,13 +348,14 @@ class Supervisor:
         ready: Callable[[], Awaitable[bool]] | None,
         ready_future: asyncio.Future[Any] | None,
         ready_timeout: float,
+        restartable: bool = False,
     ) -> ManagedProcess:
         spec.validate()
         existing = self._procs.get(spec.name)
         if existing is not None and existing.running:
             raise ValueError(f"a process named {spec.name!r} is already running")
         agent = self._agent(spec.node)
-        proc = ManagedProcess(spec.name, spec.node, spec)
+        proc = ManagedProcess(spec.name, spec.node, spec, restartable=restartable)
         self._procs[spec.name] = proc
         proc.pid = await agent.start_process(spec)
         try:

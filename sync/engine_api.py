@@ -8,10 +8,12 @@ and calls to several engines run concurrently in one TaskGroup.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol, TypeVar
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -78,10 +80,9 @@ def parse_version(value: Any) -> int | None:
 async def served_version(engine: EngineEndpoint, limit_s: float) -> int | None:
     """The weight version an engine reports (None when it reports none or a non-numeric one)."""
     async with asyncio.timeout(limit_s):
-        answer = await engine.request(
-            "GET", "/get_weight_version", None, retry="always", request_timeout=limit_s
-        )
-    return parse_version(answer)
+        # SGLang 0.5.23 reports the version only in /get_model_info (/get_weight_version is a 404).
+        answer = await engine.request("GET", "/get_model_info", None, retry="always", request_timeout=limit_s)
+    return parse_version(answer.get("weight_version") if isinstance(answer, dict) else answer)
 
 
 async def served_versions(engines: Sequence[EngineEndpoint], limit_s: float) -> dict[str, int | None]:
@@ -102,7 +103,11 @@ async def paused(
     try:
         await on_all(engines, lambda e: call(e, "/pause_generation", {"mode": mode}, limit_s))
         if flush:
-            await on_all(engines, lambda e: call(e, "/flush_cache", None, limit_s))
+            # SGLang refuses a flush while any request waits (a heartbeat, say); the cache is
+            # dropped by the weight update itself then, so a refused flush is not a failed sync.
+            refused = await best_effort_on_all(engines, lambda e: call(e, "/flush_cache", None, limit_s))
+            for name, exc in refused.items():
+                log.warning("engine %s did not flush its cache before the weight update: %s", name, exc)
         yield lambda: asyncio.get_running_loop().time() - started
     finally:
         failures = await best_effort_on_all(engines, lambda e: call(e, "/continue_generation", {}, limit_s))

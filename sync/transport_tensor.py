@@ -82,6 +82,8 @@ class TensorTransport:
             await self.resume()
         moved = 0
         async with paused(self.engines, cfg.update_weight_pause_mode, limit) as pause_clock:
+            # SGLang 0.5.23 takes tensor updates only inside a weight-update session.
+            await on_all(self.engines, lambda e: call(e, "/begin_weight_update", {}, limit))
             for bucket, last in with_last(buckets(tensors, cfg.update_weight_buffer_size)):
                 # The shared-memory copies must outlive the engines' reads of them.
                 alive: list[torch.Tensor] = []
@@ -92,6 +94,7 @@ class TensorTransport:
                         tg.create_task(self._post(engine, ranks, payload, tagged))
                 moved += sum(nbytes(t) for _, t in bucket)
                 del alive
+            await on_all(self.engines, lambda e: call(e, "/end_weight_update", {}, limit))
             pause_s = pause_clock()
         versions = await served_versions(self.engines, limit)
         return LedgerEntry(

@@ -290,6 +290,7 @@ class TrainerWorker:
         engine_ranks: list[int] | None = None,
         master_address: str = "127.0.0.1",
         master_port: int = 0,
+        engines_restarted: bool = False,
     ) -> dict[str, Any] | None:
         """Publish the actor's weights as `version` to every engine; collective over all ranks.
 
@@ -317,6 +318,8 @@ class TrainerWorker:
                 master_address=master_address,
                 master_port=master_port,
             )
+        if engines_restarted and hasattr(self._transport, "mark_engine_restarted"):
+            self._transport.mark_engine_restarted()  # rebuild the update group with the new process
         self._busy = True
         try:
             entry = await self._transport.sync(version, stream)
