@@ -102,6 +102,24 @@ class EnginePool:
         for client in self._retired:
             await client.close()
 
+    async def start_sglang_router(self) -> str:
+        """--use-sglang-router: sglang-router in front of the engines; returns its URL."""
+        from tether.ports import port_free
+        from tether.rollout.sglang_router import RouterLaunchConfig, router_spec, start_router
+
+        # The router is the head's own process: any free port of this machine will do.
+        port = next(p for p in range(self.cfg.cluster.node_port_last, 1024, -1) if port_free("127.0.0.1", p))
+        router_cfg = RouterLaunchConfig(
+            port=port,
+            policy=self.cfg.rollout.rollout_routing_policy,
+            sglang_args=list(self.cfg.sglang_args),
+        )
+        _, url = await start_router(
+            self.sup, router_spec(list(self.launches.values()), router_cfg), router_cfg
+        )
+        self.run_dir.event("sglang_router_ready", url=url)
+        return url
+
     # ----- fault tolerance -----
     async def start_monitoring(self, router: Router, catch_up: CatchUp) -> None:
         """Watch every engine this pool started (with --use-fault-tolerance)."""

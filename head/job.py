@@ -278,7 +278,8 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
             if not cfg.debug.debug_train_only:
                 progress.phase("starting engines")
                 engines = await stack.enter_async_context(EnginePool(sup, plan, cfg, run_dir, names))
-                router = Router.from_config(cfg.rollout, engines.urls)
+                router_url = await engines.start_sglang_router() if cfg.rollout.use_sglang_router else None
+                router = Router.from_config(cfg.rollout, engines.urls, router_url=router_url)
             trainer: TrainerPool | None = None
             if not cfg.debug.debug_rollout_only:
                 progress.phase("starting trainer")
@@ -296,11 +297,14 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
                     f"held-out reward before training: {before.get('eval/reward_mean', float('nan')):.3f}"
                 )
             notifier.ready(f"running from step {start}")
-            run_dir.event("ready", start=start, version=steps.version)
+            # Engine busy seconds at the loop's edges: `tether bench e2e` takes the busy fraction
+            # over exactly the steps (not start-up or shut-down).
+            run_dir.event("ready", start=start, version=steps.version, engine_busy_s_total=_busy(router))
             total = total_rollouts(cfg, rollouts)
             steps.total = total
             progress.set_total(total, start)
             await run_loop(cfg, LoopRange(start, total), sup, steps)
+            run_dir.event("loop_done", version=steps.version, engine_busy_s_total=_busy(router))
             if trainer is not None and cfg.run.save_hf is not None:
                 progress.phase("saving HF weights")
                 await trainer.export_hf(cfg.run.save_hf)
@@ -324,6 +328,11 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
         notifier.stopping()
         progress.close()
         sink.close()
+
+
+def _busy(router: Router | None) -> float:
+    """Seconds the engines have had at least one request in flight, summed over engines."""
+    return sum(router.busy_seconds().values()) if router is not None else 0.0
 
 
 def _find(exc: BaseException, kind: type[E]) -> E | None:
@@ -362,8 +371,22 @@ async def resume(cfg: Config, steps: Steps) -> int:
     steps.completed = state["rollout_id"]
     steps.position = state["data_position"]
     steps.rollouts.load_position(state["data_position"])
+    for bad in state.get("skipped", []):
+        # A damaged newest checkpoint (e.g. a truncated shard): the ranks fell back to an older one.
+        steps.run_dir.event(
+            "checkpoint_damaged", path=bad["path"], error=bad["error"], used=state["path"]
+        )
+        message = (
+            f"checkpoint {bad['path']} is damaged ({bad['error']}); resuming from {state['path']} instead"
+        )
+        log.warning("%s", message)
+        steps.progress.message(f"warning: {message}")
     steps.run_dir.event(
-        "resumed", load=load_dir, rollout_id=state["rollout_id"], version=state["weight_version"]
+        "resumed",
+        load=load_dir,
+        path=state.get("path"),
+        rollout_id=state["rollout_id"],
+        version=state["weight_version"],
     )
     # The engines start from --hf-checkpoint; bring them to the resumed weights first.
     if steps.engines is not None:

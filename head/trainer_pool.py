@@ -21,9 +21,10 @@ from tether.config import Config
 from tether.placement.plan import Plan, TorchrunNode
 from tether.rollout.sample import Sample
 from tether.run_dir import RunDir
+from tether.runtime.errors import ActorDied
 from tether.runtime.process import ProcessSpec
 from tether.runtime.rpc import ActorHandle, connect
-from tether.runtime.supervisor import Supervisor
+from tether.runtime.supervisor import ManagedProcess, Supervisor
 from tether.train.advantages import compute_advantages, process_rewards
 from tether.train.batching import (
     TrainBatch,
@@ -36,6 +37,9 @@ from tether.train.worker import WorkerInfo, read_addresses
 
 Groups = list[list[Sample]]
 RPC_TIMEOUT = 3600.0  # a train step or a checkpoint of a large model can take long; never forever
+# When a rank dies, torchrun stops the others (SIGTERM, SIGKILL after its 30 s shutdown timeout)
+# and exits non-zero; its exit report (code, log tail naming the failed rank) is worth that wait.
+EXIT_REPORT_TIMEOUT = 45.0
 
 
 def _first(group: BaseExceptionGroup[Exception]) -> Exception:
@@ -61,6 +65,7 @@ class TrainerPool:
         self.secret = secret
         self.address_dir = run_dir.path / "trainer"
         self.ranks: list[ActorHandle] = []
+        self.procs: list[ManagedProcess] = []
         self.infos: list[WorkerInfo] = []
         self.steps_done = 0
 
@@ -100,8 +105,11 @@ class TrainerPool:
 
         started = time.monotonic()
         async with asyncio.TaskGroup() as tg:
-            for node in group.nodes:
+            starts = [
                 tg.create_task(self.sup.start(self._spec(node), ready=all_ranks_serving, ready_timeout=600.0))
+                for node in group.nodes
+            ]
+        self.procs = [t.result() for t in starts]
         addresses = read_addresses(self.address_dir, world)
         assert addresses is not None
         self.ranks = [
@@ -134,28 +142,53 @@ class TrainerPool:
 
     async def _all(self, method: str, *args: Any, result_type: Any = Any, **kwargs: Any) -> list[Any]:
         """The same call on every rank, concurrently; results in rank order."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(
-                        h.call(method, *args, timeout=RPC_TIMEOUT, result_type=result_type, **kwargs)
-                    )
-                    for h in self.ranks
-                ]
-        except* Exception as group:
-            raise _first(group) from group
-        return [t.result() for t in tasks]
+        return await self._gather(method, [(args, kwargs)] * len(self.ranks), result_type)
 
     async def _per_rank(self, method: str, per_dp: list[dict[str, Any]], result_type: Any = Any) -> list[Any]:
         """Each rank gets the arguments of its data-parallel rank."""
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(
-                    h.call(method, timeout=RPC_TIMEOUT, result_type=result_type, **per_dp[info.dp_rank])
-                )
-                for h, info in zip(self.ranks, self.infos, strict=True)
-            ]
+        return await self._gather(method, [((), per_dp[info.dp_rank]) for info in self.infos], result_type)
+
+    async def _gather(
+        self, method: str, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], result_type: Any
+    ) -> list[Any]:
+        """Call every rank with its arguments; the first rank's error, as the user needs it."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(h.call(method, *a, timeout=RPC_TIMEOUT, result_type=result_type, **kw))
+                    for h, (a, kw) in zip(self.ranks, calls, strict=True)
+                ]
+        except* Exception as group:
+            first = _first(group)
+            if isinstance(first, ActorDied):
+                raise await self._exit_report(first) from group
+            raise first from group
         return [t.result() for t in tasks]
+
+    async def _exit_report(self, lost: ActorDied) -> ActorDied:
+        """A rank's connection dropped: wait for its torchrun job to end and report that.
+
+        The connection is lost at once while torchrun still stops the other ranks; its exit
+        (code, and a log tail that names the failed rank) says what happened, the lost
+        connection alone does not.
+        """
+        pending = [p.exit for p in self.procs]
+        if not pending:
+            return lost
+        done, _ = await asyncio.wait(
+            pending, timeout=EXIT_REPORT_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not done:
+            return lost
+        info = next(f for f in pending if f.done()).result()
+        first = f"{lost.name}: {lost.reason}" if lost.reason else lost.name
+        return ActorDied(
+            info.name,
+            returncode=info.returncode,
+            signal=info.signal,
+            log_tail=info.log_tail,
+            reason=f"{info.reason}; {first}" if info.reason else first,
+        )
 
     @property
     def dp_size(self) -> int:

@@ -104,7 +104,10 @@ def router_argv(engines: Sequence[EngineLaunch], cfg: RouterLaunchConfig) -> lis
             sorted(kinds),
             "sglang-router needs either only regular engines, or prefill and decode engines together",
         )
-    flags["policy"] = [ROUTER_POLICY[cfg.policy]]
+    policy = ROUTER_POLICY[cfg.policy]
+    if policy == "power_of_two" and len(engines) < 2:
+        policy = "round_robin"  # the router refuses power-of-two with one worker; one engine needs no choice
+    flags["policy"] = [policy]
     flags.update(router_passthrough(cfg.sglang_args))
     python = cfg.python or sglang_python()
     return [python, "-m", "sglang_router.launch_router", *flags_to_argv(flags), *worker_args]

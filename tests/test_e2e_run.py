@@ -140,3 +140,31 @@ def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Pa
     for name in ("curves.png", "reward.png"):
         png = train / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in done.stdout
+
+
+@pytest.mark.sglang
+def test_sglang_router_in_front_of_the_engine(ws: Workspace, tmp_path: Path) -> None:
+    """--use-sglang-router: the real sglang-router (from the SGLang venv) routes every rollout."""
+    from engine_fixtures import find_sglang_python
+
+    python, missing = find_sglang_python()
+    if python is None:
+        pytest.skip(f"real SGLang unavailable: {missing}")
+    run = tmp_path / "run"
+    tether(
+        "run",
+        *ws.flags(
+            run,
+            "--num-rollout",
+            "2",
+            "--use-sglang-router",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "w"),
+        ),
+    )
+    check_run(run, transport="disk", steps=2)
+    events = [e["event"] for e in jsonl(run / "events.jsonl")]
+    assert "sglang_router_ready" in events
+    assert (run / "logs" / "sglang-router.log").exists()

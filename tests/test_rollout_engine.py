@@ -198,7 +198,12 @@ def test_partial_rollout_continues_across_a_weight_update(engines: Engines) -> N
             with using_context(ctx):
                 task = asyncio.ensure_future(generate_group(ctx, group, params, score=False))
                 await _until(lambda: ctx.router.in_flight() == 2, 30)
-                await asyncio.sleep(0.3)  # let decoding progress; the assertions hold for any split
+                # Abort only once both requests have produced tokens, so the first segment is
+                # never empty and the off-policy masking below is always exercised.
+                start = await _tokens_generated(client)
+                async with asyncio.timeout(30):
+                    while await _tokens_generated(client) < start + 8:
+                        await asyncio.sleep(0.02)
                 async with asyncio.timeout(30):
                     while not task.done():
                         await client.abort_all()
@@ -213,6 +218,7 @@ def test_partial_rollout_continues_across_a_weight_update(engines: Engines) -> N
             assert s.status == SampleStatus.TRUNCATED and s.response_length == 1200
             assert s.tokens[: len(before)] == before  # the partial tokens are kept, not regenerated
             n1 = s.metadata["segment_lengths"][0]
+            assert n1 > 0
             if n1:
                 assert s.weight_versions == ["0", "1"]
                 assert s.loss_mask == [0] * n1 + [1] * (1200 - n1)  # off-policy segment masked
@@ -252,6 +258,11 @@ def _async_cfg(**rollout: Any) -> Any:
         rollout={"rollout_max_response_len": 6, "rm_type": "exact_match", **rollout},
         data={"rollout_batch_size": 2, "n_samples_per_prompt": 2},
     )
+
+
+async def _tokens_generated(client: EngineClient) -> int:
+    info = await client.get_server_info()
+    return int(info["internal_states"][0]["tokens_generated"])
 
 
 async def _until(predicate: Any, seconds: float = 60.0) -> None:

@@ -10,17 +10,23 @@ Layout under the --save directory:
     latest                   "12", rewritten atomically after the rename
 
 A save writes `iter_N.tmp`, then rank 0 fsyncs it, renames it to `iter_N` and rewrites `latest`.
-A load reads `latest`; if it names no complete checkpoint (or a chosen one is unreadable) it
-falls back to the newest complete `iter_*` directory and says so.
+A load tries the checkpoint `latest` names (or, when it names no complete one, the newest
+complete `iter_*` directory), then the other complete ones, newest first: a checkpoint whose
+files fail validation (a truncated shard, an unreadable run state) or whose load fails on any
+rank is skipped with a warning naming it and the one used. Rank 0 validates and broadcasts the
+choice, and every rank reports its load's outcome, so all ranks always load the same one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import re
 import shutil
+import zipfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, cast
 
@@ -227,18 +233,167 @@ def find_checkpoint(load_dir: str | Path) -> Path | None:
     return None
 
 
-def load(actor: Actor, load_dir: str | Path, *, finetune: bool = False) -> RunState | None:
-    """Restore model, optimizer, scheduler and RNG from the newest complete checkpoint.
+class SkippedCheckpoint(msgspec.Struct, frozen=True):
+    """A complete checkpoint directory that could not be loaded, and why."""
 
-    Returns the run state, or None when `load_dir` holds no complete checkpoint. With `finetune`
-    only the weights are loaded (the run starts fresh from them). Collective over every rank.
+    path: str
+    error: str
+
+
+class Loaded(msgspec.Struct, kw_only=True):
+    """What `load_checkpoint` restored: the run state, from which directory, what it skipped."""
+
+    state: RunState
+    path: str
+    skipped: list[SkippedCheckpoint] = msgspec.field(default_factory=list)
+
+
+def checkpoint_candidates(load_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in the order a load tries them: `find_checkpoint`'s, then newest first."""
+    root = Path(load_dir)
+    first = find_checkpoint(root)
+    if first is None:
+        return []
+    rest = [root / iter_dir_name(step) for step in reversed(complete_checkpoints(root))]
+    return [first, *(p for p in rest if p != first)]
+
+
+def validate_checkpoint(path: Path) -> None:
+    """Check that every file of a checkpoint is whole and readable, without loading tensors.
+
+    Raises ValueError naming the file: a run state or RNG state that does not decode, Megatron's
+    metadata that does not parse, a `common.pt` whose archive fails its CRC check, or a shard
+    file shorter than the byte ranges the checkpoint's index says it holds (a truncated file).
     """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def bad(file: Path, why: object) -> ValueError:
+        return ValueError(f"{file}: {why}")
+
+    run_state = path / RUN_STATE
+    try:
+        msgspec.msgpack.decode(run_state.read_bytes(), type=RunState)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise bad(run_state, exc) from None
+    for rng_file in sorted((path / "rng").glob("rank_*.msgpack")):
+        try:
+            msgspec.msgpack.decode(rng_file.read_bytes(), type=RngState)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise bad(rng_file, exc) from None
+    model_dir = path / MODEL_OPTIM
+    meta_json = model_dir / "metadata.json"
+    try:
+        json.loads(meta_json.read_text())
+    except (OSError, ValueError) as exc:
+        raise bad(meta_json, exc) from None
+    common = model_dir / "common.pt"
+    if common.exists():
+        try:
+            with zipfile.ZipFile(common) as archive:
+                broken = archive.testzip()
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise bad(common, exc) from None
+        if broken is not None:
+            raise bad(common, f"member {broken!r} fails its CRC check")
+    try:
+        metadata = FileSystemReader(str(model_dir)).read_metadata()
+    except Exception as exc:  # an unpickling error can be of many types
+        raise bad(model_dir / ".metadata", f"{type(exc).__name__}: {exc}") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        shard = model_dir / name
+        try:
+            size = shard.stat().st_size
+        except OSError as exc:
+            raise bad(shard, exc) from None
+        if size < end:
+            raise bad(shard, f"{size} bytes, but the checkpoint index needs {end} (truncated)")
+
+
+def select_checkpoint(
+    load_dir: str | Path, exclude: Collection[str] = ()
+) -> tuple[Path | None, list[SkippedCheckpoint]]:
+    """The first candidate not in `exclude` whose files validate, and those skipped before it."""
+    skipped: list[SkippedCheckpoint] = []
+    for path in checkpoint_candidates(load_dir):
+        if str(path) in exclude:
+            continue
+        try:
+            validate_checkpoint(path)
+        except ValueError as exc:
+            skipped.append(SkippedCheckpoint(str(path), str(exc)))
+            log.warning("checkpoint %s is damaged (%s); trying an older complete one", path, exc)
+            continue
+        return path, skipped
+    return None, skipped
+
+
+def _agree(value: Any) -> Any:
+    """Rank 0's value on every rank (the value itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ok(ok: bool) -> bool:
+    """True on every rank when `ok` is true on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def load_checkpoint(actor: Actor, load_dir: str | Path, *, finetune: bool = False) -> Loaded | None:
+    """Restore model, optimizer, scheduler and RNG from the newest loadable complete checkpoint.
+
+    Returns what was loaded (with the damaged checkpoints skipped on the way, each warned
+    about), or None when `load_dir` holds no loadable checkpoint (an error when it holds only
+    damaged ones). With `finetune` only the weights are loaded (the run starts fresh from
+    them). Collective over every rank.
+    """
+    skipped: list[SkippedCheckpoint] = []
+    while True:
+        choice: str | None = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            # Rank 0 decides; the others take its choice, so all ranks load the same directory.
+            path, newly = select_checkpoint(load_dir, exclude={s.path for s in skipped})
+            choice, skipped = (None if path is None else str(path)), [*skipped, *newly]
+        choice, skipped = _agree((choice, skipped))
+        if choice is None:
+            if skipped:
+                raise RuntimeError(
+                    f"--load={load_dir}: every complete checkpoint is damaged: "
+                    + "; ".join(f"{s.path}: {s.error}" for s in skipped)
+                )
+            return None
+        error = ""
+        try:
+            state = _load_from(actor, Path(choice), finetune=finetune)
+        except Exception as exc:  # any rank's failure makes every rank move on together
+            error = f"{type(exc).__name__}: {exc}"
+            log.exception("loading checkpoint %s failed", choice)
+        if _all_ok(not error):
+            for bad in skipped:
+                log.warning("checkpoint %s was damaged (%s); loaded %s instead", bad.path, bad.error, choice)
+            return Loaded(state=state, path=choice, skipped=skipped)
+        skipped.append(SkippedCheckpoint(choice, error or "the load failed on another rank"))
+
+
+def load(actor: Actor, load_dir: str | Path, *, finetune: bool = False) -> RunState | None:
+    """`load_checkpoint`'s run state only (None when there is no checkpoint)."""
+    loaded = load_checkpoint(actor, load_dir, finetune=finetune)
+    return None if loaded is None else loaded.state
+
+
+def _load_from(actor: Actor, path: Path, *, finetune: bool) -> RunState:
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
 
-    path = find_checkpoint(load_dir)
-    if path is None:
-        return None
     sharded = _sharded_state(actor, is_loading=True)
     if finetune:
         sharded.pop("optimizer")

@@ -249,20 +249,27 @@ class TrainerWorker:
         return await self._run(work)
 
     async def load(self, load_dir: str, finetune: bool = False) -> dict[str, Any] | None:
-        """Resume from the newest complete checkpoint in load_dir; its run state, or None if none."""
+        """Resume from the newest loadable complete checkpoint in load_dir, or None if none.
+
+        Returns its run state, its `path`, and the damaged checkpoints `skipped` on the way
+        (`[{"path", "error"}]`, newest first) so that the head can say which one it resumed from.
+        """
         actor = self._require_init()
 
         def work() -> dict[str, Any] | None:
             from tether.train import checkpoint
 
-            state = checkpoint.load(actor, load_dir, finetune=finetune)
-            if state is None:
+            loaded = checkpoint.load_checkpoint(actor, load_dir, finetune=finetune)
+            if loaded is None:
                 return None
+            state = loaded.state
             return {
                 "step": state.step,
                 "rollout_id": state.rollout_id,
                 "weight_version": state.weight_version,
                 "data_position": state.data_position,
+                "path": loaded.path,
+                "skipped": msgspec.to_builtins(loaded.skipped),
             }
 
         return await self._run(work)

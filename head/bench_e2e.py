@@ -1,0 +1,299 @@
+"""`tether bench e2e`: one short demo-sized run in each loop mode, side by side.
+
+The three runs (sync, async, fully-async) go one after another through `tether run` with the
+same model (the demo's tiny Llama), prompts, seed, step count, batch and weight-sync transport,
+so the only difference is the loop. Per mode, over the steady part of the run (from the job's
+"ready" event to its "loop_done" event: engine and trainer start-up and shut-down excluded):
+
+  samples_per_s           samples trained / wall seconds
+  trainer_busy_fraction   (sum of train/time_s + sync/time_s) / wall seconds
+  engine_busy_fraction    engine seconds with >= 1 request in flight / (engines x wall seconds)
+  version_lag_mean        mean over trained samples of (trained version - oldest generating version)
+  sync_time_mean_s        mean weight-sync seconds per step
+
+plus each figure's ratio against the sync loop measured in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tether import demo, demo_task
+from tether.run_dir import atomic_write_bytes, read_jsonl
+
+MODES = ("sync", "async", "fully-async")
+RATIO_KEYS = ("samples_per_s", "trainer_busy_fraction", "engine_busy_fraction", "sync_time_mean_s")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="Print the figures as JSON (a table otherwise).")
+    parser.add_argument("--steps", type=int, default=20, help="Training steps per loop mode.")
+    parser.add_argument("--prompts", type=int, default=16, help="Prompts per step.")
+    parser.add_argument("--samples", type=int, default=8, help="Samples per prompt.")
+    parser.add_argument("--seed", type=int, default=1, help="Seed for the model, data order and sampling.")
+    parser.add_argument(
+        "--update-weight-transport",
+        choices=["disk", "nccl"],
+        default="disk",
+        help="How weights reach the engine in every mode (nccl means gloo on CPU).",
+    )
+    parser.add_argument(
+        "--update-weight-mode", choices=["full", "delta"], default="full", help="Full or delta sync."
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Keep the runs under this directory (default: a temporary one).",
+    )
+    parser.add_argument(
+        "--run-timeout", type=float, default=900.0, help="Seconds one mode's run may take before it fails."
+    )
+
+
+def _positive(args: argparse.Namespace) -> None:
+    for name in ("steps", "prompts", "samples"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
+
+
+def prepare(out: Path, seed: int) -> tuple[Path, Path]:
+    """The demo's tiny model and training prompts; returns (model, prompts file)."""
+    model = demo.make_model(out, seed)
+    train, _ = demo_task.split(seed=123)
+    prompts = out / "train.jsonl"
+    demo_task.write_jsonl(prompts, train)
+    return model, prompts
+
+
+def run_argv(args: argparse.Namespace, mode: str, out: Path, model: Path) -> list[str]:
+    """`tether run` flags for one mode; everything but --loop (and the paths) is the same in all."""
+    common = argparse.Namespace(seed=args.seed, temperature=demo.Recipe().temperature, parallel="dp2")
+    flags = demo.common_flags(common, out)
+    flags[flags.index("--progress") + 1] = "plain"
+    mode_dir = out / mode
+    return [
+        "--hf-checkpoint",
+        str(model),
+        "--rollout-batch-size",
+        str(args.prompts),
+        "--n-samples-per-prompt",
+        str(args.samples),
+        "--rollout-shuffle",
+        "--rollout-seed",
+        str(args.seed),
+        "--num-rollout",
+        str(args.steps),
+        "--advantage-estimator",
+        "grpo",
+        "--lr",
+        str(demo.Recipe().lr),
+        "--lr-decay-style",
+        "constant",
+        "--loop",
+        mode,
+        "--update-weight-transport",
+        args.update_weight_transport,
+        "--update-weight-mode",
+        args.update_weight_mode,
+        "--update-weight-disk-dir",
+        str(mode_dir / "weights"),
+        "--update-weight-local-checkpoint-dir",
+        str(mode_dir / "local_weights"),
+        "--run-dir",
+        str(mode_dir / "run"),
+        # The same trainer work in every mode: the engine's log-probs are the old policy (the
+        # off-policy loops need it, see the demo; the sync loop gets it too for a fair comparison).
+        "--use-rollout-logprobs",
+        *flags,
+    ]
+
+
+def run_mode(args: argparse.Namespace, mode: str, out: Path, model: Path) -> Path:
+    """One `tether run` as its own process; returns its run directory."""
+    argv = run_argv(args, mode, out, model)
+    run_dir = out / mode / "run"
+    log_path = out / mode / "tether-run.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "tether", "run", *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=args.run_timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{mode}: tether run took over --run-timeout={args.run_timeout}s") from exc
+    if done.returncode != 0:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{mode}: tether run exited {done.returncode} (log {log_path}):\n{tail}")
+    return run_dir
+
+
+def _event(events: list[dict[str, Any]], kind: str, run_dir: Path) -> dict[str, Any]:
+    found = [e for e in events if e.get("event") == kind]
+    if not found:
+        raise ValueError(f"{run_dir / 'events.jsonl'}: no {kind!r} event")
+    return found[-1]
+
+
+def summarise(run_dir: Path) -> dict[str, Any]:
+    """The figures of one finished run, from its events, metrics and receipt."""
+    events = read_jsonl(run_dir / "events.jsonl")
+    start, ready = _event(events, "start", run_dir), _event(events, "ready", run_dir)
+    done, finished = _event(events, "loop_done", run_dir), _event(events, "finished", run_dir)
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("step", -1) >= 0]
+    if not steps:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no step records")
+    receipt = json.loads((run_dir / "receipt.json").read_text())
+    engines = max(1, len(receipt["plan"]["engines"]))
+    wall = float(done["time"]) - float(ready["time"])
+    if wall <= 0:
+        raise ValueError(f"{run_dir}: loop_done ({done['time']}) is not after ready ({ready['time']})")
+    samples = [float(m.get("rollout/samples", 0.0)) for m in steps]
+    total = sum(samples)
+    lags = [float(m.get("rollout/version_lag_mean", 0.0)) for m in steps]
+    syncs = [float(m["sync/time_s"]) for m in steps if "sync/time_s" in m]
+    trains = [float(m.get("train/time_s", 0.0)) for m in steps]
+    busy = float(done["engine_busy_s_total"]) - float(ready["engine_busy_s_total"])
+
+    def weighted_lag(pairs: list[tuple[float, float]]) -> float:
+        n = sum(s for s, _ in pairs)
+        return sum(s * lag for s, lag in pairs) / n if n else 0.0
+
+    pairs = list(zip(samples, lags, strict=True))
+    return {
+        "steps": len(steps),
+        "samples": total,
+        "engines": engines,
+        "startup_s": round(float(ready["time"]) - float(start["time"]), 3),
+        "wall_s": round(wall, 3),
+        "shutdown_s": round(float(finished["time"]) - float(done["time"]), 3),
+        "samples_per_s": round(total / wall, 3),
+        "trainer_busy_fraction": round((sum(trains) + sum(syncs)) / wall, 4),
+        "engine_busy_fraction": round(busy / (engines * wall), 4),
+        "version_lag_mean": round(weighted_lag(pairs), 4),
+        "version_lag_mean_after_first_step": round(weighted_lag(pairs[1:]), 4),
+        "version_lag_max": max(float(m.get("rollout/version_lag_max", 0.0)) for m in steps),
+        "sync_time_mean_s": round(sum(syncs) / len(syncs), 4) if syncs else 0.0,
+        "train_time_mean_s": round(sum(trains) / len(trains), 4),
+        "step_time_mean_s": round(wall / len(steps), 4),
+        "run_dir": str(run_dir),
+    }
+
+
+def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Each non-sync mode's figures over the sync loop's (None where the sync figure is 0)."""
+    base = modes["sync"]
+    return {
+        mode: {key: (round(figures[key] / base[key], 3) if base[key] else None) for key in RATIO_KEYS}
+        for mode, figures in modes.items()
+        if mode != "sync"
+    }
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.1f}/{five:.1f} on {os.cpu_count()} cores"
+
+
+def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    _positive(args)
+    started = time.monotonic()
+    model, _ = prepare(out, args.seed)
+    modes: dict[str, dict[str, Any]] = {}
+    for mode in MODES:  # one after another: they share the cores
+        print(
+            f"[bench e2e] {mode}: {args.steps} steps x {args.prompts}x{args.samples} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        modes[mode] = summarise(run_mode(args, mode, out, model))
+        print(
+            f"[bench e2e] {mode}: {modes[mode]['samples_per_s']} samples/s over {modes[mode]['wall_s']}s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "benchmark": "e2e",
+        "setup": {
+            "steps": args.steps,
+            "prompts": args.prompts,
+            "samples_per_prompt": args.samples,
+            "seed": args.seed,
+            "update_weight_transport": args.update_weight_transport,
+            "update_weight_mode": args.update_weight_mode,
+            "model": "demo tiny llama (hidden 128, 2 layers, byte-level vocab)",
+            "trainer": "Megatron-core DP=2 on CPU",
+            "engines": "1 CPU engine",
+            "machine": _load(),
+        },
+        "modes": modes,
+        "ratio_vs_sync": ratios(modes),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+ROWS = (
+    ("samples_per_s", "samples/s"),
+    ("trainer_busy_fraction", "trainer busy fraction"),
+    ("engine_busy_fraction", "engine busy fraction"),
+    ("version_lag_mean", "mean version lag"),
+    ("sync_time_mean_s", "mean sync s"),
+    ("train_time_mean_s", "mean train s"),
+    ("step_time_mean_s", "mean step s"),
+    ("wall_s", "steady wall s"),
+    ("startup_s", "start-up s"),
+)
+
+RATIO_ROWS = tuple((key, f"{label} / sync") for key, label in ROWS if key in RATIO_KEYS)
+
+
+def table(result: dict[str, Any]) -> str:
+    modes = result["modes"]
+    names = list(modes)
+    width = max(len(label) for _, label in ROWS + RATIO_ROWS) + 2
+    lines = [
+        f"tether bench e2e: {result['setup']['steps']} steps x {result['setup']['prompts']}x"
+        f"{result['setup']['samples_per_prompt']} samples, {result['setup']['update_weight_mode']} "
+        f"{result['setup']['update_weight_transport']} sync ({result['setup']['machine']})",
+        "".ljust(width) + "".join(n.rjust(14) for n in names),
+    ]
+    for key, label in ROWS:
+        lines.append(label.ljust(width) + "".join(f"{modes[n][key]:>14.4g}" for n in names))
+    for key, label in RATIO_ROWS:
+        cells = ["1".rjust(14)] + [
+            f"{'n/a' if v is None else format(v, '.3g')}".rjust(14)
+            for v in (result["ratio_vs_sync"][n][key] for n in names[1:])
+        ]
+        lines.append(label.ljust(width) + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            result = bench(args, args.out)
+            atomic_write_bytes(args.out / "bench_e2e.json", json.dumps(result, indent=2).encode())
+        else:
+            with tempfile.TemporaryDirectory(prefix="tether-bench-e2e-") as tmp:
+                result = bench(args, Path(tmp))
+            for figures in result["modes"].values():
+                figures.pop("run_dir")  # removed with the temporary directory
+    except (RuntimeError, ValueError) as exc:  # a run that failed, or one that left no figures
+        print(f"[bench e2e] failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else table(result), flush=True)
+    return 0
