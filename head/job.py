@@ -373,9 +373,7 @@ async def resume(cfg: Config, steps: Steps) -> int:
     steps.rollouts.load_position(state["data_position"])
     for bad in state.get("skipped", []):
         # A damaged newest checkpoint (e.g. a truncated shard): the ranks fell back to an older one.
-        steps.run_dir.event(
-            "checkpoint_damaged", path=bad["path"], error=bad["error"], used=state["path"]
-        )
+        steps.run_dir.event("checkpoint_damaged", path=bad["path"], error=bad["error"], used=state["path"])
         message = (
             f"checkpoint {bad['path']} is damaged ({bad['error']}); resuming from {state['path']} instead"
         )

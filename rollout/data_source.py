@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +19,7 @@ import numpy as np
 
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.sample import Sample, SampleStatus
+from tether.runtime.atomic_file import write_bytes_atomic as write_atomic
 from tether.runtime.errors import ConfigError
 
 STATE_VERSION = 1
@@ -305,23 +305,3 @@ class DataSource:
         except msgspec.DecodeError as exc:
             raise DataError(f"{path}: not a data source state: {exc}") from exc
         self.load_state_dict(state)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, fsync, rename, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

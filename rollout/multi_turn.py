@@ -33,11 +33,7 @@ def append_model_tokens(
         raise ValueError(f"{len(tokens)} model tokens but {len(log_probs)} log-probs")
     if not tokens:
         return
-    sample.tokens.extend(tokens)
-    sample.response += text
-    sample.response_length += len(tokens)
-    sample.loss_mask = [*(sample.loss_mask or []), *([1] * len(tokens))]
-    sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *(float(x) for x in log_probs)]
+    sample.extend_response(tokens, text, log_probs=log_probs)
     version = weight_version if weight_version is not None else ""
     if not sample.weight_versions or sample.weight_versions[-1] != version:
         sample.weight_versions.append(version)
@@ -48,11 +44,7 @@ def append_observation(sample: Sample, tokens: Sequence[int], text: str, source:
     """Append environment tokens (tool output, template glue): context only, never trained on."""
     if not tokens:
         return
-    sample.tokens.extend(tokens)
-    sample.response += text
-    sample.response_length += len(tokens)
-    sample.loss_mask = [*(sample.loss_mask or []), *([0] * len(tokens))]
-    sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *([0.0] * len(tokens))]
+    sample.extend_response(tokens, text)
     _record(sample, source, len(tokens))
 
 

@@ -168,18 +168,14 @@ def append_segment(
         raise ValueError(f"segment has {len(tokens)} tokens but {len(log_probs)} log-probs")
     if not tokens:
         return
-    sample.tokens.extend(tokens)
-    sample.response += text
-    sample.response_length += len(tokens)
-    sample.loss_mask = [*(sample.loss_mask or []), *([1] * len(tokens))]
-    sample.rollout_log_probs = [*(sample.rollout_log_probs or []), *log_probs]
+    sample.extend_response(tokens, text, log_probs=log_probs)
     sample.weight_versions.append(weight_version if weight_version is not None else "")
     segments = [*sample.metadata.get(SEGMENTS_KEY, []), len(tokens)]
     sample.metadata[SEGMENTS_KEY] = segments
     if mask_offpolicy and len(segments) > 1:
         # Only the tokens from the weights that finished the sample are on-policy.
         latest = sample.weight_versions[-1]
-        mask, logps = list(sample.loss_mask), list(sample.rollout_log_probs)
+        mask, logps = list(sample.loss_mask or []), list(sample.rollout_log_probs or [])
         pos = 0
         for version, length in zip(sample.weight_versions, segments, strict=True):
             if version != latest:

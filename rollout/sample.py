@@ -63,6 +63,21 @@ class Sample(msgspec.Struct, kw_only=True):
     session_id: str | None = None
     """Routes every turn of a multi-turn session to the same engine."""
 
+    def extend_response(
+        self, tokens: Sequence[int], text: str, *, log_probs: Sequence[float] | None = None
+    ) -> None:
+        """Append response tokens: with `log_probs` they train (mask 1) with those log-probs;
+        without, they are context only (mask 0, log-prob 0), e.g. a tool's observation."""
+        if log_probs is not None and len(tokens) != len(log_probs):
+            raise ValueError(f"{len(tokens)} tokens but {len(log_probs)} log-probs")
+        self.tokens.extend(tokens)
+        self.response += text
+        self.response_length += len(tokens)
+        trains = log_probs is not None
+        self.loss_mask = [*(self.loss_mask or []), *([int(trains)] * len(tokens))]
+        added = [float(x) for x in log_probs] if log_probs is not None else [0.0] * len(tokens)
+        self.rollout_log_probs = [*(self.rollout_log_probs or []), *added]
+
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length

@@ -11,6 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tether.runtime.atomic_file import write_bytes_atomic
+
+__all__ = ["fsync_path", "fsync_tree", "temp_dir_for", "write_bytes_atomic"]
+
 
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory (directories make a rename or unlink durable)."""
@@ -27,17 +31,6 @@ def fsync_tree(root: Path) -> None:
         for name in filenames:
             fsync_path(Path(dirpath, name))
         fsync_path(Path(dirpath))
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves either the old or the new content."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def temp_dir_for(final: Path) -> Path:

@@ -33,6 +33,33 @@ class LedgerEntry(msgspec.Struct, kw_only=True):
     ok: bool = True
     note: str = ""
 
+    @classmethod
+    def finished(
+        cls,
+        *,
+        version: int,
+        transport: str,
+        bytes_moved: int,
+        pause_seconds: float,
+        perf_started: float,
+        started_at: float,
+        engine_versions: dict[str, int | None],
+        note: str = "",
+    ) -> LedgerEntry:
+        """The entry of a sync that just ended: ok when every engine reports `version`."""
+        return cls(
+            version=version,
+            transport=transport,
+            bytes_moved=bytes_moved,
+            pause_seconds=pause_seconds,
+            total_seconds=time.perf_counter() - perf_started,
+            engine_versions=engine_versions,
+            started_at=started_at,
+            finished_at=time.time(),
+            ok=all(v == version for v in engine_versions.values()),
+            note=note,
+        )
+
 
 class VersionLedger:
     """The head's record of which weight version every engine serves."""

@@ -181,16 +181,14 @@ class DeltaDiskTransport:
         self.baseline, self.base_version, self.last_index = new, version, index
         if not cfg.update_weight_disk_keep_files:
             await asyncio.to_thread(self._prune, version)
-        return LedgerEntry(
+        return LedgerEntry.finished(
             version=version,
             transport=self.name,
             bytes_moved=index.delta_bytes,
             pause_seconds=pause_s,
-            total_seconds=time.perf_counter() - t0,
-            engine_versions=versions,
+            perf_started=t0,
             started_at=started_at,
-            finished_at=time.time(),
-            ok=all(v == version for v in versions.values()),
+            engine_versions=versions,
             note=f"{len(index.changed())}/{len(index.tensors)} tensors changed; {index.full_bytes} full bytes",
         )
 

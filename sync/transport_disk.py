@@ -71,15 +71,13 @@ class FullDiskTransport:
         versions = await served_versions(self.engines, timeout)
         if not cfg.update_weight_disk_keep_files:
             await asyncio.to_thread(prune_versions, self.disk_dir, {version})
-        return LedgerEntry(
+        return LedgerEntry.finished(
             version=version,
             transport=self.name,
             bytes_moved=moved * len(self.engines),
             pause_seconds=pause_s,
-            total_seconds=time.perf_counter() - t0,
-            engine_versions=versions,
+            perf_started=t0,
             started_at=started_at,
-            finished_at=time.time(),
-            ok=all(v == version for v in versions.values()),
+            engine_versions=versions,
             note=str(path),
         )

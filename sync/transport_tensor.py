@@ -97,14 +97,12 @@ class TensorTransport:
             await on_all(self.engines, lambda e: call(e, "/end_weight_update", {}, limit))
             pause_s = pause_clock()
         versions = await served_versions(self.engines, limit)
-        return LedgerEntry(
+        return LedgerEntry.finished(
             version=version,
             transport=self.name,
             bytes_moved=moved * len(self.engines),
             pause_seconds=pause_s,
-            total_seconds=time.perf_counter() - t0,
-            engine_versions=versions,
+            perf_started=t0,
             started_at=started_at,
-            finished_at=time.time(),
-            ok=all(v == version for v in versions.values()),
+            engine_versions=versions,
         )

@@ -163,7 +163,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(
     shard = newest / "model_optim" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     run = tmp_path / "run"
-    done = tether("run", *flags(ws, run, "--load", str(ckpt)))
+    done = tether("run", *flags(ws, run, "--load", str(ckpt), "--save", str(tmp_path / "saved")))
     previous = ckpt / f"iter_{STEPS - 2:07d}"
     damaged = [e for e in events(run) if e["event"] == "checkpoint_damaged"]
     assert len(damaged) == 1
