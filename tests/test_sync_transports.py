@@ -313,11 +313,12 @@ def test_config_rejects_bad_combinations() -> None:
 _FLAT_RECEIVER = """
 import sys, torch
 from datetime import timedelta
-from tether.runtime.weight_group import init_weight_group, broadcast
+from tether.runtime.weight_group import init_weight_group, broadcast, destroy_weight_group
 g = init_weight_group(sys.argv[1], 1, 2, sys.argv[2], "gloo", timedelta(seconds=60))
 buf = torch.empty(int(sys.argv[3]), dtype=torch.uint8)  # what SGLang's flattened_bucket receives
 broadcast(buf, 0, g)
 torch.save(buf, sys.argv[4])
+destroy_weight_group(g)  # leaving with gloo's threads alive aborts the process at exit
 """
 
 
