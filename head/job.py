@@ -27,6 +27,7 @@ from tether.metrics import MetricsSink
 from tether.nodes import node_names, remote_nodes
 from tether.placement.inventory import discover_inventory
 from tether.placement.plan import Plan, plan_from_config
+from tether.ports import plan_with_free_ports
 from tether.progress import RunProgress
 from tether.rollout.engine_client import EngineClient
 from tether.rollout.router import Router
@@ -47,8 +48,14 @@ E = TypeVar("E", bound=BaseException)
 
 
 def make_plan(cfg: Config) -> Plan:
+    """The placement plan, with its port block moved past ports already taken on this machine."""
     inventory = discover_inventory(cfg.cluster)
-    return plan_from_config(cfg.cluster, cfg.debug.debug_rollout_only, cfg.debug.debug_train_only, inventory)
+    return plan_with_free_ports(
+        cfg.cluster,
+        lambda cluster: plan_from_config(
+            cluster, cfg.debug.debug_rollout_only, cfg.debug.debug_train_only, inventory
+        ),
+    )
 
 
 class Steps:

@@ -1,0 +1,52 @@
+"""The head moves a plan's port block past ports already taken on this machine."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tether.placement.config import ClusterConfig
+from tether.placement.inventory import Inventory, Node
+from tether.placement.plan import plan_from_config
+from tether.ports import local_ports, plan_with_free_ports, port_free
+from tether.runtime.errors import ConfigError
+
+CLUSTER = ClusterConfig(cpu_devices=3, actor_num_gpus_per_node=2, rollout_num_gpus=1, node_port_first=20000)
+
+
+def make(cluster: ClusterConfig):  # type: ignore[no-untyped-def]
+    inventory = Inventory(nodes=[Node(hostname="box", address="127.0.0.1", gpus=[])])
+    return plan_from_config(cluster, False, False, inventory)
+
+
+def test_free_block_is_used_as_planned() -> None:
+    plan = plan_with_free_ports(CLUSTER, make, is_free=lambda host, port: True)
+    assert min(p for _, p in local_ports(plan)) == 20000
+
+
+def test_taken_port_moves_the_whole_block() -> None:
+    taken = {("127.0.0.1", 20001)}  # say another run's engine
+    plan = plan_with_free_ports(CLUSTER, make, is_free=lambda host, port: (host, port) not in taken)
+    ports = [p for _, p in local_ports(plan)]
+    assert min(ports) > 20001 and not taken & set(local_ports(plan))
+    assert len(ports) == len(local_ports(make(CLUSTER)))  # the same plan, shifted
+
+
+def test_no_free_block_names_the_range() -> None:
+    narrow = ClusterConfig(
+        cpu_devices=3,
+        actor_num_gpus_per_node=2,
+        rollout_num_gpus=1,
+        node_port_first=20000,
+        node_port_last=20006,
+    )
+    with pytest.raises(ConfigError, match="--node-port-first"):
+        plan_with_free_ports(narrow, make, is_free=lambda host, port: port != 20004)
+
+
+def test_port_free_sees_a_bound_socket() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert not port_free("127.0.0.1", sock.getsockname()[1])
