@@ -9,6 +9,7 @@ group is neither needed nor touched: the process may already belong to another j
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -22,15 +23,21 @@ from tether.runtime.errors import ConfigError
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-@dataclass(frozen=True)
+@dataclass
 class WeightGroup:
     """A built group and the facts needed to use and tear it down."""
 
-    group: dist.ProcessGroup
     group_name: str
     rank: int
     world_size: int
     backend: str
+    _process_group: dist.ProcessGroup | None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._process_group is None:
+            raise RuntimeError(f"weight group {self.group_name!r} was destroyed")
+        return self._process_group
 
 
 def _check(init_method: str, rank: int, world_size: int, group_name: str, backend: str) -> None:
@@ -82,7 +89,9 @@ def init_weight_group(
     # With no default group, torch cannot map group ranks to global ranks by itself; in this
     # group they are the same numbers.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return WeightGroup(group=group, group_name=group_name, rank=rank, world_size=world_size, backend=backend)
+    return WeightGroup(
+        group_name=group_name, rank=rank, world_size=world_size, backend=backend, _process_group=group
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: WeightGroup) -> None:
@@ -94,4 +103,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: WeightGroup) -> None:
 
 def destroy_weight_group(group: WeightGroup) -> None:
     """Tear the group down; its name may not be reused in this process afterwards."""
-    dist.destroy_process_group(group.group)
+    process_group, group._process_group = group.group, None
+    dist.destroy_process_group(process_group)
+    # Drop the last reference now: a gloo group whose C++ object lives on until interpreter
+    # teardown can abort the process at exit ("terminate called without an active exception").
+    del process_group
+    gc.collect()
