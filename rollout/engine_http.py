@@ -23,10 +23,11 @@ import torch
 from aiohttp import web
 
 from tether.rollout.engine_model import ModelConfig, ModelConfigError, WeightMismatch, read_safetensors_dir
+from tether.rollout.engine_receive import BucketReceiver
 from tether.rollout.engine_sampling import SamplingParams, parse_sampling_params
 from tether.rollout.engine_scheduler import EngineUnavailable, Request, Scheduler
 from tether.rollout.engine_weights import PayloadRejected, decode_named_tensors
-from tether.runtime.weight_group import WeightGroup, broadcast, destroy_weight_group, init_weight_group
+from tether.runtime.weight_group import WeightGroup, destroy_weight_group, init_weight_group
 
 ENGINE_VERSION = "tether-cpu-engine 0.1 (SGLang 0.5.23 API)"
 HEALTH_TIMEOUT_S = 20.0
@@ -196,6 +197,7 @@ class EngineState:
     used_group_names: set[str] = field(default_factory=set)
     session_open: bool = False
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    receiver: BucketReceiver = field(default_factory=BucketReceiver)
 
 
 def _normalise(req: GenerateReq, sched: Scheduler) -> list[tuple[list[int], SamplingParams, str, bool]]:
@@ -607,24 +609,23 @@ class EngineApp:
             return result_response(False, f"group_name={body.group_name!r} is not an open group")
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             return result_response(False, "names, dtypes and shapes must have the same length")
+        if body.load_format not in (None, "flattened_bucket"):
+            return result_response(False, f"load_format={body.load_format!r} is not supported")
         dtypes = [parse_dtype(d) for d in body.dtypes]
-
-        def receive() -> dict[str, torch.Tensor]:
-            # Every tensor is received even if it will be rejected, so the sender's
-            # broadcasts complete and the group stays usable.
-            got: dict[str, torch.Tensor] = {}
-            for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
-                t = torch.empty(shape, dtype=dtype)
-                broadcast(t, 0, group)
-                got[name] = t
-            return got
 
         async def op() -> None:
             if body.abort_all_requests:
                 self.sched.abort(None, True, "Aborted for a weight update")
                 self.sched.apply_aborts()
-            named = await asyncio.to_thread(receive)
-            self.sched.model.load(named, complete=False)
+            await asyncio.to_thread(
+                self.s.receiver.receive,
+                self.sched.model,
+                body.names,
+                dtypes,
+                body.shapes,
+                group,
+                body.load_format == "flattened_bucket",
+            )
             if body.weight_version is not None:
                 self.sched.weight_version = body.weight_version
 

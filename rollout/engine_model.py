@@ -10,6 +10,7 @@ trainer exports.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -222,6 +223,8 @@ class TinyLM:
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
         self.params: dict[str, torch.Tensor] = {}
+        # Flat receive buffers whose views are parameters (engine_receive's flattened buckets).
+        self.arenas: dict[Hashable, torch.Tensor] = {}
         self.load(params, complete=True)
         inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
@@ -233,16 +236,43 @@ class TinyLM:
     def load(self, named: dict[str, torch.Tensor], complete: bool) -> None:
         """Validate, then replace; a mismatch raises before any parameter changes."""
         check_named(self.cfg, named, complete)
-        fresh = {n: t.detach().to(torch.float32).contiguous().clone() for n, t in named.items()}
-        if complete:
-            self.params = fresh
+        for name, tensor in named.items():
+            self.assign(name, tensor)
+
+    def assign(self, name: str, tensor: torch.Tensor) -> None:
+        """Set one checked parameter, copying into the live tensor when there is one (no fresh
+        allocation per update); a tied checkpoint's lm_head is dropped."""
+        if self.ignores(name):
+            return
+        live = self.params.get(name)
+        if live is not None and live.shape == tensor.shape:
+            if live.data_ptr() != tensor.data_ptr():
+                live.copy_(tensor.detach())
         else:
-            self.params.update(fresh)
-        if self.cfg.tie_embeddings:
-            self.params.pop("lm_head.weight", None)
+            self.params[name] = tensor.detach().to(torch.float32).contiguous().clone()
+
+    dtype = torch.float32  # what every parameter is held in
+
+    def ignores(self, name: str) -> bool:
+        """A tied checkpoint's lm_head: accepted and dropped (the embeddings serve as the head)."""
+        return name == "lm_head.weight" and self.cfg.tie_embeddings
+
+    def adopt(self, name: str, tensor: torch.Tensor) -> None:
+        """Make a checked float32 tensor the parameter itself (it becomes the storage, no copy)."""
+        if self.ignores(name):
+            return
+        self.params[name] = tensor
+
+    def receive_target(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
+        """The live parameter a broadcast of (name, dtype, shape) can land in directly, if any."""
+        live = self.params.get(name)
+        if live is None or live.dtype != dtype or list(live.shape) != list(shape) or not live.is_contiguous():
+            return None
+        return live
 
     def drop(self) -> None:
         self.params = {}
+        self.arenas = {}
 
     @property
     def loaded(self) -> bool:

@@ -272,13 +272,16 @@ async def engine_figures(
                 "update_weight_request_timeout": 600.0,
                 "update_weight_disk_dir": str(work / "pub"),
             }
-            raw = await asyncio.to_thread(RawBroadcaster, nbytes, 1 + len(bucket_mib) * syncs)
+            modes = [(mib, flat) for mib in bucket_mib for flat in (False, True)]
+            raw = await asyncio.to_thread(RawBroadcaster, nbytes, 1 + len(modes) * syncs)
             rows = []
             try:
                 # The first broadcast pays for fresh pages in the receiver and gloo's first use.
                 out["raw_broadcast_first_gb_s"] = nbytes / await asyncio.to_thread(raw.once) / 1e9
-                for mib in bucket_mib:
-                    cfg = WeightSyncConfig(update_weight_buffer_size=mib * 1024**2, **base)  # type: ignore[arg-type]
+                for mib, flat in modes:
+                    cfg = WeightSyncConfig(
+                        update_weight_buffer_size=mib * 1024**2, update_weight_flattened_bucket=flat, **base
+                    )  # type: ignore[arg-type]
                     dist = DistributedTransport([client], cfg, master_port=_port())
                     times, raw_times = [], []
                     try:
@@ -294,6 +297,7 @@ async def engine_figures(
                     rows.append(
                         {
                             "bucket_mib": mib,
+                            "flattened_bucket": flat,
                             "first_gb_s": nbytes / times[0] / 1e9,
                             "best_gb_s": nbytes / min(times) / 1e9,
                             "raw_best_gb_s": nbytes / min(raw_times) / 1e9,
@@ -305,6 +309,7 @@ async def engine_figures(
             best = max(rows, key=lambda r: r["over_raw"])
             out["distributed_by_bucket"] = rows
             out["distributed_best_bucket_mib"] = best["bucket_mib"]
+            out["distributed_best_flattened_bucket"] = best["flattened_bucket"]
             out["distributed_gb_s"] = best["best_gb_s"]
             out["raw_broadcast_gb_s"] = best["raw_best_gb_s"]
             out["distributed_over_raw"] = best["over_raw"]

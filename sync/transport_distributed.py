@@ -44,10 +44,16 @@ def broadcast_async(tensor: torch.Tensor, src: int, group: WeightGroup) -> dist.
     return work
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """The bytes of every tensor of a bucket, in order, as one contiguous uint8 tensor."""
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], into: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of every tensor of a bucket, in order, as one contiguous uint8 tensor (written
+    into the front of `into` when it is large enough and on the same device)."""
     parts = [t.reshape(-1).view(torch.uint8) for _, t in bucket]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    total = sum(p.numel() for p in parts)
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    if into is None or into.numel() < total or into.device != parts[0].device:
+        return torch.cat(parts)
+    return torch.cat(parts, out=into[:total])
 
 
 class DistributedTransport:
@@ -81,6 +87,7 @@ class DistributedTransport:
         self.backend = backend
         self.control_engines = control_engines
         self.group: WeightGroup | None = None
+        self._flat: list[torch.Tensor | None] = [None, None]
         self._stale = True
         self.restore_from: tuple[str, int] | None = None
         """A full checkpoint (path, version) holding the weights engines serve now: a failed sync
@@ -138,6 +145,7 @@ class DistributedTransport:
         self._stale = False
 
     async def close(self) -> None:
+        self._flat = [None, None]
         group, self.group = self.group, None
         if group is None:
             return
@@ -148,12 +156,14 @@ class DistributedTransport:
         )
         await asyncio.to_thread(destroy_weight_group, group)
 
-    def _broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _broadcast_bucket(
+        self, bucket: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None = None
+    ) -> None:
+        """Broadcast one bucket: as its packed bytes when `flat` is given (SGLang's
+        flattened_bucket: one uint8 buffer, the tensors' bytes in order), else tensor by tensor."""
         assert self.group is not None
-        if self.cfg.update_weight_flattened_bucket:
-            # SGLang's flattened_bucket: the receiver concatenates the bytes of every tensor of
-            # the bucket, in order, into one uint8 buffer and receives it with one broadcast.
-            broadcast(flatten_bucket(bucket), 0, self.group)
+        if flat is not None:
+            broadcast(flat, 0, self.group)
             return
         # Issue every tensor's broadcast at once (as slime does) so the backend can stream the
         # next tensor while the receiver is still copying out the previous one.
@@ -161,34 +171,70 @@ class DistributedTransport:
         for work in works:
             work.wait()
 
+    def _pack(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """Bucket `index`'s bytes in one of two kept buffers: one is broadcast while the next
+        bucket is packed into the other, and fresh pages every sync would cost as much as the copy."""
+        slot = index % 2
+        flat = flatten_bucket(bucket, self._flat[slot])
+        self._flat[slot] = (
+            flat if self._flat[slot] is None or flat.numel() > self._flat[slot].numel() else self._flat[slot]
+        )
+        return flat
+
     async def _send(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         assert self.group is not None
         group = self.group
         timeout = self.cfg.update_weight_request_timeout
+        flattened = self.cfg.update_weight_flattened_bucket
         moved = 0
         prepared = (
             (n, t.detach().to("cpu" if self.backend == "gloo" else t.device).contiguous()) for n, t in tensors
         )
-        for bucket, last in with_last(buckets(prepared, self.cfg.update_weight_buffer_size)):
-            body: dict[str, object] = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [dtype_name(t) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": group.group_name,
-                "flush_cache": last,
-            }
-            if last:
-                body["weight_version"] = str(version)
-            if self.cfg.update_weight_flattened_bucket:
-                body["load_format"] = "flattened_bucket"
+        pending = enumerate(with_last(buckets(prepared, self.cfg.update_weight_buffer_size)))
 
-            async def post(e: EngineEndpoint, b: dict[str, object] = body) -> object:
-                return await call(e, "/update_weights_from_distributed", b, timeout)
+        def pack_next() -> (
+            tuple[int, list[tuple[str, torch.Tensor]], bool, asyncio.Future[torch.Tensor] | None] | None
+        ):
+            got = next(pending, None)
+            if got is None:
+                return None
+            index, (bucket, last) = got
+            packing = (
+                asyncio.ensure_future(asyncio.to_thread(self._pack, index, bucket)) if flattened else None
+            )
+            return index, bucket, last, packing
 
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(on_all(self.engines, post))
-                tg.create_task(asyncio.wait_for(asyncio.to_thread(self._broadcast_bucket, bucket), timeout))
-            moved += sum(nbytes(t) for _, t in bucket)
+        upcoming = pack_next()
+        try:
+            while upcoming is not None:
+                _, bucket, last, packing = upcoming
+                flat = await packing if packing is not None else None
+                upcoming = pack_next()  # packed while this bucket is on the wire
+                body: dict[str, object] = {
+                    "names": [n for n, _ in bucket],
+                    "dtypes": [dtype_name(t) for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "group_name": group.group_name,
+                    "flush_cache": last,
+                }
+                if last:
+                    body["weight_version"] = str(version)
+                if flattened:
+                    body["load_format"] = "flattened_bucket"
+
+                async def post(e: EngineEndpoint, b: dict[str, object] = body) -> object:
+                    return await call(e, "/update_weights_from_distributed", b, timeout)
+
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(on_all(self.engines, post))
+                    tg.create_task(
+                        asyncio.wait_for(asyncio.to_thread(self._broadcast_bucket, bucket, flat), timeout)
+                    )
+                moved += sum(nbytes(t) for _, t in bucket)
+        finally:
+            if upcoming is not None and upcoming[3] is not None:
+                # A packing thread cannot be cancelled; let it finish before its buffer is reused.
+                await asyncio.gather(upcoming[3], return_exceptions=True)
         return moved
 
     async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry:

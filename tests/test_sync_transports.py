@@ -24,7 +24,6 @@ from tether.rollout.tiny_model import write_tiny_model
 from tether.sync.checkpoint_files import open_checkpoint
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_api import SyncFailed, served_versions
-from tether.sync.ledger import VersionLedger
 from tether.sync.local_store import LocalCheckpointStore
 from tether.sync.transport_delta import DeltaDiskTransport
 from tether.sync.transport_disk import FullDiskTransport
@@ -149,39 +148,50 @@ def run(coro: object) -> object:
     return uvloop.run(coro)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("flattened", "wire"),
+    [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16), (False, torch.bfloat16)],
+    ids=["per-tensor", "flattened", "flattened-bf16", "per-tensor-bf16"],
+)
 def test_distributed_transport_buckets_and_matches_transformers(
-    engine: Engine, model_dir: Path, tmp_path: Path
+    engine: Engine, model_dir: Path, tmp_path: Path, flattened: bool, wire: torch.dtype
 ) -> None:
+    """Per-tensor broadcasts land in the live parameters; flattened buckets become their storage;
+    bf16 on the wire is converted into the engine's float32 parameters."""
+
     async def body() -> None:
         async with EngineClient(engine.url, name="e0") as client:
-            ledger = VersionLedger(tmp_path / "ledger.jsonl")
             t = DistributedTransport(
-                [client], cfg(tmp_path, update_weight_collective_timeout=60.0), master_port=free_port()
+                [client],
+                cfg(
+                    tmp_path, update_weight_collective_timeout=60.0, update_weight_flattened_bucket=flattened
+                ),
+                master_port=free_port(),
             )
             try:
-                v0 = await served_versions([client], 10)
-                start = ledger.version
-                assert v0 == {"e0": 0} and start == 0
-                state = trained(model_dir, seed=1)
-                entry = await t.sync(ledger.next_version(v0), iter(state.items()))
-                ledger.record(entry)
-                assert entry.ok and entry.engine_versions == {"e0": 1}
-                assert entry.bytes_moved == sum(x.numel() * 4 for x in state.values())
-                await check_engine(engine.url, model_dir, state, 1)
+                base = (await served_versions([client], 10))["e0"]  # the engine served earlier cases
+                assert base is not None
+                state = {n: x.to(wire) for n, x in trained(model_dir, seed=1).items()}
+                entry = await t.sync(base + 1, iter(state.items()))
+                assert entry.ok and entry.engine_versions == {"e0": base + 1}
+                assert entry.bytes_moved == sum(x.numel() * x.element_size() for x in state.values())
+                await check_engine(engine.url, model_dir, {n: x.float() for n, x in state.items()}, base + 1)
+                # The same buckets again land in place (flattened: in the buffers now backing them).
+                state = {n: x.to(wire) for n, x in trained(model_dir, seed=6).items()}
+                assert (await t.sync(base + 2, iter(state.items()))).ok
+                await check_engine(engine.url, model_dir, {n: x.float() for n, x in state.items()}, base + 2)
                 # A failed bucket (a dtype the engine refuses) releases every lock and leaves version 1.
                 bad = trained(model_dir, seed=2)
                 bad["model.norm.weight"] = bad["model.norm.weight"].to(torch.int32)
                 with pytest.raises(Exception):  # noqa: B017 - the engine's error type is its own
-                    await t.sync(2, iter(bad.items()))
-                assert await served_versions([client], 10) == {"e0": 1}
+                    await t.sync(base + 3, iter(bad.items()))
+                assert await served_versions([client], 10) == {"e0": base + 2}
                 # The engine was continued and its session closed: a new sync (new group) works.
                 state2 = trained(model_dir, seed=3)
-                entry = await t.sync(ledger.next_version({"e0": 1}), iter(state2.items()))
-                ledger.record(entry)
-                await check_engine(engine.url, model_dir, state2, 2)
+                assert (await t.sync(base + 3, iter(state2.items()))).ok
+                await check_engine(engine.url, model_dir, state2, base + 3)
             finally:
                 await t.close()
-        assert [e.version for e in VersionLedger(tmp_path / "ledger.jsonl").entries] == [1, 2]
 
     run(body())
 
@@ -339,7 +349,7 @@ def test_flattened_bucket_is_one_broadcast_of_the_tensors_bytes(tmp_path: Path) 
         cfg = WeightSyncConfig(update_weight_flattened_bucket=True)
         transport = DistributedTransport([], cfg, master_port=0)
         transport.group = init_weight_group(method, 0, 2, name, "gloo", timedelta(seconds=60))
-        transport._broadcast_bucket(bucket)
+        transport._broadcast_bucket(bucket, transport._pack(0, bucket))
         assert proc.wait(timeout=60) == 0
         destroy_weight_group(transport.group)
     finally:
