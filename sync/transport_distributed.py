@@ -175,10 +175,10 @@ class DistributedTransport:
         """Bucket `index`'s bytes in one of two kept buffers: one is broadcast while the next
         bucket is packed into the other, and fresh pages every sync would cost as much as the copy."""
         slot = index % 2
-        flat = flatten_bucket(bucket, self._flat[slot])
-        self._flat[slot] = (
-            flat if self._flat[slot] is None or flat.numel() > self._flat[slot].numel() else self._flat[slot]
-        )
+        kept = self._flat[slot]
+        flat = flatten_bucket(bucket, kept)
+        if kept is None or flat.numel() > kept.numel():
+            self._flat[slot] = flat
         return flat
 
     async def _send(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
