@@ -24,7 +24,7 @@ from tether.run_dir import RunDir
 from tether.runtime.errors import ActorDied
 from tether.runtime.process import ProcessSpec
 from tether.runtime.rpc import ActorHandle, connect
-from tether.runtime.supervisor import ManagedProcess, Supervisor
+from tether.runtime.supervisor import LOCAL, ManagedProcess, Supervisor
 from tether.train.advantages import compute_advantages, process_rewards
 from tether.train.batching import (
     TrainBatch,
@@ -81,6 +81,11 @@ class TrainerPool:
             "--rpc-address-dir",
             str(self.address_dir),
         ]
+        if self.names[node.node] == LOCAL:
+            argv += ["--ipc-dir", str(self.run_dir.path / "sock")]  # same node as the head
+        else:
+            address = next(n.address for n in self.plan.nodes if n.index == node.node)
+            argv += ["--bind-host", address]  # the node's address toward the head
         env = {
             **node.env,
             "OMP_NUM_THREADS": "1",

@@ -123,6 +123,8 @@ def raw_pyzmq_round_trip(n: int) -> list[float]:
         port = int(proc.stdout.readline())
         ctx = zmq.Context()
         sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)  # a dead echo process fails the figure, not the run
+        sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://127.0.0.1:{port}")
         payload = b"x" * 64
         for _ in range(200):
@@ -139,8 +141,17 @@ def raw_pyzmq_round_trip(n: int) -> list[float]:
         sock.close()
         ctx.term()
         return times
+    except zmq.Again:
+        raise RuntimeError(
+            f"the raw pyzmq echo process stopped answering (exit code {proc.poll()})"
+        ) from None
     finally:
-        proc.wait(10)
+        if proc.poll() is None:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
@@ -158,7 +169,12 @@ async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[in
     async with Supervisor(run_dir, new_secret(), grace=2.0) as sup:
         handles = await asyncio.gather(
             *(
-                sup.start_actor(f"bench{i}", "tether.runtime.bench_runtime:BenchActor", heartbeat=False)
+                sup.start_actor(
+                    f"bench{i}",
+                    "tether.runtime.bench_runtime:BenchActor",
+                    heartbeat=False,
+                    transport=args.transport,
+                )
                 for i in range(ACTORS)
             )
         )
@@ -266,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tether_runs.append(run_loop(_tether_once(args, Path(tmp) / f"run{i}", batches)))
     raw = [statistics.median(raw_pyzmq_round_trip(args.calls)) for _ in range(args.repeats)]
     result: dict[str, Any] = {
+        "transport": args.transport,
         "tether": _summarise(tether_runs),
         "raw_pyzmq": {"rtt_p50_s": _stats(raw)},
         "ray": None,
@@ -313,6 +330,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip-ray", action="store_true", help="Do not measure Ray even when it is installed."
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("auto", "tcp", "ipc"),
+        default="auto",
+        help="How the actors serve (auto: ipc on this machine, as runs do; tcp to compare).",
     )
 
 

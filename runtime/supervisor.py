@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import msgspec
 
 from tether.runtime.agent import NodeAgent
+from tether.runtime.endpoints import ipc_endpoint
 from tether.runtime.errors import ActorDied, HeartbeatLost
 from tether.runtime.liveness import LivenessMonitor
 from tether.runtime.process import ExitInfo, ProcessSpec, log_path, read_log_tail
@@ -420,24 +421,29 @@ class Supervisor:
         env: dict[str, str] | None = None,
         ready_timeout: float = 120.0,
         heartbeat: bool = True,
-        transport: str = "tcp",
+        transport: str = "auto",
     ) -> ActorHandle:
         """Start a process that builds `target` ("module.path:ClassName") with `**args` and
         serves it; return a handle to it once it answers.
 
-        `transport="ipc"` serves on a Unix socket in the run directory (same node only).
+        `transport="ipc"` serves on a Unix socket in the run directory (same node only);
+        "auto" (the default) takes ipc on this node when the socket path fits, tcp elsewhere.
         With `heartbeat`, an actor that stops answering pings is reported (see `watch`).
         """
-        if transport not in ("tcp", "ipc"):
-            raise ValueError(f"transport={transport!r}: expected 'tcp' or 'ipc'")
+        if transport not in ("auto", "tcp", "ipc"):
+            raise ValueError(f"transport={transport!r}: expected 'auto', 'tcp' or 'ipc'")
         if transport == "ipc" and node != LOCAL:
             raise ValueError(f"transport='ipc' with node={node!r}: ipc reaches this machine only")
         argv = [sys.executable, "-m", "tether.runtime.actor_host", "--name", name, "--target", target]
         argv += ["--head", self.address]
-        if transport == "ipc":
+        if transport != "tcp" and node == LOCAL:
             sock_dir = self.run_dir / "sock"
-            sock_dir.mkdir(exist_ok=True)
-            argv += ["--bind", f"ipc://{sock_dir / name}.ipc"]
+            endpoint = ipc_endpoint(sock_dir, name)
+            if endpoint is None and transport == "ipc":
+                raise ValueError(f"run directory {self.run_dir}: too long a path for a Unix socket")
+            if endpoint is not None:
+                sock_dir.mkdir(exist_ok=True)
+                argv += ["--bind", endpoint]
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[str] = loop.create_future()
         self._actor_args[name] = dict(args or {})

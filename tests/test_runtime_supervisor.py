@@ -58,14 +58,18 @@ def started() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def test_actor_calls_exit_reports_and_killed_actor(tmp_path: Path) -> None:
     exits: list[ExitInfo] = []
+    b_socket = tmp_path.absolute() / "sock" / "b.ipc"
 
     async def main() -> None:
         async with Supervisor(tmp_path, new_secret(), grace=2.0, heartbeat=FAST, on_exit=exits.append) as sup:
             a, b = await asyncio.gather(
-                sup.start_actor("a", "test_runtime_actors:Echo", {"tag": "A"}, env=ENV),
-                sup.start_actor("b", "test_runtime_actors:Echo", {"tag": "B"}, env=ENV, transport="ipc"),
+                sup.start_actor("a", "test_runtime_actors:Echo", {"tag": "A"}, env=ENV, transport="tcp"),
+                sup.start_actor("b", "test_runtime_actors:Echo", {"tag": "B"}, env=ENV),
             )
             assert (await a.whoami())["tag"] == "A" and (await b.whoami())["tag"] == "B"
+            # On the head's own node an actor serves on a Unix socket unless tcp is asked for.
+            assert a.address.startswith("tcp://127.0.0.1:")
+            assert b.address == f"ipc://{b_socket}"
             # A crash reaches the caller of a pending call, the owner and wait(), with the log tail.
             with pytest.raises(ActorDied, match=r"(?s)actor 'a' exited with code 7.*crashing on purpose"):
                 await a.crash(7)
@@ -215,5 +219,23 @@ def test_two_agents_as_two_nodes(tmp_path: Path, started: list[subprocess.Popen[
             await sup.stop("on2")
         # Leaving the supervisor shuts the remaining agent down.
         assert started[1].wait(15) == 0
+
+    run(main())
+
+
+def test_same_node_actor_falls_back_to_tcp_when_the_socket_path_is_too_long(tmp_path: Path) -> None:
+    from tether.runtime.endpoints import ipc_endpoint
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    assert ipc_endpoint(deep / "sock", "actor") is None
+    assert ipc_endpoint(Path("/tmp/r/sock"), "actor") == "ipc:///tmp/r/sock/actor.ipc"
+
+    async def main() -> None:
+        async with Supervisor(deep, new_secret(), grace=2.0, heartbeat=FAST) as sup:
+            with pytest.raises(ValueError, match="too long a path for a Unix socket"):
+                await sup.start_actor("x", "test_runtime_actors:Echo", {"tag": "X"}, env=ENV, transport="ipc")
+            a = await sup.start_actor("a", "test_runtime_actors:Echo", {"tag": "A"}, env=ENV)
+            assert a.address.startswith("tcp://127.0.0.1:")
+            assert (await a.whoami())["tag"] == "A"
 
     run(main())

@@ -382,16 +382,22 @@ def read_addresses(directory: str | Path, world_size: int) -> dict[int, str] | N
     return found
 
 
-async def serve(address_dir: Path, bind_host: str) -> None:
-    """Serve this rank's RPC until `shutdown` is called."""
+async def serve(address_dir: Path, bind_host: str, ipc_dir: Path | None = None) -> None:
+    """Serve this rank's RPC until `shutdown` is called: on a Unix socket under `ipc_dir` when
+    given (the head is on this node) and its path fits, else on TCP at `bind_host`."""
+    from tether.runtime.endpoints import ipc_endpoint
     from tether.runtime.rpc import RpcServer
     from tether.runtime.secret import secret_from_env
 
     secret = secret_from_env()
     rank = int(os.environ.get("RANK", "0"))
+    endpoint = None
+    if ipc_dir is not None:
+        endpoint = ipc_endpoint(ipc_dir, f"trainer-rank{rank}")  # main() made the directory
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-rank{rank}") as executor:
         worker = TrainerWorker(executor)
-        async with RpcServer(worker, f"tcp://{bind_host}:0", secret, name=f"trainer-rank{rank}") as server:
+        bind = endpoint or f"tcp://{bind_host}:0"
+        async with RpcServer(worker, bind, secret, name=f"trainer-rank{rank}") as server:
             _write_address(address_dir, rank, server.address)
             await worker._wait_stopped()
     from tether.train import parallel
@@ -408,6 +414,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Directory where each rank writes rank_NNNNN.json.",
     )
     parser.add_argument("--bind-host", default="127.0.0.1", help="Interface the rank's RPC server binds.")
+    parser.add_argument(
+        "--ipc-dir",
+        type=Path,
+        default=None,
+        help="Serve on a Unix socket in this directory (ranks on the head's node; faster than TCP).",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -417,7 +429,9 @@ def main(args: argparse.Namespace) -> int:
 
     with quiet_megatron_imports():
         import megatron.core  # noqa: F401  (import once, quietly, before any rank work)
-    uvloop.run(serve(args.rpc_address_dir, args.bind_host))
+    if args.ipc_dir is not None:
+        args.ipc_dir.mkdir(parents=True, exist_ok=True)
+    uvloop.run(serve(args.rpc_address_dir, args.bind_host, args.ipc_dir))
     return 0
 
 
