@@ -114,6 +114,11 @@ async def serve(args: argparse.Namespace) -> None:
         print(f"tether cpu engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True)
         await stop.wait()
     finally:
+        if state.receiving:
+            # A collective waiting for a sender that is gone holds its thread until the group's
+            # timeout (minutes), and interpreter exit would wait for that thread: leave now.
+            print("tether cpu engine: stopping during a weight receive; exiting at once", flush=True)
+            os._exit(0)
         await runner.cleanup()
 
 

@@ -198,6 +198,7 @@ class EngineState:
     session_open: bool = False
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     receiver: BucketReceiver = field(default_factory=BucketReceiver)
+    receiving: int = 0  # weight broadcasts being received now (a blocked one cannot be interrupted)
 
 
 def _normalise(req: GenerateReq, sched: Scheduler) -> list[tuple[list[int], SamplingParams, str, bool]]:
@@ -397,6 +398,7 @@ class EngineApp:
                         "waiting": len(s.waiting),
                         "paused": s.paused,
                         "weights_loaded": s.model.loaded,
+                        "weight_receives": self.s.receiving,
                         "steps": s.steps,
                         "tokens_generated": s.tokens_generated,
                     }
@@ -617,15 +619,19 @@ class EngineApp:
             if body.abort_all_requests:
                 self.sched.abort(None, True, "Aborted for a weight update")
                 self.sched.apply_aborts()
-            await asyncio.to_thread(
-                self.s.receiver.receive,
-                self.sched.model,
-                body.names,
-                dtypes,
-                body.shapes,
-                group,
-                body.load_format == "flattened_bucket",
-            )
+            self.s.receiving += 1
+            try:
+                await asyncio.to_thread(
+                    self.s.receiver.receive,
+                    self.sched.model,
+                    body.names,
+                    dtypes,
+                    body.shapes,
+                    group,
+                    body.load_format == "flattened_bucket",
+                )
+            finally:
+                self.s.receiving -= 1
             if body.weight_version is not None:
                 self.sched.weight_version = body.weight_version
 

@@ -363,3 +363,69 @@ def test_flattened_bucket_is_one_broadcast_of_the_tensors_bytes(tmp_path: Path) 
         assert torch.equal(got[offset : offset + n].clone().view(t.dtype).reshape(t.shape), t)
         offset += n
     assert offset == got.numel()
+
+
+def test_engine_stops_promptly_while_a_weight_receive_waits_for_a_gone_sender(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM during a receive whose sender never sends: the engine exits instead of waiting
+    out the group's ten-minute timeout."""
+    from datetime import timedelta
+
+    from tether.runtime.weight_group import destroy_weight_group, init_weight_group
+
+    eng = Engine(model_dir, tmp_path / "stop.log")
+    eng.start()
+    try:
+
+        async def body() -> None:
+            port = free_port()
+            async with EngineClient(eng.url, name="s0") as client:
+                join = {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": "stop-test",
+                    "backend": "gloo",
+                }
+                own = asyncio.create_task(
+                    asyncio.to_thread(
+                        init_weight_group,
+                        f"tcp://127.0.0.1:{port}",
+                        0,
+                        2,
+                        "stop-test",
+                        "gloo",
+                        timedelta(seconds=60),
+                    )
+                )
+                await client.request("POST", "/init_weights_update_group", join, retry="never")
+                group = await own
+                await client.request("POST", "/begin_weight_update", {}, retry="never")
+                update = {
+                    "names": ["model.norm.weight"],
+                    "dtypes": ["float32"],
+                    "shapes": [[64]],
+                    "group_name": "stop-test",
+                }
+                pending = asyncio.create_task(
+                    client.request("POST", "/update_weights_from_distributed", update, retry="never")
+                )
+                async with asyncio.timeout(60):
+                    while True:  # the receive has begun once the engine reports it
+                        info = await client.request("GET", "/get_server_info", None, retry="never")
+                        if info["internal_states"][0]["weight_receives"] == 1:
+                            break
+                        await asyncio.sleep(0.05)
+                assert eng.proc is not None
+                eng.proc.terminate()
+                assert await asyncio.to_thread(eng.proc.wait, 60) == 0
+                assert "exiting at once" in eng.log.read_text()
+                with pytest.raises(Exception):  # noqa: B017 - the connection dropped with the engine
+                    await pending
+                await asyncio.to_thread(destroy_weight_group, group)
+
+        run(body())
+    finally:
+        eng.stop()
