@@ -114,3 +114,35 @@ def test_only_damaged_checkpoints_leave_nothing_to_load(tmp_path: Path) -> None:
     (d / checkpoint.RUN_STATE).write_bytes(b"\xc1")
     path, skipped = checkpoint.select_checkpoint(tmp_path)
     assert path is None and len(skipped) == 1
+
+
+def test_a_checkpoint_that_fails_to_load_is_skipped_for_the_next(tmp_path: Path) -> None:
+    """The loop `--load` and `--ref-load` share: a checkpoint whose files validate but whose
+    load raises is skipped (with its error) for the next newest."""
+    for step in (1, 2, 3):
+        _write(tmp_path, step)
+    tried: list[Path] = []
+
+    def load_one(path: Path) -> int:
+        tried.append(path)
+        if path.name == "iter_0000003":
+            raise KeyError("model.layers.0 missing")
+        return int(path.name.removeprefix("iter_"))
+
+    got = checkpoint._load_first_loadable(tmp_path, "--ref-load", load_one)
+    assert got is not None
+    step, path, skipped = got
+    assert (step, path) == (2, str(tmp_path / "iter_0000002"))
+    assert tried == [tmp_path / "iter_0000003", tmp_path / "iter_0000002"]
+    assert [s.path for s in skipped] == [str(tmp_path / "iter_0000003")]
+    assert "KeyError" in skipped[0].error and "model.layers.0 missing" in skipped[0].error
+
+
+def test_ref_load_names_its_flag_when_nothing_loads(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"--ref-load=.*no complete checkpoint"):
+        checkpoint.load_weights_only([], tmp_path)
+    only = _write(tmp_path, 1)
+    shard = _shard(only)
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(RuntimeError, match=r"--ref-load=.*every complete checkpoint is damaged.*truncated"):
+        checkpoint.load_weights_only([], tmp_path)

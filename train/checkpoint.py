@@ -26,9 +26,9 @@ import random
 import re
 import shutil
 import zipfile
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -40,6 +40,7 @@ from tether.train.megatron_cpu import quiet_megatron_imports
 from tether.train.model import Actor, unwrap
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LATEST = "latest"
 RUN_STATE = "run_state.msgpack"
@@ -348,14 +349,12 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def load_checkpoint(actor: Actor, load_dir: str | Path, *, finetune: bool = False) -> Loaded | None:
-    """Restore model, optimizer, scheduler and RNG from the newest loadable complete checkpoint.
-
-    Returns what was loaded (with the damaged checkpoints skipped on the way, each warned
-    about), or None when `load_dir` holds no loadable checkpoint (an error when it holds only
-    damaged ones). With `finetune` only the weights are loaded (the run starts fresh from
-    them). Collective over every rank.
-    """
+def _load_first_loadable(
+    load_dir: str | Path, flag: str, load_one: Callable[[Path], T]
+) -> tuple[T, str, list[SkippedCheckpoint]] | None:
+    """`load_one` on the newest complete checkpoint whose files validate and that loads on every
+    rank, skipping damaged ones (each warned about); None when `load_dir` holds no complete
+    checkpoint, an error naming `flag` when it holds only damaged ones. Collective over every rank."""
     skipped: list[SkippedCheckpoint] = []
     while True:
         choice: str | None = None
@@ -367,21 +366,36 @@ def load_checkpoint(actor: Actor, load_dir: str | Path, *, finetune: bool = Fals
         if choice is None:
             if skipped:
                 raise RuntimeError(
-                    f"--load={load_dir}: every complete checkpoint is damaged: "
+                    f"{flag}={load_dir}: every complete checkpoint is damaged: "
                     + "; ".join(f"{s.path}: {s.error}" for s in skipped)
                 )
             return None
         error = ""
         try:
-            state = _load_from(actor, Path(choice), finetune=finetune)
+            result = load_one(Path(choice))
         except Exception as exc:  # any rank's failure makes every rank move on together
             error = f"{type(exc).__name__}: {exc}"
             log.exception("loading checkpoint %s failed", choice)
         if _all_ok(not error):
             for bad in skipped:
                 log.warning("checkpoint %s was damaged (%s); loaded %s instead", bad.path, bad.error, choice)
-            return Loaded(state=state, path=choice, skipped=skipped)
+            return result, choice, skipped
         skipped.append(SkippedCheckpoint(choice, error or "the load failed on another rank"))
+
+
+def load_checkpoint(actor: Actor, load_dir: str | Path, *, finetune: bool = False) -> Loaded | None:
+    """Restore model, optimizer, scheduler and RNG from the newest loadable complete checkpoint.
+
+    Returns what was loaded (with the damaged checkpoints skipped on the way, each warned
+    about), or None when `load_dir` holds no loadable checkpoint (an error when it holds only
+    damaged ones). With `finetune` only the weights are loaded (the run starts fresh from
+    them). Collective over every rank.
+    """
+    got = _load_first_loadable(load_dir, "--load", lambda path: _load_from(actor, path, finetune=finetune))
+    if got is None:
+        return None
+    state, path, skipped = got
+    return Loaded(state=state, path=path, skipped=skipped)
 
 
 def load(actor: Actor, load_dir: str | Path, *, finetune: bool = False) -> RunState | None:
@@ -421,16 +435,21 @@ def _load_from(actor: Actor, path: Path, *, finetune: bool) -> RunState:
 
 
 def load_weights_only(chunks: list[Any], load_dir: str | Path) -> Path:
-    """Load only model weights (e.g. a frozen reference from --ref-load); returns the directory."""
-    with quiet_megatron_imports():
-        from megatron.core import dist_checkpointing
-
-    path = find_checkpoint(load_dir)
-    if path is None:
-        raise FileNotFoundError(f"--ref-load={load_dir}: no complete checkpoint (iter_*/ with {RUN_STATE})")
+    """Load only model weights (e.g. a frozen reference from --ref-load) from the newest
+    loadable complete checkpoint, past damaged ones as `load_checkpoint` does; returns the
+    directory. Collective over every rank."""
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    sharded = {k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
-    loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
-    for k, chunk in zip(keys, chunks, strict=True):
-        unwrap(chunk).load_state_dict(loaded[k], strict=True)
-    return path
+
+    def load_one(path: Path) -> None:
+        with quiet_megatron_imports():
+            from megatron.core import dist_checkpointing
+
+        sharded = {k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
+        loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
+        for k, chunk in zip(keys, chunks, strict=True):
+            unwrap(chunk).load_state_dict(loaded[k], strict=True)
+
+    got = _load_first_loadable(load_dir, "--ref-load", load_one)
+    if got is None:
+        raise FileNotFoundError(f"--ref-load={load_dir}: no complete checkpoint (iter_*/ with {RUN_STATE})")
+    return Path(got[1])
