@@ -59,34 +59,47 @@ def iter_hf_weights(
                 yield hf_name, out.to(dtype) if dtype is not None else out
 
 
+def _wire_device() -> torch.device:
+    """Where point-to-point tensors must live for the default group's backend."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def stream_to_rank0(
     chunks: list[Any], arch: ModelArch, topo: Topology, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """On global rank 0: this stage's tensors, then every later stage's, received in stage order.
 
     On every other rank: iterates its own stage (for the TP gathers) and, if it is a stage's
-    sync source, sends each tensor to rank 0; yields nothing.
+    sync source, sends each tensor to rank 0; yields nothing. Each tensor travels as a small
+    pickled header (name, dtype, shape) and then its own send, never pickled.
     """
     from megatron.core import parallel_state as ps
 
     if topo.rank == 0:
         yield from iter_hf_weights(chunks, arch, dtype=dtype)
+        device = _wire_device()
         for stage in range(1, topo.pp_size):
             src = _stage_source_rank(ps, stage)
             while True:
                 box: list[Any] = [None]
                 dist.recv_object_list(box, src=src)
-                name, tensor = box[0]
+                name, tensor_dtype, shape = box[0]
                 if name == _END:
                     break
-                yield name, tensor
+                buf = torch.empty(shape, dtype=tensor_dtype, device=device)
+                dist.recv(buf, src=src)
+                yield name, buf.to("cpu")
         return
     send = topo.is_sync_source and topo.pp_rank > 0
+    device = _wire_device() if send else torch.device("cpu")
     for name, tensor in iter_hf_weights(chunks, arch, dtype=dtype):
         if send:
-            dist.send_object_list([(name, tensor)], dst=0)
+            dist.send_object_list([(name, tensor.dtype, list(tensor.shape))], dst=0)
+            dist.send(tensor.to(device).contiguous(), dst=0)
     if send:
-        dist.send_object_list([(_END, None)], dst=0)
+        dist.send_object_list([(_END, None, None)], dst=0)
 
 
 def _stage_source_rank(ps: Any, stage: int) -> int:
