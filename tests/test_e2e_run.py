@@ -37,9 +37,9 @@ def check_run(run: Path, *, transport: str, steps: int = STEPS) -> list[dict]:
         assert m["rollout/samples"] == 16
     events = [e["event"] for e in jsonl(run / "events.jsonl")]
     assert events[0] == "start" and events[-1] == "finished"
-    # On samples made with the trainer's current weights (no version lag) the TP=2 trainer's
+    # On samples made with the trainer's current weights (no version lag) the trainer's
     # log-probs equal the engine's on the same tokens: the engine serves exactly the weights the
-    # trainer exported, gathered from both TP shards. Lagging samples (async) differ by design.
+    # trainer exported, from every shard and stage. Lagging samples (async) differ by design.
     on_policy = [m for m in metrics if m["rollout/version_lag_max"] == 0]
     assert on_policy and all(m["train/train_rollout_logprob_abs_diff"] < 1e-4 for m in on_policy)
     return metrics
@@ -78,13 +78,18 @@ def test_sync_loop_disk_tp2_and_receipt(ws: Workspace, tmp_path: Path) -> None:
     assert (run / "logs" / "engine0.log").exists() and (run / "logs" / "trainer-node0.log").exists()
 
 
-@pytest.mark.parametrize("transport", ["distributed", "delta"])
-def test_sync_loop_tp2_engine_serves_the_trainers_weights(
-    ws: Workspace, tmp_path: Path, transport: str
+@pytest.mark.parametrize(
+    ("transport", "parallel"),
+    [("distributed", "tensor"), ("delta", "tensor"), ("distributed", "pipeline")],
+    ids=["distributed-tp2", "delta-tp2", "distributed-pp2"],
+)
+def test_sync_loop_model_parallel_engine_serves_the_trainers_weights(
+    ws: Workspace, tmp_path: Path, transport: str, parallel: str
 ) -> None:
-    """After every sync the engine's log-probs of the step's tokens equal the TP=2 trainer's."""
+    """After every sync the engine's log-probs of the step's tokens equal the trainer's, with
+    the model split over two ranks (TP: gathered shards; PP: the second stage streamed)."""
     run = tmp_path / "run"
-    flags = ["--num-rollout", str(STEPS), "--tensor-model-parallel-size", "2"]
+    flags = ["--num-rollout", str(STEPS), f"--{parallel}-model-parallel-size", "2"]
     if transport == "distributed":
         flags += ["--update-weight-transport", "nccl"]
     else:
