@@ -713,6 +713,7 @@ class EngineApp:
             self.sched.retract_all()  # running sequences lose their KV; they re-prefill on resume
             if "weights" in tags:
                 self.sched.model.drop()
+                self.s.receiver.release()
             if "kv_cache" in tags:
                 self.sched.cache = None
 

@@ -35,6 +35,10 @@ class BucketReceiver:
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
 
+    def release(self) -> None:
+        """Free the receive buffer (memory released on request; the next update makes a new one)."""
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
     def _staging(self, nbytes: int) -> torch.Tensor:
         if self._buffer.numel() < nbytes:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8)
