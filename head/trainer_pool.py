@@ -81,10 +81,11 @@ class TrainerPool:
             "--rpc-address-dir",
             str(self.address_dir),
         ]
+        address = next(n.address for n in self.plan.nodes if n.index == node.node)
+        argv += ["--node-address", address]
         if self.names[node.node] == LOCAL:
             argv += ["--ipc-dir", str(self.run_dir.path / "sock")]  # same node as the head
         else:
-            address = next(n.address for n in self.plan.nodes if n.index == node.node)
             argv += ["--bind-host", address]  # the node's address toward the head
         env = {
             **node.env,

@@ -577,6 +577,11 @@ class EngineApp:
         except Exception as e:
             return result_response(False, f"Failed to init group: {type(e).__name__}: {e}")
         self.s.groups[body.group_name] = group
+        print(
+            f"joined weight update group {body.group_name!r} as rank {body.rank_offset} of {body.world_size}"
+            f" ({body.master_address}:{body.master_port}, {body.backend})",
+            flush=True,
+        )
         return result_response(True, "Succeeded to initialize custom process group.")
 
     async def destroy_group(self, request: web.Request) -> web.Response:

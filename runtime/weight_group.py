@@ -54,6 +54,14 @@ def _check(init_method: str, rank: int, world_size: int, group_name: str, backen
         raise ConfigError("backend", backend, "must be gloo or nccl")
 
 
+def host_store(host: str, port: int, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening now (port 0: a free port, see `.port`), without
+    waiting for the other ranks; pass it to `init_weight_group` once they have been told."""
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, multi_tenant=True, wait_for_workers=False
+    )
+
+
 def init_weight_group(
     init_method: str,
     rank: int,
@@ -61,20 +69,23 @@ def init_weight_group(
     group_name: str,
     backend: str = "gloo",
     timeout: timedelta = DEFAULT_TIMEOUT,
+    store: dist.TCPStore | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) the rendezvous at `init_method` and build the named group.
 
     Blocks until all `world_size` ranks have joined or `timeout` passes. Call it from a worker
-    thread in async code. Rank 0 hosts the TCP store, so it must be the trainer side.
+    thread in async code. Rank 0 hosts the TCP store, so it must be the trainer side; it may
+    pass a store made by `host_store` (whose port `init_method` then names).
     """
     _check(init_method, rank, world_size, group_name, backend)
     parsed = urlparse(init_method)
     assert parsed.hostname is not None and parsed.port is not None  # _check made sure
-    # An explicit store, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
-    # rendezvous makes every rank a client of an agent store, so nobody would host this one.
-    store = dist.TCPStore(
-        parsed.hostname, parsed.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
-    )
+    if store is None:
+        # An explicit store, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
+        # rendezvous makes every rank a client of an agent store, so nobody would host this one.
+        store = dist.TCPStore(
+            parsed.hostname, parsed.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
+        )
     # The prefix keeps two groups on one store (or one master port reused later) apart.
     prefixed = dist.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(

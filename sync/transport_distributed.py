@@ -13,15 +13,23 @@ Blocking collectives run in a worker thread; every HTTP call and the group set-u
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tether.runtime.weight_group import WeightGroup, broadcast, destroy_weight_group, init_weight_group
+from tether.runtime.weight_group import (
+    WeightGroup,
+    broadcast,
+    destroy_weight_group,
+    host_store,
+    init_weight_group,
+)
 from tether.sync.buckets import buckets, dtype_name, nbytes, with_last
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_api import (
@@ -35,6 +43,8 @@ from tether.sync.engine_api import (
     served_versions,
 )
 from tether.sync.ledger import LedgerEntry
+
+log = logging.getLogger(__name__)
 
 
 def broadcast_async(tensor: torch.Tensor, src: int, group: WeightGroup) -> dist.Work:
@@ -71,11 +81,13 @@ class DistributedTransport:
         engine_ranks: Sequence[int] | None = None,
         backend: str = "gloo",
         control_engines: bool = True,
+        group_tag: str = "",
     ) -> None:
         """engine_ranks: ranks each engine contributes (its TP size; default 1 each).
 
         control_engines: whether this source pauses/continues the engines (exactly one source
-        does when several pipeline stages each broadcast their own tensors).
+        does when several pipeline stages each broadcast their own tensors, see sync_stage).
+        master_port 0: the group's store listens on a free port of master_address.
         """
         self.engines = list(engines)
         self.cfg = cfg
@@ -86,6 +98,7 @@ class DistributedTransport:
             raise SyncFailed(f"engine_ranks={self.engine_ranks} must give a positive rank count per engine")
         self.backend = backend
         self.control_engines = control_engines
+        self.group_tag = group_tag
         self.group: WeightGroup | None = None
         self._flat: list[torch.Tensor | None] = [None, None]
         self._stale = True
@@ -106,16 +119,24 @@ class DistributedTransport:
     async def connect(self) -> None:
         """(Re)build the update group: this process as rank 0, engines at their rank offsets."""
         await self.close()
-        group_name = f"tether-weights-{uuid.uuid4().hex[:12]}"  # a server accepts a name only once
+        # A server accepts a group name only once; the tag tells a pipeline stage's group apart.
+        group_name = f"tether-weights-{self.group_tag}{uuid.uuid4().hex[:12]}"
         cfg = self.cfg
         limit = cfg.update_weight_collective_timeout
-        init_method = f"tcp://{self.master_address}:{self.master_port}"
+        store = None
+        port = self.master_port
+        if port == 0:  # listen on a free port first, then tell the engines which
+            store = await asyncio.to_thread(
+                host_store, self.master_address, 0, self.world_size, timedelta(seconds=limit)
+            )
+            port = store.port
+        init_method = f"tcp://{self.master_address}:{port}"
         offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.engines))]
 
         async def engine_join(i: int) -> None:
             body = {
                 "master_address": self.master_address,
-                "master_port": self.master_port,
+                "master_port": port,
                 "rank_offset": offsets[i],
                 "world_size": self.world_size,
                 "group_name": group_name,
@@ -137,6 +158,7 @@ class DistributedTransport:
                     group_name,
                     self.backend,
                     timedelta(seconds=limit),
+                    store,
                 )
             )
             for i in range(len(self.engines)):
@@ -181,7 +203,8 @@ class DistributedTransport:
             self._flat[slot] = flat
         return flat
 
-    async def _send(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    async def _send(self, version: int | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Every bucket to every engine; the last one carries `version` (None: none does)."""
         assert self.group is not None
         group = self.group
         timeout = self.cfg.update_weight_request_timeout
@@ -217,7 +240,7 @@ class DistributedTransport:
                     "group_name": group.group_name,
                     "flush_cache": last,
                 }
-                if last:
+                if last and version is not None:
                     body["weight_version"] = str(version)
                 if flattened:
                     body["load_format"] = "flattened_bucket"
@@ -266,6 +289,99 @@ class DistributedTransport:
                 path, old = self.restore_from
                 await best_effort_on_all(self.engines, lambda e: reload_from_disk(e, path, old, timeout))
             raise
+        versions = await served_versions(self.engines, timeout)
+        return LedgerEntry.finished(
+            version=version,
+            transport=self.name,
+            bytes_moved=moved * len(self.engines),
+            pause_seconds=pause_s,
+            perf_started=t0,
+            started_at=started_at,
+            engine_versions=versions,
+        )
+
+    async def sync_stage(
+        self,
+        version: int,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        agree: Callable[[bool], Awaitable[bool]],
+    ) -> LedgerEntry | None:
+        """One pipeline stage's part of a sync where each stage's source broadcasts its own
+        tensors over its own group (this source + the engines), as slime does at PP > 1.
+
+        The controlling source (control_engines) pauses the engines and opens their update
+        session before any stage sends, and sets the version, closes the session and continues
+        the engines after every stage has sent. `agree(ok)` must return True on every source only
+        when `ok` holds on all of them (an all-reduce over the trainer's ranks), so the stages go
+        through both phases together and a failure in any stage fails the sync everywhere. The
+        controller returns the ledger entry; the other stages return None.
+        """
+        cfg = self.cfg
+        started_at, t0 = time.time(), time.perf_counter()
+        timeout = cfg.update_weight_request_timeout
+        controller = self.control_engines
+        loop = asyncio.get_running_loop()
+        opened = ok = True
+        try:
+            if self._stale or self.group is None:
+                await self.connect()
+            if controller:
+                await on_all(
+                    self.engines,
+                    lambda e: call(e, "/pause_generation", {"mode": cfg.update_weight_pause_mode}, timeout),
+                )
+                await best_effort_on_all(self.engines, lambda e: call(e, "/flush_cache", None, timeout))
+                await on_all(self.engines, lambda e: call(e, "/begin_weight_update", {}, timeout))
+        except Exception:
+            log.exception("pipeline stage %r could not open its part of sync %d", self.group_tag, version)
+            opened = False
+        paused_at = loop.time()
+        moved = 0
+        remaining = iter(tensors)
+        if await agree(opened):
+            try:
+                moved = await self._send(None, remaining)
+            except Exception:
+                log.exception(
+                    "pipeline stage %r failed to send its tensors for sync %d", self.group_tag, version
+                )
+                ok = False
+                # The rest of the stage still flows, so this stage's TP peers finish their gathers
+                # and reach the agreement below rather than block until their timeout.
+                with contextlib.suppress(Exception):
+                    for _ in remaining:
+                        pass
+            ok = await agree(ok)
+        else:
+            ok = False
+        failure = ""
+        if controller:
+            try:
+                if ok:
+                    body = {"new_version": str(version)}
+                    await on_all(self.engines, lambda e: call(e, "/update_weight_version", body, timeout))
+            except Exception as exc:
+                ok, failure = False, f"/update_weight_version: {exc}"
+            ends = await best_effort_on_all(
+                self.engines, lambda e: call(e, "/end_weight_update", {}, timeout)
+            )
+            if not ok and self.restore_from is not None:
+                path, old = self.restore_from
+                await best_effort_on_all(self.engines, lambda e: reload_from_disk(e, path, old, timeout))
+            continues = await best_effort_on_all(
+                self.engines, lambda e: call(e, "/continue_generation", {}, timeout)
+            )
+            if ok and (ends or continues):
+                ok, failure = False, f"closing the update failed: {ends | continues}"
+        if not ok:
+            self._stale = True  # a broken collective leaves the group unusable: rebuild it
+            raise SyncFailed(
+                f"sync {version} failed in a pipeline stage"
+                + (f" ({failure})" if failure else "; see the failing stage's log")
+            )
+        if not controller:
+            return None
+        pause_s = loop.time() - paused_at
         versions = await served_versions(self.engines, timeout)
         return LedgerEntry.finished(
             version=version,

@@ -99,6 +99,10 @@ def test_sync_loop_model_parallel_engine_serves_the_trainers_weights(
     tether("run", *ws.flags(run, *flags))
     metrics = check_run(run, transport=transport)
     assert all(m["rollout/version_lag_max"] == 0 for m in metrics)  # so check_run compared every step
+    if transport == "distributed" and parallel == "pipeline":
+        # Each stage's sync source broadcast its own tensors over its own group, as slime does.
+        joined = (run / "logs" / "engine0.log").read_text()
+        assert "group 'tether-weights-pp0-" in joined and "group 'tether-weights-pp1-" in joined
 
 
 def test_async_loop_distributed_dp2(ws: Workspace, tmp_path: Path) -> None:

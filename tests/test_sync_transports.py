@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from tether.rollout.tiny_model import write_tiny_model
 from tether.sync.checkpoint_files import open_checkpoint
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_api import SyncFailed, served_versions
+from tether.sync.ledger import LedgerEntry
 from tether.sync.local_store import LocalCheckpointStore
 from tether.sync.transport_delta import DeltaDiskTransport
 from tether.sync.transport_disk import FullDiskTransport
@@ -429,3 +430,79 @@ def test_engine_stops_promptly_while_a_weight_receive_waits_for_a_gone_sender(
         run(body())
     finally:
         eng.stop()
+
+
+class _Agreement:
+    """The all-reduce of `sync_stage`'s agreements between sources in one process."""
+
+    def __init__(self, parties: int) -> None:
+        self.barrier = asyncio.Barrier(parties)
+        self.rounds: dict[int, list[bool]] = {}
+
+    def party(self) -> Callable[[bool], Awaitable[bool]]:
+        done = 0
+
+        async def agree(ok: bool) -> bool:
+            nonlocal done
+            votes = self.rounds.setdefault(done, [])
+            votes.append(ok)
+            done += 1
+            await self.barrier.wait()
+            return all(votes)
+
+        return agree
+
+
+def test_pipeline_stages_each_send_over_their_own_group(
+    engine: Engine, model_dir: Path, tmp_path: Path
+) -> None:
+    """Two stage sources (one controlling the engine) each broadcast half of the model over
+    their own group; a failure in either fails both and leaves the engine on the old version,
+    continued, with its update session closed."""
+
+    async def body() -> None:
+        async with EngineClient(engine.url, name="e0") as client:
+            conf = cfg(tmp_path, update_weight_collective_timeout=60.0)
+            stages = [
+                DistributedTransport([client], conf, master_port=free_port(), group_tag="pp0-"),
+                DistributedTransport([client], conf, master_port=0, control_engines=False, group_tag="pp1-"),
+            ]
+            try:
+                base = (await served_versions([client], 10))["e0"]
+                assert base is not None
+
+                async def sync(state: dict[str, torch.Tensor], version: int) -> list[object]:
+                    names = sorted(state)
+                    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+                    agreement = _Agreement(2)
+                    return await asyncio.gather(
+                        *(
+                            t.sync_stage(version, iter([(n, state[n]) for n in half]), agreement.party())
+                            for t, half in zip(stages, halves, strict=True)
+                        ),
+                        return_exceptions=True,
+                    )
+
+                state = trained(model_dir, seed=11)
+                first, second = await sync(state, base + 1)
+                assert (
+                    isinstance(first, LedgerEntry) and first.ok and first.engine_versions == {"e0": base + 1}
+                )
+                assert second is None
+                await check_engine(engine.url, model_dir, state, base + 1)
+                # The second stage's bucket is refused: both stages fail, nothing moves on.
+                bad = trained(model_dir, seed=12)
+                bad[sorted(bad)[-1]] = bad[sorted(bad)[-1]].to(torch.int32)
+                results = await sync(bad, base + 2)
+                assert all(isinstance(r, SyncFailed) for r in results), results
+                assert await served_versions([client], 10) == {"e0": base + 1}
+                # Continued and closed: the next sync (groups rebuilt) goes through.
+                state = trained(model_dir, seed=13)
+                first, _ = await sync(state, base + 2)
+                assert isinstance(first, LedgerEntry) and first.engine_versions == {"e0": base + 2}
+                await check_engine(engine.url, model_dir, state, base + 2)
+            finally:
+                for t in stages:
+                    await t.close()
+
+    run(body())

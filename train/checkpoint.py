@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tether.sync.atomic import fsync_path, fsync_tree, write_bytes_atomic
 from tether.train.megatron_cpu import quiet_megatron_imports
 from tether.train.model import Actor, unwrap
+from tether.train.parallel import all_true
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -340,15 +341,6 @@ def _agree(value: Any) -> Any:
     return box[0]
 
 
-def _all_ok(ok: bool) -> bool:
-    """True on every rank when `ok` is true on every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _load_first_loadable(
     load_dir: str | Path, flag: str, load_one: Callable[[Path], T]
 ) -> tuple[T, str, list[SkippedCheckpoint]] | None:
@@ -376,7 +368,7 @@ def _load_first_loadable(
         except Exception as exc:  # any rank's failure makes every rank move on together
             error = f"{type(exc).__name__}: {exc}"
             log.exception("loading checkpoint %s failed", choice)
-        if _all_ok(not error):
+        if all_true(not error):
             for bad in skipped:
                 log.warning("checkpoint %s was damaged (%s); loaded %s instead", bad.path, bad.error, choice)
             return result, choice, skipped

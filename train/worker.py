@@ -87,8 +87,9 @@ def model_options(hf_checkpoint: str, algorithm: AlgorithmConfig, megatron: Mega
 class TrainerWorker:
     """The RPC target of one rank. Public async methods are the RPC surface."""
 
-    def __init__(self, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, executor: ThreadPoolExecutor, node_address: str = "") -> None:
         self._executor = executor
+        self._node_address = node_address  # this node's address toward the engines
         self._stop = asyncio.Event()
         self._actor: Any = None
         self._ref: Any = None
@@ -308,6 +309,21 @@ class TrainerWorker:
         actor = self._require_init()
         from tether.train import export
 
+        if (
+            self._topo.pp_size > 1
+            and not colocate
+            and weight_sync.update_weight_mode == "full"
+            and (weight_sync.update_weight_transport != "disk")
+        ):
+            return await self._update_weights_by_stage(
+                version,
+                engine_urls,
+                weight_sync,
+                engine_ranks,
+                master_address,
+                master_port,
+                engines_restarted,
+            )
         stream = export.stream_to_rank0(actor.chunks, actor.arch, self._topo, None)
         if self._topo.rank != 0:
             await self._run(lambda: _drain(stream))
@@ -332,7 +348,69 @@ class TrainerWorker:
             entry = await self._transport.sync(version, stream)
         finally:
             self._busy = False
+            # After a failure the rest still flows, so the ranks feeding the stream (TP peers'
+            # gathers, later stages' sends) finish too instead of blocking until their timeout.
+            await self._run(lambda: _drain(stream))
         return msgspec.to_builtins(entry)
+
+    async def _update_weights_by_stage(
+        self,
+        version: int,
+        engine_urls: list[str],
+        weight_sync: WeightSyncConfig,
+        engine_ranks: list[int] | None,
+        master_address: str,
+        master_port: int,
+        engines_restarted: bool,
+    ) -> dict[str, Any] | None:
+        """PP > 1 over the distributed transport: each stage's sync source (TP 0, DP 0)
+        broadcasts its own stage's tensors over its own group with the engines, as slime does;
+        stage 0's source controls the engines. The other ranks take part in their stage's TP
+        gathers and in the all-reduces that keep the stages in step."""
+        import torch
+
+        from tether.sync.factory import engine_clients
+        from tether.sync.transport_distributed import DistributedTransport
+        from tether.train import export, parallel
+
+        actor, topo = self._require_init(), self._topo
+        stream = export.iter_hf_weights(actor.chunks, actor.arch)
+        if not topo.is_sync_source:
+
+            def follow() -> None:
+                if parallel.all_true(True):  # every stage opened its part
+                    _drain(stream)
+                    parallel.all_true(True)
+
+            await self._run(follow)
+            return None
+        if self._transport is None:
+            self._engines = engine_clients(engine_urls, weight_sync.update_weight_request_timeout)
+            first = topo.pp_rank == 0
+            self._transport = DistributedTransport(
+                self._engines,
+                weight_sync,
+                # Stage 0 uses the plan's group port; later stages listen on a free port of
+                # their own node, which they tell the engines when the group is built.
+                master_address=master_address if first else self._node_address or master_address,
+                master_port=master_port if first else 0,
+                engine_ranks=engine_ranks or [1] * len(engine_urls),
+                backend="nccl" if torch.cuda.is_available() else "gloo",
+                control_engines=first,
+                group_tag=f"pp{topo.pp_rank}-",
+            )
+        if engines_restarted:
+            self._transport.mark_engine_restarted()
+
+        async def agree(ok: bool) -> bool:
+            return await self._run(lambda: parallel.all_true(ok))
+
+        self._busy = True
+        try:
+            entry = await self._transport.sync_stage(version, stream, agree)
+        finally:
+            self._busy = False
+        return None if entry is None else msgspec.to_builtins(entry)
 
     async def health(self) -> WorkerInfo:
         """Answered from the event loop, even while a step runs on the worker thread."""
@@ -382,7 +460,9 @@ def read_addresses(directory: str | Path, world_size: int) -> dict[int, str] | N
     return found
 
 
-async def serve(address_dir: Path, bind_host: str, ipc_dir: Path | None = None) -> None:
+async def serve(
+    address_dir: Path, bind_host: str, ipc_dir: Path | None = None, node_address: str = ""
+) -> None:
     """Serve this rank's RPC until `shutdown` is called: on a Unix socket under `ipc_dir` when
     given (the head is on this node) and its path fits, else on TCP at `bind_host`."""
     from tether.runtime.endpoints import ipc_endpoint
@@ -395,7 +475,7 @@ async def serve(address_dir: Path, bind_host: str, ipc_dir: Path | None = None) 
     if ipc_dir is not None:
         endpoint = ipc_endpoint(ipc_dir, f"trainer-rank{rank}")  # main() made the directory
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-rank{rank}") as executor:
-        worker = TrainerWorker(executor)
+        worker = TrainerWorker(executor, node_address)
         bind = endpoint or f"tcp://{bind_host}:0"
         async with RpcServer(worker, bind, secret, name=f"trainer-rank{rank}") as server:
             _write_address(address_dir, rank, server.address)
@@ -415,6 +495,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--bind-host", default="127.0.0.1", help="Interface the rank's RPC server binds.")
     parser.add_argument(
+        "--node-address",
+        default="",
+        help="This node's address toward the engines (weight-sync groups of later pipeline stages).",
+    )
+    parser.add_argument(
         "--ipc-dir",
         type=Path,
         default=None,
@@ -431,7 +516,7 @@ def main(args: argparse.Namespace) -> int:
         import megatron.core  # noqa: F401  (import once, quietly, before any rank work)
     if args.ipc_dir is not None:
         args.ipc_dir.mkdir(parents=True, exist_ok=True)
-    uvloop.run(serve(args.rpc_address_dir, args.bind_host, args.ipc_dir))
+    uvloop.run(serve(args.rpc_address_dir, args.bind_host, args.ipc_dir, args.node_address))
     return 0
 
 
