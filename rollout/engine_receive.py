@@ -65,6 +65,8 @@ class BucketReceiver:
                 for n, d, s in zip(names, dtypes, shapes, strict=True)
             }
             check_named(model.cfg, metas, complete=False)
+            if flattened:
+                _check_aligned(names, dtypes, shapes)
         except WeightMismatch as e:
             refusal = e
         items = [(n, d, s, _nbytes(d, s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
@@ -98,10 +100,11 @@ class BucketReceiver:
         for name, dtype, shape, size in items:
             raw = arena[offset : offset + size]
             offset += size
-            if dtype == model.dtype and raw.data_ptr() % dtype.itemsize == 0:
-                model.adopt(name, raw.view(dtype).view(list(shape)))
-            else:  # another dtype (converted) or a misaligned offset (a view needs alignment)
-                model.assign(name, raw.clone().view(dtype).view(list(shape)))
+            tensor = raw.view(dtype).view(list(shape))  # offsets were checked to be aligned
+            if dtype == model.dtype:
+                model.adopt(name, tensor)
+            else:  # converted into a float32 parameter
+                model.assign(name, tensor)
         model.arenas[key] = arena
         backing = {p.untyped_storage().data_ptr() for p in model.params.values()}
         model.arenas = {k: a for k, a in model.arenas.items() if a.data_ptr() in backing}
@@ -152,6 +155,21 @@ class BucketReceiver:
             work.wait()
             if staged and refusal is None:
                 model.assign(name, tensor)
+
+
+def _check_aligned(
+    names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> None:
+    """A flattened bucket's tensors must start at offsets their element size divides (SGLang
+    refuses the bucket otherwise; tether's sender splits buckets so that they do)."""
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if offset % dtype.itemsize:
+            raise WeightMismatch(
+                f"{name}: byte offset {offset} in the flattened bucket is not a multiple of its "
+                f"{dtype} element size {dtype.itemsize}"
+            )
+        offset += _nbytes(dtype, shape)
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:

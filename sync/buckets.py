@@ -13,15 +13,20 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def buckets(tensors: Iterable[Named], max_bytes: int) -> Iterator[list[Named]]:
-    """Yield lists of tensors whose sizes add up to at most max_bytes (a larger tensor goes alone)."""
+def buckets(tensors: Iterable[Named], max_bytes: int, *, aligned: bool = False) -> Iterator[list[Named]]:
+    """Yield lists of tensors whose sizes add up to at most max_bytes (a larger tensor goes alone).
+
+    `aligned`: every tensor also starts at a byte offset its element size divides, counted from
+    the bucket's start — what a flattened bucket needs (SGLang refuses it otherwise), so a tensor
+    that would land unaligned starts the next bucket.
+    """
     if max_bytes < 1:
         raise ValueError(f"update_weight_buffer_size={max_bytes}: must be at least 1 byte")
     bucket: list[Named] = []
     size = 0
     for name, t in tensors:
         n = nbytes(t)
-        if bucket and size + n > max_bytes:
+        if bucket and (size + n > max_bytes or (aligned and size % t.element_size())):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))

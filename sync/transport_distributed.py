@@ -213,7 +213,8 @@ class DistributedTransport:
         prepared = (
             (n, t.detach().to("cpu" if self.backend == "gloo" else t.device).contiguous()) for n, t in tensors
         )
-        pending = enumerate(with_last(buckets(prepared, self.cfg.update_weight_buffer_size)))
+        size = self.cfg.update_weight_buffer_size
+        pending = enumerate(with_last(buckets(prepared, size, aligned=flattened)))
 
         def pack_next() -> (
             tuple[int, list[tuple[str, torch.Tensor]], bool, asyncio.Future[torch.Tensor] | None] | None

@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 from tether.rollout.engine_weights import encode_named_tensors
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
+from tether.sync.transport_distributed import flatten_bucket
 
 PROMPTS = [[1, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42]]
 N = 12
@@ -325,7 +326,12 @@ def test_update_weights_from_disk(engine: Engine, models: tuple[str, str]) -> No
     assert_matches_hf(greedy(engine, PROMPTS[0]), models[0], PROMPTS[0], TOLERANCE[engine.kind])
 
 
-def test_update_weights_from_distributed(engine: Engine, models: tuple[str, str]) -> None:
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_update_weights_from_distributed(
+    engine: Engine, models: tuple[str, str], load_format: str | None
+) -> None:
+    """Tensor by tensor, or (flattened_bucket) every tensor's bytes in one broadcast, packed
+    the way tether's sender packs them."""
     new = load_file(str(Path(models[1]) / "model.safetensors"))
     names = sorted(new)
     port = free_port()
@@ -368,10 +374,14 @@ def test_update_weights_from_distributed(engine: Engine, models: tuple[str, str]
                     "group_name": group_name,
                     "weight_version": "dist-v2",
                     "flush_cache": True,
+                    "load_format": load_format,
                 },
             )
-            for name in names:
-                broadcast(new[name].contiguous(), 0, group)
+            if load_format == "flattened_bucket":
+                broadcast(flatten_bucket([(n, new[n].contiguous()) for n in names]), 0, group)
+            else:
+                for name in names:
+                    broadcast(new[name].contiguous(), 0, group)
             assert update.result(timeout=60)["success"] is True
             engine.post("/end_weight_update", {})
             out = greedy(engine, PROMPTS[1])

@@ -506,3 +506,33 @@ def test_pipeline_stages_each_send_over_their_own_group(
                     await t.close()
 
     run(body())
+
+
+def test_buckets_respect_the_size_and_keep_flattened_offsets_aligned() -> None:
+    from tether.sync.buckets import buckets
+
+    named = [
+        ("a", torch.zeros(3, dtype=torch.bfloat16)),  # 6 bytes: an fp32 after it would sit at 6
+        ("b", torch.zeros(2, dtype=torch.float32)),
+        ("c", torch.zeros(1, dtype=torch.bool)),
+        ("d", torch.zeros(4, dtype=torch.bfloat16)),
+        ("e", torch.zeros(100, dtype=torch.float32)),  # larger than a bucket: goes alone
+    ]
+    plain = [[n for n, _ in b] for b in buckets(named, 32)]
+    assert plain == [["a", "b", "c", "d"], ["e"]]
+    aligned = [[n for n, _ in b] for b in buckets(named, 32, aligned=True)]
+    assert aligned == [["a"], ["b", "c"], ["d"], ["e"]]
+    for bucket in buckets(named, 32, aligned=True):
+        offset = 0
+        for _, t in bucket:
+            assert offset % t.element_size() == 0
+            offset += t.numel() * t.element_size()
+
+
+def test_engine_refuses_an_unaligned_flattened_bucket_naming_the_tensor() -> None:
+    from tether.rollout.engine_model import WeightMismatch
+    from tether.rollout.engine_receive import _check_aligned
+
+    _check_aligned(["x", "y"], [torch.bfloat16, torch.float32], [[4], [2]])  # y at 8: fine
+    with pytest.raises(WeightMismatch, match=r"y: byte offset 6 .*float32 element size 4"):
+        _check_aligned(["x", "y"], [torch.bfloat16, torch.float32], [[3], [2]])
