@@ -357,23 +357,27 @@ class DistributedTransport:
             ok = False
         failure = ""
         if controller:
+            # Close the session first (no engine keeps its update lock), then name the version
+            # the engines now hold, then let them generate again.
+            ends = await best_effort_on_all(
+                self.engines, lambda e: call(e, "/end_weight_update", {}, timeout)
+            )
+            if ends:
+                ok, failure = False, f"/end_weight_update failed on {sorted(ends)}: {ends}"
             try:
                 if ok:
                     body = {"new_version": str(version)}
                     await on_all(self.engines, lambda e: call(e, "/update_weight_version", body, timeout))
             except Exception as exc:
                 ok, failure = False, f"/update_weight_version: {exc}"
-            ends = await best_effort_on_all(
-                self.engines, lambda e: call(e, "/end_weight_update", {}, timeout)
-            )
             if not ok and self.restore_from is not None:
                 path, old = self.restore_from
                 await best_effort_on_all(self.engines, lambda e: reload_from_disk(e, path, old, timeout))
             continues = await best_effort_on_all(
                 self.engines, lambda e: call(e, "/continue_generation", {}, timeout)
             )
-            if ok and (ends or continues):
-                ok, failure = False, f"closing the update failed: {ends | continues}"
+            if ok and continues:
+                ok, failure = False, f"/continue_generation failed on {sorted(continues)}: {continues}"
         if not ok:
             self._stale = True  # a broken collective leaves the group unusable: rebuild it
             raise SyncFailed(
