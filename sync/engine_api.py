@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mappi
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol, TypeVar
 
+from tether.sync.ledger import LedgerEntry
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -90,6 +92,48 @@ async def served_versions(engines: Sequence[EngineEndpoint], limit_s: float) -> 
     return {e.name: v for e, v in zip(engines, versions, strict=True)}
 
 
+async def confirmed_entry(
+    engines: Sequence[EngineEndpoint],
+    limit_s: float,
+    *,
+    version: int,
+    transport: str,
+    bytes_moved: int,
+    pause_seconds: float,
+    perf_started: float,
+    started_at: float,
+    note: str = "",
+) -> LedgerEntry:
+    """The ledger entry of a sync whose transfer is done, with each engine's served version asked now."""
+    versions = await served_versions(engines, limit_s)
+    return LedgerEntry.finished(
+        version=version,
+        transport=transport,
+        bytes_moved=bytes_moved,
+        pause_seconds=pause_seconds,
+        perf_started=perf_started,
+        started_at=started_at,
+        engine_versions=versions,
+        note=note,
+    )
+
+
+async def pause_all(engines: Sequence[EngineEndpoint], mode: str, limit_s: float, flush: bool = True) -> None:
+    """Pause generation on every engine (the first failure raises), then flush their caches."""
+    await on_all(engines, lambda e: call(e, "/pause_generation", {"mode": mode}, limit_s))
+    if flush:
+        # SGLang refuses a flush while any request waits (a heartbeat, say); the cache is
+        # dropped by the weight update itself then, so a refused flush is not a failed sync.
+        refused = await best_effort_on_all(engines, lambda e: call(e, "/flush_cache", None, limit_s))
+        for name, exc in refused.items():
+            log.warning("engine %s did not flush its cache before the weight update: %s", name, exc)
+
+
+async def continue_all(engines: Sequence[EngineEndpoint], limit_s: float) -> dict[str, BaseException]:
+    """Continue generation on every engine, whatever happened; the failures by engine name."""
+    return await best_effort_on_all(engines, lambda e: call(e, "/continue_generation", {}, limit_s))
+
+
 @asynccontextmanager
 async def paused(
     engines: Sequence[EngineEndpoint], mode: str, limit_s: float, flush: bool = True
@@ -101,16 +145,10 @@ async def paused(
     """
     started = asyncio.get_running_loop().time()
     try:
-        await on_all(engines, lambda e: call(e, "/pause_generation", {"mode": mode}, limit_s))
-        if flush:
-            # SGLang refuses a flush while any request waits (a heartbeat, say); the cache is
-            # dropped by the weight update itself then, so a refused flush is not a failed sync.
-            refused = await best_effort_on_all(engines, lambda e: call(e, "/flush_cache", None, limit_s))
-            for name, exc in refused.items():
-                log.warning("engine %s did not flush its cache before the weight update: %s", name, exc)
+        await pause_all(engines, mode, limit_s, flush)
         yield lambda: asyncio.get_running_loop().time() - started
     finally:
-        failures = await best_effort_on_all(engines, lambda e: call(e, "/continue_generation", {}, limit_s))
+        failures = await continue_all(engines, limit_s)
         if failures:
             raise SyncFailed(f"/continue_generation failed on {sorted(failures)}: {failures}")
 

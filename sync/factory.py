@@ -28,6 +28,16 @@ def engine_clients(urls: Sequence[str], timeout: float) -> list[EngineClient]:
     return [EngineClient(url, name=f"engine{i}", request_timeout=timeout) for i, url in enumerate(urls)]
 
 
+def weight_group_backend() -> str:
+    """NCCL where the trainer has GPUs, gloo on CPU: one code path for both."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def is_distributed(cfg: WeightSyncConfig, colocate: bool) -> bool:
+    """Whether the flags choose the distributed (NCCL/gloo broadcast) transport."""
+    return not colocate and cfg.update_weight_mode != "delta" and cfg.update_weight_transport != "disk"
+
+
 def make_transport(
     cfg: WeightSyncConfig,
     engines: Sequence[EngineClient],
@@ -43,14 +53,13 @@ def make_transport(
         return TensorTransport(engines, cfg, engine_ranks=engine_ranks)
     if cfg.update_weight_mode == "delta":
         return DeltaDiskTransport(engines, cfg, hf_checkpoint=Path(hf_checkpoint))
-    if cfg.update_weight_transport == "disk":
+    if not is_distributed(cfg, colocate):
         return FullDiskTransport(engines, cfg, base_dir=Path(hf_checkpoint))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     return DistributedTransport(
         engines,
         cfg,
         master_address=master_address,
         master_port=master_port,
         engine_ranks=engine_ranks,
-        backend=backend,
+        backend=weight_group_backend(),
     )

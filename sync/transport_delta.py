@@ -25,10 +25,10 @@ from tether.sync.delta_format import DeltaIndex, delta_dir_name
 from tether.sync.engine_api import (
     EngineEndpoint,
     SyncFailed,
+    confirmed_entry,
     on_all,
     paused,
     reload_from_disk,
-    served_versions,
 )
 from tether.sync.hf_writer import load_hook, published_versions, write_hf_checkpoint
 from tether.sync.ledger import LedgerEntry
@@ -177,18 +177,19 @@ class DeltaDiskTransport:
         async with paused(self.engines, cfg.update_weight_pause_mode, timeout) as pause_clock:
             await on_all(self.engines, lambda e: self._reload(e, version))
             pause_s = pause_clock()
-        versions = await served_versions(self.engines, timeout)
+        # Every engine reloaded the new version: it is the baseline of the next delta.
         self.baseline, self.base_version, self.last_index = new, version, index
         if not cfg.update_weight_disk_keep_files:
             await asyncio.to_thread(self._prune, version)
-        return LedgerEntry.finished(
+        return await confirmed_entry(
+            self.engines,
+            timeout,
             version=version,
             transport=self.name,
             bytes_moved=index.delta_bytes,
             pause_seconds=pause_s,
             perf_started=t0,
             started_at=started_at,
-            engine_versions=versions,
             note=f"{len(index.changed())}/{len(index.tensors)} tensors changed; {index.full_bytes} full bytes",
         )
 

@@ -17,10 +17,10 @@ from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_api import (
     EngineEndpoint,
     SyncFailed,
+    confirmed_entry,
     on_all,
     paused,
     reload_from_disk,
-    served_versions,
 )
 from tether.sync.hf_writer import load_hook, prune_versions, publish_version
 from tether.sync.ledger import LedgerEntry
@@ -68,16 +68,16 @@ class FullDiskTransport:
         async with paused(self.engines, cfg.update_weight_pause_mode, timeout) as pause_clock:
             await on_all(self.engines, lambda e: reload_from_disk(e, str(path), version, timeout))
             pause_s = pause_clock()
-        versions = await served_versions(self.engines, timeout)
-        if not cfg.update_weight_disk_keep_files:
+        if not cfg.update_weight_disk_keep_files:  # every engine has reloaded the new version
             await asyncio.to_thread(prune_versions, self.disk_dir, {version})
-        return LedgerEntry.finished(
+        return await confirmed_entry(
+            self.engines,
+            timeout,
             version=version,
             transport=self.name,
             bytes_moved=moved * len(self.engines),
             pause_seconds=pause_s,
             perf_started=t0,
             started_at=started_at,
-            engine_versions=versions,
             note=str(path),
         )

@@ -37,10 +37,12 @@ from tether.sync.engine_api import (
     SyncFailed,
     best_effort_on_all,
     call,
+    confirmed_entry,
+    continue_all,
     on_all,
+    pause_all,
     paused,
     reload_from_disk,
-    served_versions,
 )
 from tether.sync.ledger import LedgerEntry
 
@@ -286,20 +288,26 @@ class DistributedTransport:
         except BaseException:
             # A broken collective leaves the group unusable: rebuild it for the next sync.
             self._stale = True
-            if self.restore_from is not None:
-                path, old = self.restore_from
-                await best_effort_on_all(self.engines, lambda e: reload_from_disk(e, path, old, timeout))
+            await self._restore()
             raise
-        versions = await served_versions(self.engines, timeout)
-        return LedgerEntry.finished(
+        return await confirmed_entry(
+            self.engines,
+            timeout,
             version=version,
             transport=self.name,
             bytes_moved=moved * len(self.engines),
             pause_seconds=pause_s,
             perf_started=t0,
             started_at=started_at,
-            engine_versions=versions,
         )
+
+    async def _restore(self) -> None:
+        """After a failed sync: every engine back on `restore_from`, when the head set one."""
+        if self.restore_from is None:
+            return
+        path, old = self.restore_from
+        timeout = self.cfg.update_weight_request_timeout
+        await best_effort_on_all(self.engines, lambda e: reload_from_disk(e, path, old, timeout))
 
     async def sync_stage(
         self,
@@ -323,20 +331,17 @@ class DistributedTransport:
         controller = self.control_engines
         loop = asyncio.get_running_loop()
         opened = ok = True
+        paused_at = loop.time()
         try:
             if self._stale or self.group is None:
                 await self.connect()
             if controller:
-                await on_all(
-                    self.engines,
-                    lambda e: call(e, "/pause_generation", {"mode": cfg.update_weight_pause_mode}, timeout),
-                )
-                await best_effort_on_all(self.engines, lambda e: call(e, "/flush_cache", None, timeout))
+                paused_at = loop.time()
+                await pause_all(self.engines, cfg.update_weight_pause_mode, timeout)
                 await on_all(self.engines, lambda e: call(e, "/begin_weight_update", {}, timeout))
         except Exception:
             log.exception("pipeline stage %r could not open its part of sync %d", self.group_tag, version)
             opened = False
-        paused_at = loop.time()
         moved = 0
         remaining = iter(tensors)
         if await agree(opened):
@@ -370,12 +375,9 @@ class DistributedTransport:
                     await on_all(self.engines, lambda e: call(e, "/update_weight_version", body, timeout))
             except Exception as exc:
                 ok, failure = False, f"/update_weight_version: {exc}"
-            if not ok and self.restore_from is not None:
-                path, old = self.restore_from
-                await best_effort_on_all(self.engines, lambda e: reload_from_disk(e, path, old, timeout))
-            continues = await best_effort_on_all(
-                self.engines, lambda e: call(e, "/continue_generation", {}, timeout)
-            )
+            if not ok:
+                await self._restore()
+            continues = await continue_all(self.engines, timeout)
             if ok and continues:
                 ok, failure = False, f"/continue_generation failed on {sorted(continues)}: {continues}"
         if not ok:
@@ -387,15 +389,15 @@ class DistributedTransport:
         if not controller:
             return None
         pause_s = loop.time() - paused_at
-        versions = await served_versions(self.engines, timeout)
-        return LedgerEntry.finished(
+        return await confirmed_entry(
+            self.engines,
+            timeout,
             version=version,
             transport=self.name,
             bytes_moved=moved * len(self.engines),
             pause_seconds=pause_s,
             perf_started=t0,
             started_at=started_at,
-            engine_versions=versions,
         )
 
 

@@ -16,7 +16,7 @@ import torch
 
 from tether.sync.buckets import buckets, nbytes, with_last
 from tether.sync.config import WeightSyncConfig
-from tether.sync.engine_api import EngineEndpoint, SyncFailed, call, on_all, paused, served_versions
+from tether.sync.engine_api import EngineEndpoint, SyncFailed, call, confirmed_entry, on_all, paused
 from tether.sync.ledger import LedgerEntry
 
 # (named tensors, a list that keeps the shared copies alive until the engine answers) -> payload
@@ -96,13 +96,13 @@ class TensorTransport:
                 del alive
             await on_all(self.engines, lambda e: call(e, "/end_weight_update", {}, limit))
             pause_s = pause_clock()
-        versions = await served_versions(self.engines, limit)
-        return LedgerEntry.finished(
+        return await confirmed_entry(
+            self.engines,
+            limit,
             version=version,
             transport=self.name,
             bytes_moved=moved * len(self.engines),
             pause_seconds=pause_s,
             perf_started=t0,
             started_at=started_at,
-            engine_versions=versions,
         )

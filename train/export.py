@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tether.train import hf_convert
 from tether.train.hf_config import ModelArch
 from tether.train.model import unwrap
-from tether.train.parallel import Topology
+from tether.train.parallel import Topology, collective_device
 
 _END = "__tether_end_of_stage__"
 
@@ -59,13 +59,6 @@ def iter_hf_weights(
                 yield hf_name, out.to(dtype) if dtype is not None else out
 
 
-def _wire_device() -> torch.device:
-    """Where point-to-point tensors must live for the default group's backend."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def stream_to_rank0(
     chunks: list[Any], arch: ModelArch, topo: Topology, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -79,7 +72,7 @@ def stream_to_rank0(
 
     if topo.rank == 0:
         yield from iter_hf_weights(chunks, arch, dtype=dtype)
-        device = _wire_device()
+        device = collective_device()
         for stage in range(1, topo.pp_size):
             src = _stage_source_rank(ps, stage)
             while True:
@@ -93,7 +86,7 @@ def stream_to_rank0(
                 yield name, buf.to("cpu")
         return
     send = topo.is_sync_source and topo.pp_rank > 0
-    device = _wire_device() if send else torch.device("cpu")
+    device = collective_device() if send else torch.device("cpu")
     for name, tensor in iter_hf_weights(chunks, arch, dtype=dtype):
         if send:
             dist.send_object_list([(name, tensor.dtype, list(tensor.shape))], dst=0)

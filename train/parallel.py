@@ -65,13 +65,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def collective_device() -> torch.device:
+    """Where tensors for the default group's collectives and sends must live (NCCL: this GPU)."""
+    return device() if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def all_true(ok: bool) -> bool:
     """True on every rank when `ok` is true on every rank (a MIN all-reduce over the world; the
     flag lives on the device the default group's backend needs)."""
     if not (dist.is_available() and dist.is_initialized()):
         return ok
-    on = device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=on)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -307,14 +307,10 @@ class TrainerWorker:
         (the update group, the delta baseline) across syncs. Returns the ledger entry on rank 0.
         """
         actor = self._require_init()
+        from tether.sync.factory import is_distributed
         from tether.train import export
 
-        if (
-            self._topo.pp_size > 1
-            and not colocate
-            and weight_sync.update_weight_mode == "full"
-            and (weight_sync.update_weight_transport != "disk")
-        ):
+        if self._topo.pp_size > 1 and is_distributed(weight_sync, colocate):
             return await self._update_weights_by_stage(
                 version,
                 engine_urls,
@@ -367,9 +363,8 @@ class TrainerWorker:
         broadcasts its own stage's tensors over its own group with the engines, as slime does;
         stage 0's source controls the engines. The other ranks take part in their stage's TP
         gathers and in the all-reduces that keep the stages in step."""
-        import torch
 
-        from tether.sync.factory import engine_clients
+        from tether.sync.factory import engine_clients, weight_group_backend
         from tether.sync.transport_distributed import DistributedTransport
         from tether.train import export, parallel
 
@@ -395,7 +390,7 @@ class TrainerWorker:
                 master_address=master_address if first else self._node_address or master_address,
                 master_port=master_port if first else 0,
                 engine_ranks=engine_ranks or [1] * len(engine_urls),
-                backend="nccl" if torch.cuda.is_available() else "gloo",
+                backend=weight_group_backend(),
                 control_engines=first,
                 group_tag=f"pp{topo.pp_rank}-",
             )
