@@ -16,9 +16,10 @@ import base64
 import binascii
 import io
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
+from typing import ClassVar
 
 import torch
 import torch.multiprocessing as torch_mp  # importing it registers torch's tensor reducers
@@ -56,22 +57,63 @@ def _file_system_sharing() -> Iterator[None]:
         torch_mp.set_sharing_strategy(before)
 
 
+def share_named_tensors(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Copies of the tensors that another process can open: in fresh shared memory on CPU, a
+    fresh CUDA allocation on GPU (sent as a CUDA IPC handle). Sharing a live parameter in place
+    would move the trainer's own storage, and torch reuses a storage's shared-memory name, which
+    the engine may already have released. Keep the copies until every engine has answered:
+    freeing them unlinks the memory."""
+    with torch.no_grad():
+        return [
+            (name, t.detach().clone(memory_format=torch.contiguous_format))
+            if t.is_cuda
+            else (name, t.detach().to("cpu", copy=True).contiguous().share_memory_())
+            for name, t in named
+        ]
+
+
+class _UuidPickler(ForkingPickler):
+    """torch's tensor pickling, with a CUDA tensor's device named by its UUID rather than its
+    index: the trainer and an engine see one GPU under different CUDA_VISIBLE_DEVICES orders.
+    SGLang's receiver accepts either form."""
+
+    _extra_reducers: ClassVar[dict[type, Callable[..., object]]] = dict(
+        ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    )
+
+
+def _reduce_by_uuid(t: torch.Tensor) -> tuple[object, tuple[object, ...]]:
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(t)
+    if t.is_cuda:
+        # rebuild_cuda_tensor's 7th argument is the storage's device index.
+        args = (*args[:6], str(torch.cuda.get_device_properties(t.device).uuid), *args[7:])
+    return rebuild, args
+
+
+_UuidPickler._extra_reducers[torch.Tensor] = _reduce_by_uuid
+
+
+def serialize_named_tensors(shared: list[tuple[str, torch.Tensor]]) -> str:
+    """One engine rank's `serialized_named_tensors` entry (base64 text) for tensors from
+    `share_named_tensors`. SGLang opens a CUDA payload once per rank (CUDA IPC reference counts),
+    so each rank gets its own call."""
+    with _file_system_sharing():
+        buf = io.BytesIO()
+        _UuidPickler(buf).dump(shared)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def encode_named_tensors(
     named: list[tuple[str, torch.Tensor]], keep_alive: list[torch.Tensor] | None = None
 ) -> str:
-    """The trainer side: one rank's `serialized_named_tensors` entry (base64 text).
-
-    Each tensor is copied into fresh shared memory (sharing a live parameter in place would
-    move the trainer's own storage, and torch reuses a storage's shared-memory name, which the
-    engine may already have released). Pass `keep_alive` and keep it until the engine has
-    answered: the shared copies are appended there, and freeing them unlinks the memory.
-    """
-    with _file_system_sharing():
-        shared = [(name, t.detach().to("cpu", copy=True).contiguous().share_memory_()) for name, t in named]
-        data = bytes(ForkingPickler.dumps(shared))
+    """Share and serialise in one step (one rank's entry); the copies are appended to
+    `keep_alive`, which must outlive the engine's answer."""
+    shared = share_named_tensors(named)
     if keep_alive is not None:
         keep_alive.extend(t for _, t in shared)
-    return base64.b64encode(data).decode("ascii")
+    return serialize_named_tensors(shared)
 
 
 def decode_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,14 @@ def broadcast_async(tensor: torch.Tensor, src: int, group: WeightGroup) -> dist.
     return work
 
 
+def wire_device(backend: str) -> torch.device:
+    """Where a broadcast's tensors must live: this process's current GPU for NCCL, host memory
+    for gloo (a tensor elsewhere is moved there once, as the buckets are formed)."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], into: torch.Tensor | None = None) -> torch.Tensor:
     """The bytes of every tensor of a bucket, in order, as one contiguous uint8 tensor (written
     into the front of `into` when it is large enough and on the same device)."""
@@ -66,6 +75,22 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], into: torch.Tensor | 
     if into is None or into.numel() < total or into.device != parts[0].device:
         return torch.cat(parts)
     return torch.cat(parts, out=into[:total])
+
+
+async def _sent_unless_refused(
+    sending: asyncio.Future[None], posts: Sequence[asyncio.Task[list[object]]], limit_s: float
+) -> None:
+    """Wait for a bucket's broadcast; raise at once when any engine's answer so far is a
+    failure (an engine that refused before receiving would otherwise leave it blocked)."""
+    async with asyncio.timeout(limit_s):
+        while True:
+            for p in posts:
+                if p.done() and p.exception() is not None:
+                    raise p.exception()  # type: ignore[misc]
+            if sending.done():
+                return sending.result()
+            waiting: list[asyncio.Future[Any]] = [sending, *(p for p in posts if not p.done())]
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
 
 
 class DistributedTransport:
@@ -99,6 +124,7 @@ class DistributedTransport:
         if len(self.engine_ranks) != len(self.engines) or min(self.engine_ranks, default=1) < 1:
             raise SyncFailed(f"engine_ranks={self.engine_ranks} must give a positive rank count per engine")
         self.backend = backend
+        self.device = wire_device(backend)
         self.control_engines = control_engines
         self.group_tag = group_tag
         self.group: WeightGroup | None = None
@@ -206,15 +232,22 @@ class DistributedTransport:
         return flat
 
     async def _send(self, version: int | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Every bucket to every engine; the last one carries `version` (None: none does)."""
+        """Every bucket to every engine; the last one carries `version` (None: none does).
+
+        Buckets are pipelined: bucket k's request goes out as soon as bucket k-1's bytes have
+        left, not when its answer comes back. That order is safe: a broadcast completes only
+        after every engine posted its receives, i.e. is inside bucket k-1's request, so bucket k's
+        request queues behind it (the engines serialise updates: SGLang under its pause
+        condition or update lock, tether's engine under its update lock). Every request that
+        went out gets its answer before this returns, so no engine is left inside a bucket when
+        the caller closes the session; the first refusal is raised then.
+        """
         assert self.group is not None
         group = self.group
         timeout = self.cfg.update_weight_request_timeout
         flattened = self.cfg.update_weight_flattened_bucket
         moved = 0
-        prepared = (
-            (n, t.detach().to("cpu" if self.backend == "gloo" else t.device).contiguous()) for n, t in tensors
-        )
+        prepared = ((n, t.detach().to(self.device).contiguous()) for n, t in tensors)
         size = self.cfg.update_weight_buffer_size
         pending = enumerate(with_last(buckets(prepared, size, aligned=flattened)))
 
@@ -230,6 +263,7 @@ class DistributedTransport:
             )
             return index, bucket, last, packing
 
+        posts: list[asyncio.Task[list[object]]] = []
         upcoming = pack_next()
         try:
             while upcoming is not None:
@@ -251,16 +285,21 @@ class DistributedTransport:
                 async def post(e: EngineEndpoint, b: dict[str, object] = body) -> object:
                     return await call(e, "/update_weights_from_distributed", b, timeout)
 
-                async with asyncio.TaskGroup() as tg:
-                    tg.create_task(on_all(self.engines, post))
-                    tg.create_task(
-                        asyncio.wait_for(asyncio.to_thread(self._broadcast_bucket, bucket, flat), timeout)
-                    )
+                posts.append(asyncio.create_task(on_all(self.engines, post)))
+                sending = asyncio.ensure_future(asyncio.to_thread(self._broadcast_bucket, bucket, flat))
+                await _sent_unless_refused(sending, posts, timeout)
                 moved += sum(nbytes(t) for _, t in bucket)
+            await asyncio.gather(*posts)
         finally:
             if upcoming is not None and upcoming[3] is not None:
                 # A packing thread cannot be cancelled; let it finish before its buffer is reused.
                 await asyncio.gather(upcoming[3], return_exceptions=True)
+            unanswered = [p for p in posts if not p.done()]
+            if unanswered:  # after a failure: the engines finish (or refuse) what they were sent
+                await asyncio.wait(unanswered, timeout=timeout)
+                for p in unanswered:
+                    p.cancel()
+                await asyncio.gather(*unanswered, return_exceptions=True)
         return moved
 
     async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -19,15 +20,31 @@ from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_api import EngineEndpoint, SyncFailed, call, confirmed_entry, on_all, paused
 from tether.sync.ledger import LedgerEntry
 
-# (named tensors, a list that keeps the shared copies alive until the engine answers) -> payload
-Encoder = Callable[[list[tuple[str, torch.Tensor]], list[torch.Tensor]], str]
+Named = list[tuple[str, torch.Tensor]]
 
 
-def default_encoder() -> Encoder:
-    """The engine side's payload encoder (tether.rollout.engine_weights), imported when needed."""
-    from tether.rollout.engine_weights import encode_named_tensors
+class Encoder(Protocol):
+    """The engine side's payload format (tether.rollout.engine_weights)."""
 
-    return encode_named_tensors
+    def share(self, named: Named) -> Named:
+        """Copies another process can open; they must outlive the engines' answers."""
+        ...
+
+    def serialize(self, shared: Named) -> str:
+        """One engine rank's serialized_named_tensors entry."""
+        ...
+
+
+class _EngineWeights:
+    def share(self, named: Named) -> Named:
+        from tether.rollout.engine_weights import share_named_tensors
+
+        return share_named_tensors(named)
+
+    def serialize(self, shared: Named) -> str:
+        from tether.rollout.engine_weights import serialize_named_tensors
+
+        return serialize_named_tensors(shared)
 
 
 class TensorTransport:
@@ -45,7 +62,7 @@ class TensorTransport:
     ) -> None:
         self.engines = list(engines)
         self.cfg = cfg
-        self.encode = encode or default_encoder()
+        self.encode: Encoder = encode or _EngineWeights()
         self.engine_ranks = list(engine_ranks or [1] * len(self.engines))
 
     async def resume(self) -> None:
@@ -57,9 +74,9 @@ class TensorTransport:
         limit = self.cfg.update_weight_request_timeout
         await on_all(self.engines, lambda e: call(e, "/release_memory_occupation", {}, limit))
 
-    async def _post(self, engine: EngineEndpoint, ranks: int, payload: str, version: int | None) -> None:
+    async def _post(self, engine: EngineEndpoint, payloads: list[str], version: int | None) -> None:
         body: dict[str, object] = {
-            "serialized_named_tensors": [payload] * ranks,
+            "serialized_named_tensors": payloads,
             "load_format": None,
             "flush_cache": version is not None,
         }
@@ -85,15 +102,16 @@ class TensorTransport:
             # SGLang 0.5.23 takes tensor updates only inside a weight-update session.
             await on_all(self.engines, lambda e: call(e, "/begin_weight_update", {}, limit))
             for bucket, last in with_last(buckets(tensors, cfg.update_weight_buffer_size)):
-                # The shared-memory copies must outlive the engines' reads of them.
-                alive: list[torch.Tensor] = []
-                payload = await asyncio.to_thread(self.encode, bucket, alive)
+                # The shared copies must outlive the engines' reads of them.
+                shared = await asyncio.to_thread(self.encode.share, bucket)
                 tagged = version if last else None
                 async with asyncio.TaskGroup() as tg:
                     for engine, ranks in zip(self.engines, self.engine_ranks, strict=True):
-                        tg.create_task(self._post(engine, ranks, payload, tagged))
+                        # One entry per engine TP rank, each serialised on its own (CUDA IPC).
+                        payloads = [self.encode.serialize(shared) for _ in range(ranks)]
+                        tg.create_task(self._post(engine, payloads, tagged))
                 moved += sum(nbytes(t) for _, t in bucket)
-                del alive
+                del shared
             await on_all(self.engines, lambda e: call(e, "/end_weight_update", {}, limit))
             pause_s = pause_clock()
         return await confirmed_entry(

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import uvloop
 from engine_fixtures import (
     Engine,
     find_sglang_python,
@@ -34,9 +35,12 @@ from engine_fixtures import (
 )
 from safetensors.torch import load_file
 
+from tether.rollout.engine_client import EngineClient
 from tether.rollout.engine_weights import encode_named_tensors
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
-from tether.sync.transport_distributed import flatten_bucket
+from tether.sync.config import WeightSyncConfig
+from tether.sync.ledger import LedgerEntry
+from tether.sync.transport_distributed import DistributedTransport, flatten_bucket
 
 PROMPTS = [[1, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42]]
 N = 12
@@ -406,6 +410,39 @@ def test_update_weights_from_distributed(
         finally:
             destroy_weight_group(group)
             restore_v1(engine, models)
+
+
+@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened"])
+def test_distributed_transport_pipelines_buckets(
+    engine: Engine, models: tuple[str, str], flattened: bool
+) -> None:
+    """tether's sender as the trainer runs it: pause, session, several buckets whose requests
+    are pipelined (bucket k+1 goes out before bucket k is answered), version, continue."""
+    new = load_file(str(Path(models[1]) / "model.safetensors"))
+    total = sum(t.numel() * t.element_size() for t in new.values())
+    sync_cfg = WeightSyncConfig(
+        update_weight_buffer_size=total // 4 + 1,
+        update_weight_flattened_bucket=flattened,
+        update_weight_request_timeout=120.0,
+        update_weight_collective_timeout=120.0,
+    )
+
+    async def body() -> LedgerEntry:
+        async with EngineClient(engine.url, name=engine.kind) as client:
+            sender = DistributedTransport([client], sync_cfg, master_port=free_port())
+            try:
+                return await sender.sync(7, iter(sorted(new.items())))
+            finally:
+                await sender.close()
+
+    try:
+        entry = uvloop.run(body())
+        assert entry.ok and entry.engine_versions == {engine.kind: 7}
+        out = greedy(engine, PROMPTS[2])
+        assert out["meta_info"]["weight_version"] == "7"
+        assert_matches_hf(out, models[1], PROMPTS[2], TOLERANCE[engine.kind])
+    finally:
+        restore_v1(engine, models)
 
 
 def test_update_weights_from_tensor_and_rejections(engine: Engine, models: tuple[str, str]) -> None:

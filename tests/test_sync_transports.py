@@ -197,6 +197,56 @@ def test_distributed_transport_buckets_and_matches_transformers(
     run(body())
 
 
+class AnswersAfterNextBucket:
+    """An engine whose answer to each bucket is held until the next bucket's request has gone
+    out (the last bucket's, which flushes the cache, is not held): a sender that waited for
+    each answer before sending on would stall here."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client, self.name, self.url = client, client.name, client.url
+        self.sent = 0
+        self.changed = asyncio.Condition()
+
+    async def request(
+        self, method: str, path: str, body: dict[str, object] | None = None, **kw: object
+    ) -> object:
+        if path != "/update_weights_from_distributed":
+            return await self.client.request(method, path, body, **kw)  # type: ignore[arg-type]
+        async with self.changed:
+            self.sent += 1
+            mine = self.sent
+            self.changed.notify_all()
+        answer = await self.client.request(method, path, body, **kw)  # type: ignore[arg-type]
+        assert body is not None
+        if not body["flush_cache"]:
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.sent > mine), 20)
+        return answer
+
+
+def test_distributed_buckets_are_pipelined(engine: Engine, model_dir: Path, tmp_path: Path) -> None:
+    """Bucket k+1's request goes out once bucket k's bytes have left, before bucket k's answer."""
+
+    async def body() -> None:
+        async with EngineClient(engine.url, name="p0") as client:
+            held = AnswersAfterNextBucket(client)
+            t = DistributedTransport(
+                [held], cfg(tmp_path, update_weight_collective_timeout=60.0), master_port=free_port()
+            )
+            try:
+                base = (await served_versions([client], 10))["p0"]
+                assert base is not None
+                state = trained(model_dir, seed=9)
+                entry = await t.sync(base + 1, iter(state.items()))
+                assert entry.ok and entry.engine_versions == {"p0": base + 1}
+                assert held.sent > 3  # several buckets, each answered only after the next was sent
+                await check_engine(engine.url, model_dir, state, base + 1)
+            finally:
+                await t.close()
+
+    run(body())
+
+
 def test_distributed_group_rebuilt_after_engine_restart(model_dir: Path, tmp_path: Path) -> None:
     eng = Engine(model_dir, tmp_path / "restart.log")
     eng.start()

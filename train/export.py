@@ -22,6 +22,7 @@ from tether.train.model import unwrap
 from tether.train.parallel import Topology, collective_device
 
 _END = "__tether_end_of_stage__"
+CPU = torch.device("cpu")
 
 
 def _gather_tp(tensor: torch.Tensor, tp_group: Any, tp_size: int) -> list[torch.Tensor]:
@@ -34,9 +35,17 @@ def _gather_tp(tensor: torch.Tensor, tp_group: Any, tp_size: int) -> list[torch.
 
 
 def iter_hf_weights(
-    chunks: list[Any], arch: ModelArch, *, dtype: torch.dtype | None = None
+    chunks: list[Any],
+    arch: ModelArch,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = CPU,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) for every parameter of this stage; collective over the TP group.
+
+    `device`: where the tensors are yielded (host memory by default, for files and gloo; None
+    leaves them where they were gathered, so an NCCL broadcast or a CUDA IPC handle needs no
+    round trip through the host).
 
     With tied embeddings `lm_head.weight` is not emitted (HF reties it); the last stage's copy
     of the embedding is skipped when the first stage exports the original.
@@ -55,14 +64,19 @@ def iter_hf_weights(
             spec = hf_convert.param_spec(arch, name, numbering)
             shards = _gather_tp(param.data, tp_group, tp_size)
             for hf_name, full in hf_convert.megatron_to_hf(arch, spec, shards):
-                out = full.detach().to("cpu")
+                out = full.detach() if device is None else full.detach().to(device)
                 yield hf_name, out.to(dtype) if dtype is not None else out
 
 
 def stream_to_rank0(
-    chunks: list[Any], arch: ModelArch, topo: Topology, dtype: torch.dtype | None
+    chunks: list[Any],
+    arch: ModelArch,
+    topo: Topology,
+    dtype: torch.dtype | None,
+    device: torch.device | None = CPU,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """On global rank 0: this stage's tensors, then every later stage's, received in stage order.
+    """On global rank 0: this stage's tensors, then every later stage's, received in stage order
+    (on `device`, as in `iter_hf_weights`).
 
     On every other rank: iterates its own stage (for the TP gathers) and, if it is a stage's
     sync source, sends each tensor to rank 0; yields nothing. Each tensor travels as a small
@@ -71,8 +85,8 @@ def stream_to_rank0(
     from megatron.core import parallel_state as ps
 
     if topo.rank == 0:
-        yield from iter_hf_weights(chunks, arch, dtype=dtype)
-        device = collective_device()
+        yield from iter_hf_weights(chunks, arch, dtype=dtype, device=device)
+        recv_on = collective_device()
         for stage in range(1, topo.pp_size):
             src = _stage_source_rank(ps, stage)
             while True:
@@ -81,16 +95,17 @@ def stream_to_rank0(
                 name, tensor_dtype, shape = box[0]
                 if name == _END:
                     break
-                buf = torch.empty(shape, dtype=tensor_dtype, device=device)
+                buf = torch.empty(shape, dtype=tensor_dtype, device=recv_on)
                 dist.recv(buf, src=src)
-                yield name, buf.to("cpu")
+                yield name, buf if device is None else buf.to(device)
         return
     send = topo.is_sync_source and topo.pp_rank > 0
-    device = collective_device() if send else torch.device("cpu")
-    for name, tensor in iter_hf_weights(chunks, arch, dtype=dtype):
+    # A rank that only takes part in the gathers leaves its copies where they are.
+    wire = collective_device() if send else None
+    for name, tensor in iter_hf_weights(chunks, arch, dtype=dtype, device=wire):
         if send:
             dist.send_object_list([(name, tensor.dtype, list(tensor.shape))], dst=0)
-            dist.send(tensor.to(device).contiguous(), dst=0)
+            dist.send(tensor.contiguous(), dst=0)
     if send:
         dist.send_object_list([(_END, None, None)], dst=0)
 

@@ -307,6 +307,8 @@ class TrainerWorker:
         (the update group, the delta baseline) across syncs. Returns the ledger entry on rank 0.
         """
         actor = self._require_init()
+        import torch
+
         from tether.sync.factory import is_distributed
         from tether.train import export
 
@@ -320,7 +322,12 @@ class TrainerWorker:
                 master_port,
                 engines_restarted,
             )
-        stream = export.stream_to_rank0(actor.chunks, actor.arch, self._topo, None)
+        # Broadcasts over NCCL and CUDA IPC handles take the tensors where they were gathered;
+        # files, gloo and shared memory take them in host memory.
+        on_device = torch.cuda.is_available() and (colocate or is_distributed(weight_sync, colocate))
+        stream = export.stream_to_rank0(
+            actor.chunks, actor.arch, self._topo, None, None if on_device else export.CPU
+        )
         if self._topo.rank != 0:
             await self._run(lambda: _drain(stream))
             return None
@@ -369,7 +376,7 @@ class TrainerWorker:
         from tether.train import export, parallel
 
         actor, topo = self._require_init(), self._topo
-        stream = export.iter_hf_weights(actor.chunks, actor.arch)
+        stream = export.iter_hf_weights(actor.chunks, actor.arch, device=None)  # the transport moves them
         if not topo.is_sync_source:
 
             def follow() -> None:
