@@ -49,18 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-gib", type=float, default=1.0, help="Synthetic checkpoint size in GiB.")
     parser.add_argument("--fractions", default="0.01,0.1,1.0", help="Fractions of elements changed.")
     parser.add_argument("--threads", type=int, default=0, help="Delta worker threads (0 = every core).")
+    # 2048 x 2 layers: 0.54 GB fp32 in 16 MB and 64 MB tensors, the sizes of a 7B-class model's
+    # layers; gloo pays a round trip per tensor, which 4 MB tensors (1024 x 8) would overweight.
     parser.add_argument(
         "--engine-hidden",
         type=int,
-        default=1024,
-        help="Hidden size of the engine's model (1024: 0.54 GB fp32).",
+        default=2048,
+        help="Hidden size of the engine's model (2048 with 2 layers: 0.54 GB fp32).",
     )
-    parser.add_argument("--engine-layers", type=int, default=8, help="Layers of the engine's model.")
+    parser.add_argument("--engine-layers", type=int, default=2, help="Layers of the engine's model.")
     parser.add_argument(
         "--bucket-mib", default="64,256,512", help="Bucket sizes (MiB) to time the distributed sync with."
     )
     parser.add_argument(
-        "--syncs", type=int, default=3, help="Distributed syncs per bucket size (best is kept)."
+        "--syncs", type=int, default=5, help="Distributed syncs per bucket size (best is kept)."
     )
     parser.add_argument("--skip-engine", action="store_true", help="Only the delta format figures.")
     parser.add_argument("--workdir", type=Path, default=None, help="Scratch directory (default: a temp dir).")
@@ -191,11 +193,12 @@ def _port() -> int:
 _RECEIVER = """
 import sys, torch
 from datetime import timedelta
-from tether.runtime.weight_group import init_weight_group, broadcast
+from tether.runtime.weight_group import init_weight_group, broadcast, destroy_weight_group
 g = init_weight_group(sys.argv[1], 1, 2, sys.argv[3], "gloo", timedelta(seconds=600))
 buf = torch.empty(int(sys.argv[2]), dtype=torch.uint8)
 for _ in range(int(sys.argv[4])):
     broadcast(buf, 0, g)
+destroy_weight_group(g)
 """
 
 

@@ -290,16 +290,19 @@ class DistributedTransport:
                 await _sent_unless_refused(sending, posts, timeout)
                 moved += sum(nbytes(t) for _, t in bucket)
             await asyncio.gather(*posts)
+        except Exception:
+            # The engines finish (or refuse) what they were sent before the session closes.
+            unanswered = [p for p in posts if not p.done()]
+            if unanswered:
+                await asyncio.wait(unanswered, timeout=timeout)
+            raise
         finally:
+            for p in posts:
+                p.cancel()  # only those still open: after a cancellation or the wait above
+            await asyncio.gather(*posts, return_exceptions=True)
             if upcoming is not None and upcoming[3] is not None:
                 # A packing thread cannot be cancelled; let it finish before its buffer is reused.
                 await asyncio.gather(upcoming[3], return_exceptions=True)
-            unanswered = [p for p in posts if not p.done()]
-            if unanswered:  # after a failure: the engines finish (or refuse) what they were sent
-                await asyncio.wait(unanswered, timeout=timeout)
-                for p in unanswered:
-                    p.cancel()
-                await asyncio.gather(*unanswered, return_exceptions=True)
         return moved
 
     async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry:
