@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -25,8 +26,15 @@ import msgspec
 import xxhash
 
 from tether.rollout.config import RolloutConfig, RoutingPolicy
-from tether.rollout.engine_client import EngineClient, GenerateResponse, PauseMode, new_request_id
+from tether.rollout.engine_client import (
+    EngineClient,
+    EngineUnavailable,
+    GenerateResponse,
+    PauseMode,
+    new_request_id,
+)
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 VIRTUAL_NODES = 64  # points per engine on the hash ring: keeps the key spread even with few engines
 
@@ -226,8 +234,20 @@ class Router:
         return {n: t.result() for n, t in zip(names, tasks, strict=True)}
 
     async def abort_all(self) -> None:
-        """Abort every request in flight on every engine (they answer with finish_reason abort)."""
-        await self.broadcast(lambda c: c.abort_all())
+        """Abort every request in flight on every engine (they answer with finish_reason abort).
+
+        An engine that cannot be reached is skipped: its requests fail on their own (and are
+        requeued), and the engine pool's heartbeat restarts it. Raising here would end a run
+        because an engine died during a pause, the very fault the pool exists to survive.
+        """
+
+        async def abort(client: EngineClient) -> None:
+            try:
+                await client.abort_all()
+            except EngineUnavailable as exc:
+                log.warning("abort skipped: %s", exc)
+
+        await self.broadcast(abort)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         await self.broadcast(lambda c: c.pause_generation(mode))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,27 @@ def test_consistent_hash_routing_keeps_sessions_on_their_engine(engines: Engines
                         assert name == first[i]
             assert set(first.values()) == {"e0", "e1"}
             assert sum(r.requests for r in router.stats()) == 24
+
+    run(main())
+
+
+def test_abort_all_skips_an_unreachable_engine_and_aborts_the_others(engines: Engines) -> None:
+    """An engine that died is skipped (the pool restarts it); the live ones are still aborted."""
+    with socket.socket() as s:  # a port nobody listens on: the dead engine
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def main() -> None:
+        live = EngineClient(engines.fast[0], name="live")
+        async with Router([live, EngineClient(dead, name="dead", request_timeout=5)]) as router:
+            long = asyncio.ensure_future(
+                live.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0})
+            )
+            async with asyncio.timeout(30):
+                while not long.done():
+                    await router.abort_all()
+                    await asyncio.wait([long], timeout=0.1)
+            assert long.result().finish_type == "abort"
 
     run(main())
 
