@@ -287,6 +287,9 @@ class DistributedTransport:
 
                 posts.append(asyncio.create_task(on_all(self.engines, post)))
                 sending = asyncio.ensure_future(asyncio.to_thread(self._broadcast_bucket, bucket, flat))
+                # Left behind when an engine refuses first, its thread may still fail later (the
+                # group is rebuilt then): its outcome is read here, not reported as lost.
+                sending.add_done_callback(lambda f: f.cancelled() or f.exception())
                 await _sent_unless_refused(sending, posts, timeout)
                 moved += sum(nbytes(t) for _, t in bucket)
             await asyncio.gather(*posts)
