@@ -38,7 +38,7 @@ from tether.config import resolve
 from tether.rollout.debug_dump import save_rollout
 from tether.rollout.sample import Sample, SampleStatus
 from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
-from tether.run_dir import atomic_write_bytes, read_jsonl
+from tether.run_dir import atomic_write_bytes, live_metrics, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ def eval_curve(run_dir: Path, key: str = "eval/heldout/reward_mean") -> list[tup
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [(int(r["step"]), float(r[key])) for r in read_jsonl(path) if key in r]
+    return [(int(r["step"]), float(r[key])) for r in live_metrics(read_jsonl(path)) if key in r]
 
 
 def _load() -> str:

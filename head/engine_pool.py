@@ -142,13 +142,18 @@ class EnginePool:
             async def probe(c: EngineClient = client) -> None:
                 await c.health_generate(request_timeout=ft.rollout_health_check_timeout)
 
+            # The engine answered /health_generate before it was routed to (start_engine waits for
+            # that, within the first-wait grace): heartbeats start now, so a hang seconds after a
+            # (re)start is found within interval + timeout.
             monitor = LivenessMonitor(
                 probe,
                 interval=ft.rollout_health_check_interval,
                 timeout=ft.rollout_health_check_timeout,
-                first_wait=ft.rollout_health_check_first_wait,
+                first_wait=ft.rollout_health_check_interval,
                 name=name,
             )
+            loop = asyncio.get_running_loop()
+            ready_at = loop.time()
             exited = asyncio.ensure_future(self.procs[name][-1].wait())
             probing = asyncio.ensure_future(monitor.run())
             try:
@@ -156,7 +161,7 @@ class EnginePool:
             finally:
                 for task in (exited, probing):
                     task.cancel()
-            detected = time.monotonic()
+            detected = loop.time()
             if exited in done and not exited.cancelled():
                 info = exited.result()
                 reason, detection_s = (
@@ -166,10 +171,8 @@ class EnginePool:
             else:
                 lost = probing.exception() if probing.done() and not probing.cancelled() else None
                 reason = str(lost) if isinstance(lost, HeartbeatLost) else "heartbeat failed"
-                last_ok = monitor.last_ok
-                detection_s = (
-                    detected - last_ok if last_ok is not None else float(ft.rollout_health_check_timeout)
-                )
+                last_ok = monitor.last_ok if monitor.last_ok is not None else ready_at
+                detection_s = detected - last_ok
             try:
                 await self._recover(name, reason, detection_s)
             except BaseException as exc:  # the run cannot go on without this engine
@@ -220,9 +223,10 @@ class EnginePool:
         routed = next((c for c in self.router.engines if c.url == self.launches[name].url), None)
         if routed is not None:
             self.router.remove_engine(routed.name)
-            routed.retire()
-            # Its in-flight requests fail on their own as the process goes; closing the client
-            # under them would turn a clean engine fault into an unrelated error.
+            # Its in-flight requests end now as EngineUnavailable (their groups are requeued
+            # whole), not at the request timeout; closing the client under them would turn a
+            # clean engine fault into an unrelated error.
+            routed.retire(abandon_in_flight=True)
             self._retired.append(routed)
         for proc in self.procs[name]:
             if proc.running:

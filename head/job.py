@@ -29,6 +29,7 @@ from tether.placement.inventory import discover_inventory
 from tether.placement.plan import Plan, plan_from_config
 from tether.ports import plan_with_free_ports
 from tether.progress import RunProgress
+from tether.retention import CheckpointRetention
 from tether.rollout.engine_client import EngineClient
 from tether.rollout.router import Router
 from tether.rollout_manager import RolloutManager, version_lags
@@ -37,7 +38,7 @@ from tether.runtime import task_dump
 from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError
 from tether.runtime.sdnotify import Notifier
 from tether.runtime.secret import SECRET_ENV, new_secret, secret_from_env
-from tether.runtime.signals import StopRequested, handle_signals
+from tether.runtime.signals import StopRequest, StopRequested, handle_signals
 from tether.runtime.supervisor import Supervisor
 from tether.sync.ledger import LedgerEntry, VersionLedger
 from tether.sync.local_store import LocalCheckpointStore
@@ -84,9 +85,15 @@ class Steps:
         self.step_metrics: dict[str, float] = {}
         self.completed: int | None = None  # the last rollout whose step finished
         self.position: dict[str, Any] = {}  # data position at that step's boundary
-        # Trainer phases (train, sync, save) never interleave: a checkpoint asked for by a
-        # signal waits for the step's trainer phase to finish.
+        # Trainer phases (train, sync, save) never interleave.
         self.trainer_lock = asyncio.Lock()
+        # True from the moment a step's update may enter the weights until its after_step has
+        # moved `completed`: a checkpoint taken then would mix two steps, so a signal's
+        # checkpoint waits for the step's end (`_pending_checkpoint`) and is labelled with it.
+        self.mid_step = False
+        self._pending_checkpoint: asyncio.Future[None] | None = None
+        self.stop_request: StopRequest | None = None
+        self.retention = CheckpointRetention(cfg, run_dir)  # --load/--ref-load resolved now
         self.ledger = VersionLedger(run_dir.ledger_path)
         self._step_started = time.monotonic()
         self._stop_after_checkpoint = False
@@ -96,18 +103,17 @@ class Steps:
         self.step_metrics = dict(self.rollouts.metrics)
         # Staleness as trained: how far each sample's weights lag the version this step trains.
         lags = version_lags(groups, self.version)
-        self.run_dir.trained_samples(
-            {
-                "step": rollout_id,
-                "trained_at_version": self.version,
-                "samples": [[s.index, s.group_index, s.weight_versions] for g in groups for s in g],
-            }
-        )
+        record = {
+            "step": rollout_id,
+            "trained_at_version": self.version,
+            "samples": [[s.index, s.group_index, s.weight_versions] for g in groups for s in g],
+        }
         self.step_metrics["rollout/version_lag_mean"] = sum(lags) / len(lags) if lags else 0.0
         self.step_metrics["rollout/version_lag_max"] = float(max(lags, default=0))
         self.step_metrics["train/trained_at_version"] = float(self.version)
         self.progress.phase(f"train step {rollout_id}")
         if self.trainer is None:
+            self.run_dir.trained_samples(record)
             return
         router = self.rollouts.router
         if self.cfg.cluster.colocate and router is not None:
@@ -115,8 +121,15 @@ class Steps:
             # transport resumes it for the next sync.
             await router.broadcast(lambda client: client.release_memory_occupation())
         async with self.trainer_lock:
+            if self.stop_request is not None and self.stop_request.signum is not None:
+                # A stop signal is being handled: its checkpoint is of the last finished step,
+                # and no later update may enter the weights.
+                raise StopRequested(self.stop_request.signum)
+            self.mid_step = True
             started = time.monotonic()
             metrics = await self.trainer.train(rollout_id, groups, weight_version=self.version)
+            # The update is in the weights now, and only now is the step recorded as trained.
+            self.run_dir.trained_samples(record)
             metrics["train/time_s"] = time.monotonic() - started
             self.step_metrics.update(metrics)
 
@@ -207,7 +220,7 @@ class Steps:
         self.step_metrics["perf/samples_per_s"] = samples / max(now - self._step_started, 1e-9)
         self._step_started = now
         self.completed = rollout_id
-        self.position = self.rollouts.position()
+        self.position = self.rollouts.position_after(rollout_id)
         target = cfg.run.stop_at_eval_reward
         reached = target is not None and self.step_metrics.get("eval/reward_mean", float("-inf")) >= target
         if reached:
@@ -215,11 +228,34 @@ class Steps:
             self.run_dir.event(
                 "target_reached", rollout_id=rollout_id, eval_reward=self.step_metrics["eval/reward_mean"]
             )
-        if self.trainer is not None and cfg.algorithm.save is not None:
-            interval = cfg.algorithm.save_interval
-            last = rollout_id + 1 == self.total or reached
-            if last or (interval is not None and (rollout_id + 1) % interval == 0):
-                await self.checkpoint(reason="interval")
+        failure: BaseException | None = None
+        try:
+            if self.trainer is not None and cfg.algorithm.save is not None:
+                interval = cfg.algorithm.save_interval
+                last = rollout_id + 1 == self.total or reached
+                if self._pending_checkpoint is not None:
+                    await self._save("signal")
+                elif last or (interval is not None and (rollout_id + 1) % interval == 0):
+                    await self._save("interval")
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            self.mid_step = False
+            # A signal that came during this save is answered by it: same step boundary.
+            pending, self._pending_checkpoint = self._pending_checkpoint, None
+            if pending is not None and not pending.done():
+                if isinstance(failure, Exception):
+                    pending.set_exception(failure)
+                else:
+                    pending.cancel()
+        if pending is not None:
+            if not pending.done():
+                pending.set_result(None)
+            if self.stop_request is not None and self.stop_request.signum is not None:
+                # A stop signal's checkpoint was this step's: end the loop here, before the next
+                # step's update can enter the weights.
+                self._stop_after_checkpoint = True
         self.sink.log(rollout_id, self.step_metrics)
         self.progress.step_done(rollout_id, self.step_metrics)
         self.notifier.status(f"step {rollout_id + 1}/{self.total} version {self.version}")
@@ -227,23 +263,45 @@ class Steps:
     def should_stop(self) -> bool:
         return self._stop_after_checkpoint
 
-    async def checkpoint(self, reason: str = "signal") -> None:
-        """Save the state as of the last finished step (called between trainer phases)."""
-        if self.trainer is None or self.cfg.algorithm.save is None or self.completed is None:
-            self.run_dir.event("checkpoint_skipped", reason=reason, completed=self.completed)
+    async def checkpoint(self) -> None:
+        """A signal's checkpoint: of the last finished step when no step is under way, else of
+        the step under way once it has finished — the label, data position, weight version and
+        weights always belong to one step boundary."""
+        if self.trainer is None or self.cfg.algorithm.save is None:
+            self.run_dir.event("checkpoint_skipped", reason="signal", completed=self.completed)
             return
-        lock = self.trainer_lock if reason == "signal" else contextlib.nullcontext()
-        async with lock:
-            started = time.monotonic()
-            path = await self.trainer.save(self.completed, self.version, self.position)
-            self.run_dir.event(
-                "checkpoint",
-                reason=reason,
-                rollout_id=self.completed,
-                path=str(path),
-                seconds=time.monotonic() - started,
-            )
-            self.progress.message(f"checkpoint of step {self.completed} saved to {path} ({reason})")
+        async with self.trainer_lock:
+            if not self.mid_step:
+                await self._save("signal")
+                return
+            if self._pending_checkpoint is None:
+                self._pending_checkpoint = asyncio.get_running_loop().create_future()
+            waiter = self._pending_checkpoint
+        self.run_dir.event(
+            "checkpoint_deferred",
+            reason="signal",
+            step_under_way=-1 if self.completed is None else self.completed + 1,
+        )
+        await asyncio.shield(waiter)
+
+    async def _save(self, reason: str) -> None:
+        """Save the state as of the last finished step; the caller is the loop or holds the lock."""
+        assert self.trainer is not None
+        if self.completed is None:
+            self.run_dir.event("checkpoint_skipped", reason=reason, completed=None)
+            return
+        started = time.monotonic()
+        path = await self.trainer.save(self.completed, self.version, self.position)
+        self.run_dir.event(
+            "checkpoint",
+            reason=reason,
+            rollout_id=self.completed,
+            version=self.version,
+            path=str(path),
+            seconds=time.monotonic() - started,
+        )
+        self.progress.message(f"checkpoint of step {self.completed} saved to {path} ({reason})")
+        await self.retention.prune()
 
 
 async def run_job(cfg: Config, argv: list[str]) -> int:
@@ -374,7 +432,9 @@ async def resume(cfg: Config, steps: Steps) -> int:
     state = await steps.trainer.load(load_dir)
     if state is None:
         steps.run_dir.event("resume_skipped", load=load_dir)
+        _discard_after(steps, -1, f"no checkpoint in {load_dir}")
         return 0
+    _discard_after(steps, int(state["rollout_id"]), f"resumed from {state.get('path')}")
     steps.completed = state["rollout_id"]
     steps.position = state["data_position"]
     steps.rollouts.load_position(state["data_position"])
@@ -393,21 +453,40 @@ async def resume(cfg: Config, steps: Steps) -> int:
         rollout_id=state["rollout_id"],
         version=state["weight_version"],
     )
-    # The engines start from --hf-checkpoint; bring them to the resumed weights first.
+    # The engines start from --hf-checkpoint; bring them to the resumed weights first. Versions
+    # only increase in a run's ledger: when this run directory already published the checkpoint's
+    # version or a later one (a crash after the checkpoint), the restored weights get a new number.
+    version = int(state["weight_version"])
+    published = max((entry.version for entry in steps.ledger.entries), default=0)
+    if published >= version > 0:
+        version = published + 1
     if steps.engines is not None:
-        steps.version = state["weight_version"] - 1
+        steps.version = version - 1
         await steps.sync_weights(state["rollout_id"])
     else:
-        steps.version = state["weight_version"]
+        steps.version = version
     steps.progress.message(
         f"resumed from {load_dir} after step {state['rollout_id']}, weights v{steps.version}"
     )
     return int(state["rollout_id"]) + 1
 
 
+def _discard_after(steps: Steps, rollout_id: int, reason: str) -> None:
+    """Steps recorded after the resumed checkpoint are not in the model: say so in the records."""
+    dropped = steps.run_dir.discard_steps_after(rollout_id, reason=reason)
+    if dropped:
+        steps.run_dir.event("steps_discarded", steps=dropped, resumed_from=rollout_id, reason=reason)
+        steps.run_dir.metric({"discarded": dropped, "resumed_from": rollout_id})
+        steps.progress.message(
+            f"steps {dropped[0]}..{dropped[-1]} were trained after the last checkpoint and are "
+            f"discarded; they run again"
+        )
+
+
 async def run_loop(cfg: Config, steps_range: LoopRange, sup: Supervisor, steps: Steps) -> None:
     """The loop, alongside the watchers that can end it: process failures, signals, watchdog."""
     async with handle_signals(steps.checkpoint) as stop, asyncio.TaskGroup() as tg:
+        steps.stop_request = stop
         watchers = [
             *([tg.create_task(steps.engines.watch())] if steps.engines is not None else []),
             tg.create_task(sup.watch()),
@@ -424,6 +503,9 @@ async def run_loop(cfg: Config, steps_range: LoopRange, sup: Supervisor, steps: 
         finally:
             for watcher in watchers:
                 watcher.cancel()
+    if stop.signum is not None:
+        # The loop ended at the stop signal's checkpoint, before the signal handler said so.
+        raise StopRequested(stop.signum)
 
 
 class _Warm:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tether.run_dir import read_jsonl
+from tether.run_dir import live_metrics, read_jsonl
 
 # (title, [(metric key, label)]) per panel; keys follow what the run loop writes to metrics.jsonl.
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [
@@ -28,7 +28,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     matplotlib.use("Agg")  # files only: no display on training nodes
     import matplotlib.pyplot as plt
 
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = live_metrics(read_jsonl(run_dir / "metrics.jsonl"))
     if not records:
         raise SystemExit(f"tether plot: {run_dir / 'metrics.jsonl'} holds no metrics")
     out = out or run_dir

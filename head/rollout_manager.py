@@ -55,6 +55,7 @@ class RolloutManager:
         self.worker: FullyAsyncWorker | None = None
         self.weight_version = 0
         self.metrics: dict[str, float] = {}
+        self._positions: dict[int, dict[str, Any]] = {}
         self._rollout_fn = generate_rollout
         if config.rollout.rollout_function_path:
             self._rollout_fn = load_function(config.rollout.rollout_function_path, "--rollout-function-path")
@@ -65,11 +66,6 @@ class RolloutManager:
             self.ctx = await self._stack.enter_async_context(
                 RolloutContext(self.config, self.router, tokenizer=self.tokenizer)
             )
-            if self.config.run.loop == "fully-async":
-                assert self.data is not None
-                self.worker = await self._stack.enter_async_context(
-                    FullyAsyncWorker(self.ctx, self.data, weight_version=self.weight_version)
-                )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -93,11 +89,20 @@ class RolloutManager:
                 )
             groups = result
             self.metrics = dict(self.ctx.metrics)
+            # The position a checkpoint after this step records: taken now, because in the
+            # async loop the next rollout draws prompts before this step ends.
+            self._positions[rollout_id] = self.position()
         self._after_rollout(rollout_id, groups, time.monotonic() - started)
         return groups
 
     async def get_batch(self, rollout_id: int) -> Groups:
-        assert self.worker is not None
+        if self.worker is None:
+            # Started by the first step, not on entry: a resume loads the data position first,
+            # and the warm worker must draw from there (it draws ahead as soon as it runs).
+            assert self.ctx is not None and self.data is not None
+            self.worker = await self._stack.enter_async_context(
+                FullyAsyncWorker(self.ctx, self.data, weight_version=self.weight_version)
+            )
         started = time.monotonic()
         groups = await self.worker.get_batch(self.config.data.rollout_batch_size, rollout_id)
         assert self.ctx is not None
@@ -153,6 +158,15 @@ class RolloutManager:
             return {}
         pending = self.worker.unconsumed_groups() if self.worker is not None else []
         return msgspec.to_builtins(self.data.state_dict(pending=pending))
+
+    def position_after(self, rollout_id: int) -> dict[str, Any]:
+        """The data position at the end of step `rollout_id`: every prompt of that step and of
+        the steps before it drawn, none of a later step's (the fully-async worker puts back what
+        it drew ahead)."""
+        position = self._positions.get(rollout_id)
+        for done in [r for r in self._positions if r <= rollout_id]:
+            del self._positions[done]
+        return position if position is not None else self.position()
 
     def load_position(self, position: dict[str, Any]) -> None:
         if self.data is not None and position:

@@ -105,7 +105,19 @@ class RunDir:
         self._append(self.metrics_path, {"time": time.time(), **record})
 
     def trained_samples(self, record: dict[str, Any]) -> None:
+        """A step whose optimizer update is in the trainer's weights (never written earlier)."""
         self._append(self.samples_path, record)
+
+    def discard_steps_after(self, rollout_id: int, *, reason: str) -> list[int]:
+        """Record every step after `rollout_id` still counted in samples.jsonl as discarded.
+
+        Called on resume from the checkpoint of step `rollout_id`: steps trained after it (the
+        head or a rank was killed before their checkpoint) are not in the resumed weights.
+        """
+        dropped = [step for step in model_steps(read_jsonl(self.samples_path)).steps if step > rollout_id]
+        for step in dropped:
+            self._append(self.samples_path, {"discarded": step, "resumed_from": rollout_id, "reason": reason})
+        return dropped
 
     def event(self, kind: str, **fields: Any) -> None:
         self._append(self.events_path, {"time": time.time(), "event": kind, **fields})
@@ -122,3 +134,42 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+class ModelSteps(msgspec.Struct, frozen=True):
+    """What samples.jsonl says is in the model: live steps, discarded ones, and violations."""
+
+    steps: list[int]  # trained and not discarded, in the order they were trained
+    discarded: list[int]  # every discard record, in order
+    duplicates: list[int]  # a step recorded as trained twice without a discard between: a bug
+
+
+def model_steps(records: list[dict[str, Any]]) -> ModelSteps:
+    """Replay samples.jsonl's records: a "step" record adds, a "discarded" record removes."""
+    live: dict[int, None] = {}
+    discarded: list[int] = []
+    duplicates: list[int] = []
+    for record in records:
+        if "discarded" in record:
+            step = int(record["discarded"])
+            discarded.append(step)
+            live.pop(step, None)
+        elif "step" in record:
+            step = int(record["step"])
+            if step in live:
+                duplicates.append(step)
+            live[step] = None
+    return ModelSteps(steps=list(live), discarded=discarded, duplicates=duplicates)
+
+
+def live_metrics(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """metrics.jsonl's step records without those of steps a resume discarded (trained after
+    the checkpoint it resumed from, so not in the model); evaluation records stay."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if "discarded" in record and "step" not in record:
+            gone = set(record["discarded"])
+            kept = [r for r in kept if r.get("step") not in gone or r["step"] < 0]
+        else:
+            kept.append(record)
+    return kept

@@ -129,6 +129,8 @@ class EngineClient:
         self._retry_backoff = retry_backoff
         self._session: aiohttp.ClientSession | None = None
         self._retired = False
+        self._in_flight: set[asyncio.Task[Any]] = set()  # tasks awaiting a request of this client
+        self._abandoned: set[asyncio.Task[Any]] = set()  # ... cancelled by `retire`
 
     def __repr__(self) -> str:
         return f"EngineClient({self.name!r}, {self.url!r})"
@@ -141,9 +143,16 @@ class EngineClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def retire(self) -> None:
-        """Refuse every further request (the engine behind this client is being replaced)."""
+    def retire(self, *, abandon_in_flight: bool = False) -> None:
+        """Refuse every further request (the engine behind this client is being replaced).
+
+        With `abandon_in_flight`, requests already waiting on it end now with EngineUnavailable
+        (a hung engine would otherwise hold them until the request timeout)."""
         self._retired = True
+        if abandon_in_flight:
+            for task in self._in_flight:
+                self._abandoned.add(task)
+                task.cancel()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -200,6 +209,34 @@ class EngineClient:
             raise EngineUnavailable(
                 self.name, path, ConnectionAbortedError("the engine was taken out of routing")
             )
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        try:
+            return await self._send(method, path, body, retry, request_timeout, headers)
+        except asyncio.CancelledError:
+            if task not in self._abandoned:
+                raise
+            self._abandoned.discard(task)
+            if task.uncancel() > 0:
+                raise  # cancelled by its owner too
+            raise EngineUnavailable(
+                self.name,
+                path,
+                ConnectionAbortedError("the engine was declared hung and taken out of routing"),
+            ) from None
+        finally:
+            self._in_flight.discard(task)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        retry: Literal["never", "connect", "always"],
+        request_timeout: float | None,
+        headers: Mapping[str, str] | None,
+    ) -> bytes:
         session = self._ensure_session()
         client_timeout = aiohttp.ClientTimeout(
             total=request_timeout or self._request_timeout, sock_connect=self._connect_timeout

@@ -111,8 +111,8 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
             device_kind=plan.device_kind,
             sglang_args=list(sglang_args),
             sglang_python=sglang_python,
-            # Loading can take long (compiling, big weights); heartbeats start only after first-wait.
-            ready_timeout=max(fault_tolerance.rollout_health_check_first_wait, 600.0),
+            # Loading can take long (compiling, big weights): first-wait is the start-up grace.
+            ready_timeout=fault_tolerance.rollout_health_check_first_wait or 600.0,
             offload=plan.offload_rollout,
         )
 

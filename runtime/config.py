@@ -23,7 +23,11 @@ class FaultToleranceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unk
         float, Meta(gt=0, description="Seconds a heartbeat may take before the engine counts as hung.")
     ] = 5.0
     rollout_health_check_first_wait: Annotated[
-        float, Meta(ge=0, description="Seconds after an engine starts before its first heartbeat.")
+        float,
+        Meta(
+            ge=0,
+            description="Seconds an engine may take to become ready (0: 600); heartbeats start once it is.",
+        ),
     ] = 300.0
     max_engine_restarts: Annotated[
         int, Meta(ge=0, description="Restarts allowed per engine before the run stops with an error.")

@@ -12,7 +12,7 @@ import pytest
 from rollout_fixtures import cpu_engine, make_config, make_model
 
 from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
-from tether.rollout.engine_client import EngineClient, EngineError
+from tether.rollout.engine_client import EngineClient, EngineError, EngineUnavailable
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.hooks import HookError
 from tether.rollout.rollout_fn import (
@@ -95,6 +95,28 @@ def test_client_generate_abort_and_errors(engines: Engines) -> None:
             with pytest.raises(EngineError) as err:
                 await client.generate([5] * 3000, {"max_new_tokens": 4})
             assert err.value.status == 400 and err.value.message
+
+    run(main())
+
+
+def test_retiring_a_hung_engine_abandons_its_requests_at_once(engines: Engines) -> None:
+    """A request waiting on an engine declared hung ends with EngineUnavailable when the client
+    is retired, not at the request timeout; the task that made it is not cancelled."""
+
+    async def main() -> None:
+        async with EngineClient(engines.slow, request_timeout=600) as client:
+            waiting = asyncio.ensure_future(client.generate([5, 6, 7], {"max_new_tokens": 2}))
+            for _ in range(100_000):  # until the request is on its way
+                if client._in_flight:
+                    break
+                await asyncio.sleep(0)
+            client.retire(abandon_in_flight=True)
+            async with asyncio.timeout(5):
+                with pytest.raises(EngineUnavailable, match="declared hung"):
+                    await waiting
+            assert not waiting.cancelled() and not client._in_flight
+            with pytest.raises(EngineUnavailable, match="taken out of routing"):
+                await client.generate([5], {"max_new_tokens": 1})
 
     run(main())
 

@@ -24,6 +24,8 @@ LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
 _OPTIONAL_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "eps_clip_high": (0.0, True, None),
     "save_interval": (1, True, None),
+    "keep_last_checkpoints": (1, True, None),
+    "keep_every_checkpoints": (1, True, None),
     "expert_tensor_parallel_size": (1, True, None),
     "lr_decay_iters": (1, True, None),
     "recompute_num_layers": (1, True, None),
@@ -126,6 +128,20 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     load: Annotated[str | None, Meta(description="Checkpoint directory to resume training from.")] = None
     save: Annotated[str | None, Meta(description="Directory to save checkpoints into.")] = None
     save_interval: Annotated[int | None, Meta(description="Save a checkpoint every N rollouts.")] = None
+    keep_last_checkpoints: Annotated[
+        int | None,
+        Meta(
+            description="Keep the newest N complete checkpoints under --save, delete older ones "
+            "(default: keep all)."
+        ),
+    ] = None
+    keep_every_checkpoints: Annotated[
+        int | None,
+        Meta(
+            description="Also keep iter_S when S+1 is a multiple of K (steps counted as --save-interval "
+            "counts them); set alone, only those and the newest are kept."
+        ),
+    ] = None
     seed: Annotated[int, Meta(description="Random seed of the trainer.")] = 1234
 
     def __post_init__(self) -> None:
@@ -159,6 +175,20 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         if self.save_interval is not None and self.save is None:
             raise ConfigError(
                 "--save-interval", self.save_interval, "needs --save (where to write checkpoints)"
+            )
+        for flag, keep in (
+            ("--keep-last-checkpoints", self.keep_last_checkpoints),
+            ("--keep-every-checkpoints", self.keep_every_checkpoints),
+        ):
+            if keep is not None and self.save is None:
+                raise ConfigError(flag, keep, "needs --save (the directory whose checkpoints it prunes)")
+        every, interval = self.keep_every_checkpoints, self.save_interval
+        if every is not None and interval is not None and every % interval:
+            # Interval saves land where (S+1) % interval == 0, so only every lcm-th one would be kept.
+            raise ConfigError(
+                "--keep-every-checkpoints",
+                every,
+                f"must be a multiple of --save-interval={interval} (checkpoints exist only at its multiples)",
             )
 
     @property
