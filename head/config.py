@@ -85,12 +85,23 @@ class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
         Meta(description="Progress display: rich bars, plain lines, or auto."),
     ] = "auto"
     head_bind_host: Annotated[
-        str,
-        Meta(description="Interface the head's control socket binds (agents on other nodes connect to it)."),
-    ] = "127.0.0.1"
+        str | None,
+        Meta(
+            description="Address the head's control socket binds, which agents on other nodes connect to "
+            "(default: the head node's planned address when nodes are on other machines, else 127.0.0.1)."
+        ),
+    ] = None
     head_port: Annotated[
         int, Meta(ge=0, le=65535, description="Port of the head's control socket (0: any free port).")
     ] = 0
+    heartbeat_misses: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Heartbeats in a row (1 s apart, 3 s timeout) a node agent or the head may miss "
+            "before the other side counts it as lost.",
+        ),
+    ] = 3
     agents_timeout: Annotated[
         float,
         Meta(gt=0, description="Seconds to wait for the node agents of the plan's other nodes to register."),

@@ -41,15 +41,24 @@ class EnginePool:
     """Engines tether starts (and external ones it only talks to), with the version they serve."""
 
     def __init__(
-        self, sup: Supervisor, plan: Plan, cfg: Config, run_dir: RunDir, names: dict[int, str]
+        self,
+        sup: Supervisor,
+        plan: Plan,
+        cfg: Config,
+        run_dir: RunDir,
+        names: dict[int, str],
+        *,
+        api_key: str,
     ) -> None:
+        """`api_key`: the run's engine key, which every engine requires (external ones included)."""
         self.names = names
+        self.api_key = api_key
         self.sup = sup
         self.plan = plan
         self.cfg = cfg
         self.run_dir = run_dir
         self.launch_cfg = EngineLaunchConfig.from_config(
-            cfg.rollout, cfg.fault_tolerance, cfg.sglang_args, plan
+            cfg.rollout, cfg.fault_tolerance, cfg.sglang_args, plan, api_key=api_key
         )
         self.launches: dict[str, EngineLaunch] = {}
         self.procs: dict[str, list[ManagedProcess]] = {}
@@ -76,11 +85,17 @@ class EnginePool:
         return self.cfg.fault_tolerance.use_fault_tolerance
 
     async def __aenter__(self) -> EnginePool:
+        addresses = {node.index: node.address for node in self.plan.nodes}
         for engine in self.plan.engines:
             if engine.external:
                 self.external.append(f"http://{engine.address}")
             elif engine.worker_type != "placeholder":
-                launch = build_launch(engine, self.launch_cfg, node_name=lambda part: self.names[part.node])
+                launch = build_launch(
+                    engine,
+                    self.launch_cfg,
+                    node_name=lambda part: self.names[part.node],
+                    node_address=lambda part: addresses[part.node],
+                )
                 self.launches[launch.name] = launch
         # Start every engine at once: startup time is dominated by each engine's own load.
         async with asyncio.TaskGroup() as tg:
@@ -113,6 +128,7 @@ class EnginePool:
             port=port,
             policy=self.cfg.rollout.rollout_routing_policy,
             sglang_args=list(self.cfg.sglang_args),
+            api_key=self.api_key,
         )
         _, url = await start_router(
             self.sup, router_spec(list(self.launches.values()), router_cfg), router_cfg
@@ -184,7 +200,7 @@ class EnginePool:
         found = next((c for c in self.router.engines if c.url == self.launches[name].url), None)
         if found is not None:
             return found
-        return EngineClient(self.launches[name].url, name=name)
+        return EngineClient(self.launches[name].url, name=name, api_key=self.api_key)
 
     async def settled(self, grace: float) -> None:
         """Return once no engine is being replaced, allowing `grace` seconds for a failure that
@@ -238,6 +254,7 @@ class EnginePool:
             name=name,
             max_connections=self.cfg.rollout.sglang_server_concurrency,
             request_timeout=self.cfg.rollout.engine_request_timeout_seconds,
+            api_key=self.api_key,
         )
         await self.catch_up(client)  # the current version before the first request
         self.router.add_engine(client)

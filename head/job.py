@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,12 +26,13 @@ from tether.config import Config
 from tether.engine_pool import EnginePool, EngineRestartsExhausted
 from tether.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
 from tether.metrics import MetricsSink
-from tether.nodes import node_names, remote_nodes
+from tether.nodes import node_names, remote_nodes, used_nodes
 from tether.placement.inventory import discover_inventory
 from tether.placement.plan import Plan, plan_from_config
-from tether.ports import plan_with_free_ports
+from tether.ports import PortClaims, plan_with_free_ports
 from tether.progress import RunProgress
 from tether.retention import CheckpointRetention
+from tether.rollout.engine_auth import run_key
 from tether.rollout.engine_client import EngineClient
 from tether.rollout.router import Router
 from tether.rollout_manager import RolloutManager, version_lags
@@ -39,7 +42,7 @@ from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteE
 from tether.runtime.sdnotify import Notifier
 from tether.runtime.secret import SECRET_ENV, new_secret, secret_from_env
 from tether.runtime.signals import StopRequest, StopRequested, handle_signals
-from tether.runtime.supervisor import Supervisor
+from tether.runtime.supervisor import LOCAL, Heartbeat, Supervisor
 from tether.sync.ledger import LedgerEntry, VersionLedger
 from tether.sync.local_store import LocalCheckpointStore
 from tether.trainer_pool import TrainerPool
@@ -48,14 +51,16 @@ log = logging.getLogger(__name__)
 E = TypeVar("E", bound=BaseException)
 
 
-def make_plan(cfg: Config) -> Plan:
-    """The placement plan, with its port block moved past ports already taken on this machine."""
+def make_plan(cfg: Config, claims: PortClaims | None = None) -> Plan:
+    """The placement plan, with its port block moved past ports already taken on this machine
+    (and, with `claims`, claimed against other runs started at the same time)."""
     inventory = discover_inventory(cfg.cluster)
     return plan_with_free_ports(
         cfg.cluster,
         lambda cluster: plan_from_config(
             cluster, cfg.debug.debug_rollout_only, cfg.debug.debug_train_only, inventory
         ),
+        claims=claims,
     )
 
 
@@ -308,8 +313,20 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
     """Run one job; returns the process exit code."""
     run_path = Path(cfg.run.run_dir) if cfg.run.run_dir else default_run_dir()
     run_dir = RunDir(run_path)
-    plan = make_plan(cfg)
-    run_dir.write_receipt(cfg, plan, argv=argv)
+    # Inventory probing and package metadata take seconds: never on the event loop.
+    claims = PortClaims()  # this machine's ports of the plan, held until the run ends
+    try:
+        plan = await asyncio.to_thread(make_plan, cfg, claims)
+        return await _run_planned(cfg, argv, run_dir, plan)
+    finally:
+        claims.release()
+
+
+async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan) -> int:
+    run_path = run_dir.path
+    await asyncio.to_thread(run_dir.write_receipt, cfg, plan, argv=argv)
+    names = node_names(plan)
+    bind_host = head_bind_host(cfg, plan, names)  # refused here, before anything starts
     run_dir.event("start", argv=argv)
     notifier = Notifier.from_env()
     task_dump.install(run_dir.logs)
@@ -323,15 +340,30 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
     )
     progress = RunProgress(cfg.data.num_rollout or 0, 0, cfg.run.progress)
     progress.message(f"run directory: {run_path}")
+    holder: list[Steps] = []  # the run's Steps once built: a signal's checkpoint goes there
+    stop: StopRequest | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
+            # Signals are handled from the start: a SIGTERM (or SLURM's USR1, forwarded as TERM)
+            # during start-up stops the run cleanly (exit 0, "stopped"), so it is requeued.
+            stop = await stack.enter_async_context(handle_signals(_signal_checkpoint(holder, run_dir)))
+            stop_watch = asyncio.ensure_future(_cancel_on_stop(stop, asyncio.current_task()))
+            stack.callback(stop_watch.cancel)
             # Agents on other nodes share the secret through their environment (launch scripts
             # export it); a run on one machine makes its own.
             secret = secret_from_env() if SECRET_ENV in os.environ else new_secret()
+            # Every engine requires this key; engines, the router and trainer ranks get it in
+            # their environment (engines and the router without the run secret).
+            engine_key = run_key(cfg.rollout.engine_api_key_file)
             sup = await stack.enter_async_context(
-                Supervisor(run_path, secret, bind_host=cfg.run.head_bind_host, port=cfg.run.head_port)
+                Supervisor(
+                    run_path,
+                    secret,
+                    bind_host=bind_host,
+                    port=cfg.run.head_port,
+                    heartbeat=Heartbeat(misses=cfg.run.heartbeat_misses),
+                )
             )
-            names = node_names(plan)
             atomic_write_bytes(run_path / "head_address", sup.address.encode())
             remote = remote_nodes(plan, names)
             if remote:
@@ -342,15 +374,23 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
             router: Router | None = None
             if not cfg.debug.debug_train_only:
                 progress.phase("starting engines")
-                engines = await stack.enter_async_context(EnginePool(sup, plan, cfg, run_dir, names))
+                engines = await stack.enter_async_context(
+                    EnginePool(sup, plan, cfg, run_dir, names, api_key=engine_key)
+                )
                 router_url = await engines.start_sglang_router() if cfg.rollout.use_sglang_router else None
-                router = Router.from_config(cfg.rollout, engines.urls, router_url=router_url)
+                router = Router.from_config(
+                    cfg.rollout, engines.urls, router_url=router_url, api_key=engine_key
+                )
             trainer: TrainerPool | None = None
             if not cfg.debug.debug_rollout_only:
                 progress.phase("starting trainer")
-                trainer = await stack.enter_async_context(TrainerPool(sup, plan, cfg, run_dir, secret, names))
+                trainer = await stack.enter_async_context(
+                    TrainerPool(sup, plan, cfg, run_dir, secret, names, engine_key=engine_key)
+                )
             rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
             steps = Steps(cfg, run_dir, trainer, engines, rollouts, sink, progress, notifier)
+            steps.stop_request = stop
+            holder.append(steps)
             if engines is not None and router is not None:
                 await engines.start_monitoring(router, steps.catch_up)
             start = await resume(cfg, steps)
@@ -368,7 +408,8 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
             total = total_rollouts(cfg, rollouts)
             steps.total = total
             progress.set_total(total, start)
-            await run_loop(cfg, LoopRange(start, total), sup, steps)
+            await run_loop(cfg, LoopRange(start, total), sup, steps, stop)
+            stop_watch.cancel()  # what follows (HF export, shut-down) is not cut short
             run_dir.event("loop_done", version=steps.version, engine_busy_s_total=_busy(router))
             if trainer is not None and cfg.run.save_hf is not None:
                 progress.phase("saving HF weights")
@@ -378,15 +419,26 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
         progress.message(f"done: receipt {run_dir.receipt_path}, metrics {run_dir.metrics_path}")
         return 0
     except BaseException as exc:
-        stop = _find(exc, StopRequested)
-        if stop is not None:
-            run_dir.event("stopped", signal=stop.signum)
-            progress.message(f"stopped by {stop}")
+        stopped = _find(exc, StopRequested)
+        if stopped is None and stop is not None and stop.signum is not None and stop.is_set():
+            if _find(exc, asyncio.CancelledError) is not None:  # cut short by _cancel_on_stop
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                stopped = StopRequested(stop.signum)
+        if stopped is not None:
+            run_dir.event("stopped", signal=stopped.signum)
+            progress.message(f"stopped by {stopped}")
             return 0
         failure = _find(exc, ActorDied) or _find(exc, HeartbeatLost) or _find(exc, EngineRestartsExhausted)
         if failure is None:
+            # Anything else still ends the record with what failed where, then propagates.
+            cause = _first_leaf(exc)
+            process = cause.actor if isinstance(cause, RemoteError) and cause.actor else "head"
+            run_dir.event("failed", process=process, error=f"{type(cause).__name__}: {cause}"[-2000:])
             raise
-        run_dir.event("failed", error=str(failure))
+        process = failure.name if isinstance(failure, ActorDied | HeartbeatLost) else "engines"
+        run_dir.event("failed", process=process, error=str(failure))
         print(f"tether run: {failure}", file=sys.stderr)
         return 1
     finally:
@@ -395,9 +447,36 @@ async def run_job(cfg: Config, argv: list[str]) -> int:
         sink.close()
 
 
+def _signal_checkpoint(holder: list[Steps], run_dir: RunDir) -> Callable[[], Awaitable[None]]:
+    """A signal's checkpoint: the run's Steps take it once they exist; before that nothing has
+    been trained in this attempt, so there is nothing to save."""
+
+    async def checkpoint() -> None:
+        if holder:
+            await holder[0].checkpoint()
+        else:
+            run_dir.event("checkpoint_skipped", reason="signal", completed=None, phase="start-up")
+
+    return checkpoint
+
+
+async def _cancel_on_stop(stop: StopRequest, task: asyncio.Task[Any] | None) -> None:
+    """Once a stop signal was handled (after its checkpoint), end whatever the run is doing."""
+    await stop.wait()
+    if task is not None:
+        task.cancel()
+
+
 def _busy(router: Router | None) -> float:
     """Seconds the engines have had at least one request in flight, summed over engines."""
     return sum(router.busy_seconds().values()) if router is not None else 0.0
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first exception inside nested exception groups (the one that ended the run)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _find(exc: BaseException, kind: type[E]) -> E | None:
@@ -410,6 +489,33 @@ def _find(exc: BaseException, kind: type[E]) -> E | None:
             if found is not None:
                 return found
     return None
+
+
+def head_bind_host(cfg: Config, plan: Plan, names: dict[int, str]) -> str:
+    """--head-bind-host, or by default the head node's planned address when agents on other
+    machines must reach it (loopback for a run on one machine). Loopback with nodes on other
+    machines is refused: their agents could never connect."""
+    others = [n for n in plan.nodes if names[n.index] != LOCAL and n.index in used_nodes(plan)]
+    away = [n for n in others if not _is_loopback(n.address)]
+    own = next((n.address for n in plan.nodes if names[n.index] == LOCAL), "127.0.0.1")
+    host = cfg.run.head_bind_host
+    if host is None:
+        return own if away else "127.0.0.1"
+    if away and _is_loopback(host):
+        raise ConfigError(
+            "--head-bind-host",
+            host,
+            f"is a loopback address, but the agents of {[n.hostname for n in away]} connect from other "
+            f"machines; bind the head node's address ({own}), or leave the flag unset to get it",
+        )
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def total_rollouts(cfg: Config, rollouts: RolloutManager) -> int:
@@ -483,10 +589,12 @@ def _discard_after(steps: Steps, rollout_id: int, reason: str) -> None:
         )
 
 
-async def run_loop(cfg: Config, steps_range: LoopRange, sup: Supervisor, steps: Steps) -> None:
+async def run_loop(
+    cfg: Config, steps_range: LoopRange, sup: Supervisor, steps: Steps, stop: StopRequest
+) -> None:
     """The loop, alongside the watchers that can end it: process failures, signals, watchdog."""
-    async with handle_signals(steps.checkpoint) as stop, asyncio.TaskGroup() as tg:
-        steps.stop_request = stop
+    steps.stop_request = stop
+    async with asyncio.TaskGroup() as tg:
         watchers = [
             *([tg.create_task(steps.engines.watch())] if steps.engines is not None else []),
             tg.create_task(sup.watch()),

@@ -21,8 +21,12 @@ def node_names(plan: Plan, this_host: str | None = None) -> dict[int, str]:
     return {n.index: (LOCAL if n.index == own else n.hostname) for n in plan.nodes}
 
 
+def used_nodes(plan: Plan) -> set[int]:
+    """Plan nodes that run a trainer rank or an engine tether starts."""
+    used = {node.node for group in plan.train_groups for node in group.nodes}
+    return used | {part.node for engine in plan.engines if not engine.external for part in engine.parts}
+
+
 def remote_nodes(plan: Plan, names: dict[int, str]) -> list[str]:
     """Agents the plan needs, for nodes that run a trainer rank or an engine."""
-    used = {node.node for group in plan.train_groups for node in group.nodes}
-    used |= {part.node for engine in plan.engines if not engine.external for part in engine.parts}
-    return sorted({names[i] for i in used} - {LOCAL})
+    return sorted({names[i] for i in used_nodes(plan)} - {LOCAL})

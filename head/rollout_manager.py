@@ -6,6 +6,7 @@ for fully-async) and records, for every Sample, the weight versions that produce
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import Any
@@ -45,11 +46,7 @@ class RolloutManager:
     def __init__(self, config: Config, router: Router | None) -> None:
         self.config = config
         self.tokenizer: Any = None
-        if config.rollout.hf_checkpoint is not None:
-            self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
-        self.data: DataSource | None = None
-        if not config.debug.debug_train_only:
-            self.data = DataSource.from_config(config.data, config.rollout, self.tokenizer)
+        self.data: DataSource | None = None  # loaded on entry, off the event loop
         self.router = router
         self.ctx: RolloutContext | None = None
         self.worker: FullyAsyncWorker | None = None
@@ -61,10 +58,21 @@ class RolloutManager:
             self._rollout_fn = load_function(config.rollout.rollout_function_path, "--rollout-function-path")
         self._stack = contextlib.AsyncExitStack()
 
+    def _load(self) -> None:
+        """Tokenizer and prompts: seconds of blocking work, so never on the head's event loop
+        (agents on other nodes count a stalled loop's missed heartbeats)."""
+        config = self.config
+        if config.rollout.hf_checkpoint is not None:
+            self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
+        if not config.debug.debug_train_only:
+            self.data = DataSource.from_config(config.data, config.rollout, self.tokenizer)
+
     async def __aenter__(self) -> RolloutManager:
+        await asyncio.to_thread(self._load)
         if self.router is not None:
             self.ctx = await self._stack.enter_async_context(
-                RolloutContext(self.config, self.router, tokenizer=self.tokenizer)
+                # Built in a thread: it imports the user's hook modules.
+                await asyncio.to_thread(RolloutContext, self.config, self.router, tokenizer=self.tokenizer)
             )
         return self
 

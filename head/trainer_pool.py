@@ -3,11 +3,20 @@
 The head turns each rollout into train batches (rewards → advantages → steps → DP shards →
 micro-batch plans) and calls every rank with the same method in the same order, as Megatron's
 collectives require; ranks of one data-parallel group receive the same shard.
+
+Leaving the pool (every exit path of the run) asks each rank to exit (`shutdown`): the ranks
+leave their process groups and exit 0, so torchrun exits 0 and leaves no error file in
+`logs/`. Only a job still running SHUTDOWN_GRACE seconds later is stopped by signal. Each
+torchrun job's error file is `logs/trainer-node<R>-error.json`, which therefore exists only
+after a real failure: a rank that raised leaves its exception and traceback there (a rank
+killed by a signal leaves none; torchrun's log names it), and a job stopped by signal records
+that signal there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from pathlib import Path
@@ -19,6 +28,7 @@ import torch
 
 from tether.config import Config
 from tether.placement.plan import Plan, TorchrunNode
+from tether.rollout.engine_auth import ENGINE_KEY_ENV
 from tether.rollout.sample import Sample
 from tether.run_dir import RunDir
 from tether.runtime.errors import ActorDied
@@ -35,11 +45,16 @@ from tether.train.batching import (
 )
 from tether.train.worker import WorkerInfo, read_addresses
 
+log = logging.getLogger(__name__)
+
 Groups = list[list[Sample]]
 RPC_TIMEOUT = 3600.0  # a train step or a checkpoint of a large model can take long; never forever
 # When a rank dies, torchrun stops the others (SIGTERM, SIGKILL after its 30 s shutdown timeout)
 # and exits non-zero; its exit report (code, log tail naming the failed rank) is worth that wait.
 EXIT_REPORT_TIMEOUT = 45.0
+# After `shutdown` a rank finishes the work on its thread, closes its weight-sync group and
+# leaves its process groups; a job not gone by then is stopped by signal.
+SHUTDOWN_GRACE = 60.0
 
 
 def _first(group: BaseExceptionGroup[Exception]) -> Exception:
@@ -51,13 +66,33 @@ def _first(group: BaseExceptionGroup[Exception]) -> Exception:
     return exc
 
 
+async def _ask_to_exit(handle: ActorHandle) -> None:
+    """`shutdown` on one rank; a connection dropped before the answer means it is exiting."""
+    try:
+        await handle.call("shutdown", timeout=SHUTDOWN_GRACE)
+    except ActorDied:
+        pass
+    except Exception as exc:  # this rank gets the signal after the grace period instead
+        log.warning("asking %s to exit failed: %s", handle.name, exc)
+
+
 class TrainerPool:
     """Starts the actor's torchrun job(s), connects to every rank, and drives them in lock-step."""
 
     def __init__(
-        self, sup: Supervisor, plan: Plan, cfg: Config, run_dir: RunDir, secret: bytes, names: dict[int, str]
+        self,
+        sup: Supervisor,
+        plan: Plan,
+        cfg: Config,
+        run_dir: RunDir,
+        secret: bytes,
+        names: dict[int, str],
+        *,
+        engine_key: str | None = None,
     ) -> None:
+        """`engine_key`: the key engines require; rank 0 (the weight sync source) sends it."""
         self.names = names
+        self.engine_key = engine_key
         self.sup = sup
         self.plan = plan
         self.cfg = cfg
@@ -67,6 +102,7 @@ class TrainerPool:
         self.ranks: list[ActorHandle] = []
         self.procs: list[ManagedProcess] = []
         self.infos: list[WorkerInfo] = []
+        self.world_size = 0
         self.steps_done = 0
 
     # ----- start and stop -----
@@ -74,7 +110,7 @@ class TrainerPool:
         argv = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "tether.train.torchrun",  # torchrun, its rendezvous store on the node's address alone
             *node.torchrun_args(),
             "-m",
             "tether.train.worker",
@@ -90,17 +126,31 @@ class TrainerPool:
         env = {
             **node.env,
             "OMP_NUM_THREADS": "1",
-            "TORCHELASTIC_ERROR_FILE": str(self.run_dir.logs / "trainer-error.json"),
+            "TORCHELASTIC_ERROR_FILE": str(self.error_file(node.node_rank)),
         }
+        if self.engine_key is not None:
+            env[ENGINE_KEY_ENV] = self.engine_key  # read by sync.factory.engine_clients
         return ProcessSpec(
-            name=f"trainer-node{node.node_rank}", argv=argv, env=env, node=self.names[node.node]
+            name=f"trainer-node{node.node_rank}",
+            argv=argv,
+            env=env,
+            node=self.names[node.node],
+            address=address,
         )
+
+    def error_file(self, node_rank: int) -> Path:
+        """Where torchrun of node `node_rank` writes the first failed rank's error, and only then.
+
+        One file per node: a node stopped by signal because another failed must not overwrite
+        the report of the one that failed.
+        """
+        return self.run_dir.logs / f"trainer-node{node_rank}-error.json"
 
     async def __aenter__(self) -> TrainerPool:
         group = self.plan.train_group("actor")
         if group is None:
             raise RuntimeError("the placement plan has no actor group to start")
-        world = group.world_size
+        world = self.world_size = group.world_size
         # A run directory used again (requeued job, restarted service) still holds the last
         # start's rank addresses; only the ranks started now may be read.
         for stale in self.address_dir.glob("rank_*.json"):
@@ -110,27 +160,37 @@ class TrainerPool:
             return read_addresses(self.address_dir, world) is not None
 
         started = time.monotonic()
-        async with asyncio.TaskGroup() as tg:
-            starts = [
-                tg.create_task(self.sup.start(self._spec(node), ready=all_ranks_serving, ready_timeout=600.0))
-                for node in group.nodes
-            ]
-        self.procs = [t.result() for t in starts]
-        addresses = read_addresses(self.address_dir, world)
-        assert addresses is not None
-        self.ranks = [
-            await connect(addresses[r], self.secret, name=f"trainer-rank{r}", timeout=60.0)
-            for r in range(world)
-        ]
-        cfg = self.cfg
-        infos = await self._all(
-            "init",
-            hf_checkpoint=cfg.rollout.hf_checkpoint,
-            algorithm=cfg.algorithm,
-            megatron=cfg.megatron,
-            temperature=cfg.rollout.rollout_temperature,
-            result_type=WorkerInfo,
-        )
+        starts: list[asyncio.Task[ManagedProcess]] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                starts = [
+                    tg.create_task(
+                        self.sup.start(self._spec(n), ready=all_ranks_serving, ready_timeout=600.0)
+                    )
+                    for n in group.nodes
+                ]
+            self.procs = [t.result() for t in starts]
+            addresses = read_addresses(self.address_dir, world)
+            assert addresses is not None
+            for r in range(world):
+                self.ranks.append(
+                    await connect(addresses[r], self.secret, name=f"trainer-rank{r}", timeout=60.0)
+                )
+            cfg = self.cfg
+            infos = await self._all(
+                "init",
+                hf_checkpoint=cfg.rollout.hf_checkpoint,
+                algorithm=cfg.algorithm,
+                megatron=cfg.megatron,
+                temperature=cfg.rollout.rollout_temperature,
+                result_type=WorkerInfo,
+            )
+        except BaseException:
+            # The exit stack calls __aexit__ only once __aenter__ has returned: stop here what
+            # did start (a job that failed to start is already gone).
+            self.procs = [t.result() for t in starts if t.done() and not t.cancelled() and not t.exception()]
+            await self.__aexit__()
+            raise
         self.infos = infos
         self.run_dir.event(
             "trainer_ready",
@@ -143,8 +203,33 @@ class TrainerPool:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for handle in self.ranks:
-            await handle.close()
+        try:
+            await self._stop_ranks()
+        finally:
+            for handle in self.ranks:
+                await handle.close()
+
+    async def _stop_ranks(self) -> None:
+        """Ask every rank to exit; the supervisor signals a job still running after SHUTDOWN_GRACE.
+
+        Without a connection to every rank (start-up failed half way) asking cannot reach them
+        all, so the jobs are stopped by signal at once.
+        """
+        if not self.procs:
+            return
+        names = [p.name for p in self.procs]
+        if len(self.ranks) < self.world_size:
+            async with asyncio.TaskGroup() as tg:
+                for name in names:
+                    tg.create_task(self.sup.stop(name))
+            return
+
+        async def ask_all() -> None:
+            async with asyncio.TaskGroup() as tg:
+                for handle in self.ranks:
+                    tg.create_task(_ask_to_exit(handle))
+
+        await self.sup.stop_gracefully(names, ask_all, timeout=SHUTDOWN_GRACE)
 
     async def _all(self, method: str, *args: Any, result_type: Any = Any, **kwargs: Any) -> list[Any]:
         """The same call on every rank, concurrently; results in rank order."""

@@ -247,11 +247,31 @@ def discover_local_node(cluster: ClusterConfig, env: Mapping[str, str] | None = 
     return Node(hostname=hostname, address=address, gpus=gpus)
 
 
+def route_source_address(peer: str) -> str | None:
+    """This machine's address on the route to `peer` (a UDP connect picks the route and sends
+    nothing), or None when there is no route."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((peer, 9))
+            return str(sock.getsockname()[0])
+    except OSError:
+        return None
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def discover_inventory(
     cluster: ClusterConfig,
     env: Mapping[str, str] | None = None,
     local: Callable[[ClusterConfig, Mapping[str, str]], Node] = discover_local_node,
     resolve: Callable[[str], str | None] = resolve_host,
+    route: Callable[[str], str | None] = route_source_address,
 ) -> Inventory:
     """The declared inventory if --inventory is set; else SLURM's node list, else this machine alone.
 
@@ -276,4 +296,12 @@ def discover_inventory(
             nodes.append(here)
         else:
             nodes.append(Node(hostname=name, address=resolve(name) or name, gpus=list(template)))
+    # Debian and Ubuntu resolve a machine's own name to 127.0.1.1: the other nodes could not
+    # reach a rendezvous or weight-sync address there. Take the address on the route to them.
+    away = [n.address for n in nodes if n is not here and not _is_loopback(n.address)]
+    if cluster.head_network_interface is None and _is_loopback(here.address) and away:
+        found = route(away[0])
+        if found is not None and not _is_loopback(found):
+            moved = msgspec.structs.replace(here, address=found)
+            nodes = [moved if n is here else n for n in nodes]
     return Inventory(nodes=nodes)

@@ -22,6 +22,8 @@ from typing import Any
 
 import aiohttp
 
+from tether.rollout.engine_auth import bearer_header, engine_env, new_engine_key
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="Print only the JSON result.")
@@ -78,19 +80,22 @@ async def _level(
     }
 
 
-def _start_engine(model_path: str, threads: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_engine(model_path: str, threads: int, log: Path, key: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "tether.rollout.cpu_engine", "--model-path", model_path, "--port", str(port)]
     cmd += ["--threads", str(threads)]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=engine_env(key))
     return proc, f"http://127.0.0.1:{port}"
 
 
 async def _bench(args: argparse.Namespace, model_path: str, log: Path) -> dict[str, Any]:
-    proc, url = await asyncio.to_thread(_start_engine, model_path, args.threads, log)
+    key = new_engine_key()
+    proc, url = await asyncio.to_thread(_start_engine, model_path, args.threads, log, key)
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600), headers=bearer_header(key)
+        ) as session:
             await _wait_ready(session, url, proc, log)
             await _level(session, url, 4, 8)  # warm-up: first-call allocations and code paths
             levels = [await _level(session, url, int(c), args.new_tokens) for c in args.levels.split(",")]

@@ -19,6 +19,7 @@ from typing import Any
 
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
+from tether.rollout.engine_auth import engine_env, new_engine_key
 from tether.rollout.engine_client import EngineClient
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.rollout_fn import RolloutContext, run_rollout, using_context
@@ -48,7 +49,9 @@ class _Config:
         self.rollout, self.data = rollout, data
 
 
-async def _measure(mode: str, args: argparse.Namespace, urls: list[str], model: str) -> dict[str, float]:
+async def _measure(
+    mode: str, args: argparse.Namespace, urls: list[str], model: str, key: str
+) -> dict[str, float]:
     rollout = RolloutConfig(rollout_max_response_len=args.max_new_tokens, rm_type="exact_match")
     data = DataConfig(rollout_batch_size=args.batch_groups, n_samples_per_prompt=args.n_samples)
     tok = load_tokenizer(model)
@@ -57,7 +60,8 @@ async def _measure(mode: str, args: argparse.Namespace, urls: list[str], model: 
         for i in range(256)
     ]
     ds = DataSource(prompts, n_samples_per_prompt=args.n_samples)
-    router = Router([EngineClient(u, name=f"e{i}") for i, u in enumerate(urls)], policy="least_in_flight")
+    clients = [EngineClient(u, name=f"e{i}", api_key=key) for i, u in enumerate(urls)]
+    router = Router(clients, policy="least_in_flight")
     samples = 0
     async with RolloutContext(_Config(rollout, data), router) as ctx:
         start = time.monotonic()
@@ -99,6 +103,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model_path or str(write_tiny_model(Path(tmp) / "model"))
         procs: list[asyncio.subprocess.Process] = []
         urls: list[str] = []
+        key = new_engine_key()
         try:
             for i in range(args.engines):
                 port = _free_port()
@@ -108,14 +113,15 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                         stdout=asyncio.subprocess.DEVNULL,
                         stderr=asyncio.subprocess.DEVNULL,
                         start_new_session=True,
+                        env=engine_env(key),
                     )
                 )
                 urls.append(f"http://127.0.0.1:{port}")
             for url in urls:
-                async with EngineClient(url) as c:
+                async with EngineClient(url, api_key=key) as c:
                     await c.wait_ready(120)
-            sync = await _measure("sync", args, urls, model)
-            fully = await _measure("fully_async", args, urls, model)
+            sync = await _measure("sync", args, urls, model, key)
+            fully = await _measure("fully_async", args, urls, model, key)
         finally:
             for p in procs:
                 if p.returncode is None:

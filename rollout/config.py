@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from tether.rollout.engine_auth import read_key_file
 from tether.runtime.errors import ConfigError
 
 # Constrained scalars for optional fields: msgspec puts bounds on the number, not on `T | None`.
@@ -219,6 +220,23 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     engine_request_timeout_seconds: Annotated[
         float, Meta(gt=0, description="Timeout for one HTTP request to an engine.")
     ] = 600.0
+    engine_api_key_file: Annotated[
+        str | None,
+        Meta(
+            description="File holding the API key engines require as 'Authorization: Bearer <key>' (one "
+            "line, at least 16 visible ASCII characters, the file chmod 600). Needed to reach external "
+            "engines started with --api-key; tether's own engines, the sglang-router and the trainer "
+            "ranks then use it too. Default: a fresh random key per run, given to the engines tether "
+            "starts in their environment, never on a command line."
+        ),
+    ] = None
+    engine_allow_nonfinite_weights: Annotated[
+        bool,
+        Meta(
+            description="CPU engine: accept weight updates holding NaN or inf (refused by default with 400 "
+            "naming the tensor). Real SGLang makes no such check."
+        ),
+    ] = False
     max_weight_staleness: Annotated[
         NonNegativeInt | None,
         Meta(description="Fully-async: drop groups whose oldest weight version lags more."),
@@ -234,6 +252,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     def __post_init__(self) -> None:
         if self.rollout_top_k == 0:
             raise ConfigError("--rollout-top-k", 0, "must be -1 (off) or at least 1")
+        if self.engine_api_key_file is not None:
+            read_key_file(self.engine_api_key_file, "--engine-api-key-file")  # refused now, not at start
         if self.rm_type == "remote_rm" and not self.rm_url:
             raise ConfigError("--rm-url", self.rm_url, "must be set for --rm-type remote_rm")
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:

@@ -6,6 +6,10 @@ on a CPU-only machine. Readiness: GET /health answers 200 once the model has loa
 
 The --test-delay-* flags are for tests and benchmarks only: each request waits a seeded random
 delay before it joins the batch, to imitate long-tail engines.
+
+Every endpoint but GET /health requires the engine's API key as `Authorization: Bearer <key>`;
+the key comes from TETHER_ENGINE_API_KEY (how tether hands it over) or --api-key-file, and the
+engine does not start without one. If the scheduler fails, the process exits with status 1.
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ import signal
 import sys
 
 from tether.runtime.errors import ConfigError
+
+_SGLANG_HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+
+
+class SchedulerFailed(RuntimeError):
+    """The engine's scheduler loop ended with an error; the engine cannot generate any more."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +49,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Report log-probs before temperature scaling (SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB).",
     )
     parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="File (one line, readable by its owner only) holding the API key every endpoint but "
+        "GET /health requires as 'Authorization: Bearer <key>'. Default: the TETHER_ENGINE_API_KEY "
+        "environment variable, which is how tether passes it; without either the engine does not start.",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 << 20,
+        help="Largest request body in bytes; a larger one is refused with 413.",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=512,
+        help="Most prompts one /generate request may carry (batched text or input_ids).",
+    )
+    parser.add_argument(
+        "--health-check-timeout",
+        type=float,
+        default=float(os.environ.get(_SGLANG_HEALTH_TIMEOUT_ENV) or 20.0),
+        help="Seconds /health_generate waits for the scheduler to make progress before answering 503 "
+        "(default: SGLang's SGLANG_HEALTH_CHECK_TIMEOUT, else 20).",
+    )
+    parser.add_argument(
+        "--weight-group-setup-timeout",
+        type=float,
+        default=60.0,
+        help="Seconds /init_weights_update_group waits for the trainer's rendezvous before failing.",
+    )
+    parser.add_argument(
+        "--max-weight-group-setups",
+        type=int,
+        default=2,
+        help="Weight-group joins in progress at once; more are refused with 503.",
+    )
+    parser.add_argument(
+        "--allow-nonfinite-weights",
+        action="store_true",
+        help="Accept weight updates holding NaN or inf (refused by default with 400 naming the tensor).",
+    )
+    parser.add_argument(
         "--test-delay-distribution",
         choices=["none", "constant", "exponential", "lognormal"],
         default="none",
@@ -56,9 +109,48 @@ def _check(args: argparse.Namespace) -> None:
         ("--max-running-requests", args.max_running_requests, args.max_running_requests >= 1, "must be >= 1"),
         ("--test-delay-mean-ms", args.test_delay_mean_ms, args.test_delay_mean_ms >= 0, "must be >= 0"),
         ("--test-delay-sigma", args.test_delay_sigma, args.test_delay_sigma >= 0, "must be >= 0"),
+        ("--max-request-bytes", args.max_request_bytes, args.max_request_bytes >= 1024, "must be >= 1024"),
+        (
+            "--max-prompts-per-request",
+            args.max_prompts_per_request,
+            args.max_prompts_per_request >= 1,
+            "must be >= 1",
+        ),
+        ("--health-check-timeout", args.health_check_timeout, args.health_check_timeout > 0, "must be > 0"),
+        (
+            "--weight-group-setup-timeout",
+            args.weight_group_setup_timeout,
+            args.weight_group_setup_timeout > 0,
+            "must be > 0",
+        ),
+        (
+            "--max-weight-group-setups",
+            args.max_weight_group_setups,
+            args.max_weight_group_setups >= 1,
+            "must be >= 1",
+        ),
     ):
         if not ok:
             raise ConfigError(flag, value, why)
+
+
+def _api_key(args: argparse.Namespace) -> str:
+    """The key from --api-key-file or TETHER_ENGINE_API_KEY; the variable leaves this process's
+    environment, so nothing the engine starts inherits it."""
+    from tether.rollout.engine_auth import ENGINE_KEY_ENV, key_from_env, read_key_file
+
+    from_env = key_from_env()
+    os.environ.pop(ENGINE_KEY_ENV, None)
+    if args.api_key_file is not None:
+        return read_key_file(args.api_key_file, "--api-key-file")
+    if from_env is None:
+        raise ConfigError(
+            "--api-key-file",
+            None,
+            f"the engine needs an API key: set {ENGINE_KEY_ENV} or pass --api-key-file "
+            "(every endpoint but /health requires it)",
+        )
+    return from_env
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -66,7 +158,7 @@ async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
     from tokenizers import Tokenizer
 
-    from tether.rollout.engine_http import DelaySampler, EngineState, make_app
+    from tether.rollout.engine_http import DelaySampler, EngineLimits, EngineState, make_app
     from tether.rollout.engine_model import ModelConfig, TinyLM, read_safetensors_dir
     from tether.rollout.engine_scheduler import Scheduler
 
@@ -102,31 +194,67 @@ async def serve(args: argparse.Namespace) -> None:
         delay=delay,
         disk_path=args.model_path,
         disk_version=args.weight_version,
+        api_key=args.api_key,
+        limits=EngineLimits(
+            max_request_bytes=args.max_request_bytes,
+            max_prompts_per_request=args.max_prompts_per_request,
+            health_timeout=args.health_check_timeout,
+            group_setup_timeout=args.weight_group_setup_timeout,
+            max_group_setups=args.max_weight_group_setups,
+            allow_nonfinite_weights=args.allow_nonfinite_weights,
+        ),
     )
     runner = web.AppRunner(make_app(state), access_log=None, handle_signals=False)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    failures: list[BaseException] = []
+
+    def on_fatal(error: BaseException) -> None:
+        # The scheduler is gone (every request was ended with its error): stop serving and exit
+        # non-zero, so the owner replaces this engine instead of routing to one that never answers.
+        failures.append(error)
+        stop.set()
+
+    state.on_fatal = on_fatal
+
+    def on_stop_signal(sig: signal.Signals) -> None:
+        # How the supervisor ends an engine: one line, then exit 0 (not an error).
+        if not stop.is_set():
+            print(f"tether cpu engine: stopping ({sig.name})", flush=True)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop_signal, sig)
     try:
         await web.TCPSite(runner, args.host, args.port).start()
         print(f"tether cpu engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True)
         await stop.wait()
     finally:
-        if state.receiving:
+        if state.receiving or state.group_setups:
             # A collective waiting for a sender that is gone holds its thread until the group's
-            # timeout (minutes), and interpreter exit would wait for that thread: leave now.
-            print("tether cpu engine: stopping during a weight receive; exiting at once", flush=True)
-            os._exit(0)
+            # timeout (minutes), a rendezvous with a peer that never answers for good, and
+            # interpreter exit would wait for that thread: leave now.
+            print(
+                "tether cpu engine: stopping during a weight receive or group join; exiting at once",
+                flush=True,
+            )
+            os._exit(1 if failures else 0)
         await runner.cleanup()
+    if failures:
+        raise SchedulerFailed(f"{type(failures[0]).__name__}: {failures[0]}") from failures[0]
 
 
 def main(args: argparse.Namespace) -> int:
     import uvloop
 
     _check(args)
-    uvloop.run(serve(args))
+    args.api_key = _api_key(args)
+    try:
+        uvloop.run(serve(args))
+    except SchedulerFailed as e:
+        print(f"tether cpu engine: exiting, the scheduler failed: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
+from tether.rollout.engine_auth import bearer_header
+
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """Header carrying the session id; sglang-router (and our router) hash it to pick the engine."""
 
@@ -119,7 +121,9 @@ class EngineClient:
         connect_timeout: float = 10.0,
         retries: int = 3,
         retry_backoff: float = 0.2,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the engine's key, sent as `Authorization: Bearer` on every request."""
         self.url = url.rstrip("/")
         self.name = name or self.url
         self._max_connections = max_connections
@@ -127,6 +131,7 @@ class EngineClient:
         self._connect_timeout = connect_timeout
         self._retries = retries
         self._retry_backoff = retry_backoff
+        self._auth = bearer_header(api_key)
         self._session: aiohttp.ClientSession | None = None
         self._retired = False
         self._in_flight: set[asyncio.Task[Any]] = set()  # tasks awaiting a request of this client
@@ -243,6 +248,7 @@ class EngineClient:
         )
         data = None if body is None else msgspec.json.encode(body)
         hdrs = {"Content-Type": "application/json"} if data is not None else {}
+        hdrs.update(self._auth)
         if headers:
             hdrs.update(headers)
         attempt = 0

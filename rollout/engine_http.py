@@ -5,24 +5,47 @@ abort/pause/continue, the weight-update family, memory release). Errors come bac
 sends them: `/generate` and validation errors answer 400 with `{"error": {"message": ...}}`
 (plus SGLang's flat `object/message/type/code` fields); the weight endpoints answer
 `{"success": false, "message": ...}` with 400. A bad request never stops the server.
+
+Nobody who can reach the port steers the engine: every endpoint but `GET /health` requires the
+engine key as `Authorization: Bearer <key>` (401 otherwise, before the body is read, changing
+nothing). Inputs are bounded, each refusal a 4xx naming its limit: the body size
+(--max-request-bytes, 413), the prompts of one request (--max-prompts-per-request), and text is
+tokenized on a thread, not on the event loop. Joining a weight group runs on threads of its own
+(at most --max-weight-group-setups at once, 503 beyond) and gives up after
+--weight-group-setup-timeout, so an address that never answers cannot hold threads the
+forward pass or other requests need. Weight updates holding NaN or inf are refused with 400
+naming the tensor (unless --allow-nonfinite-weights).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import http
 import math
 import random
+import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Literal
 
 import msgspec
 import torch
 from aiohttp import web
 
-from tether.rollout.engine_model import ModelConfig, ModelConfigError, WeightMismatch, read_safetensors_dir
+from tether.rollout.engine_auth import authorized
+from tether.rollout.engine_model import (
+    ModelConfig,
+    ModelConfigError,
+    WeightMismatch,
+    check_finite,
+    read_safetensors_dir,
+)
 from tether.rollout.engine_receive import BucketReceiver
 from tether.rollout.engine_sampling import SamplingParams, parse_sampling_params
 from tether.rollout.engine_scheduler import EngineUnavailable, Request, Scheduler
@@ -30,11 +53,39 @@ from tether.rollout.engine_weights import PayloadRejected, decode_named_tensors
 from tether.runtime.weight_group import WeightGroup, destroy_weight_group, init_weight_group
 
 ENGINE_VERSION = "tether-cpu-engine 0.1 (SGLang 0.5.23 API)"
-HEALTH_TIMEOUT_S = 20.0
+HEALTH_TIMEOUT_S = 20.0  # SGLang's default (SGLANG_HEALTH_CHECK_TIMEOUT)
+PUBLIC_PATHS = frozenset({"/health"})  # liveness for probes that hold no key; it reveals nothing
+
+
+class EngineLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine accepts; each refusal names the flag that sets the limit."""
+
+    max_request_bytes: int = 16 << 20
+    """--max-request-bytes: largest request body (413 above)."""
+    max_prompts_per_request: int = 512
+    """--max-prompts-per-request: prompts one /generate may carry (400 above)."""
+    health_timeout: float = HEALTH_TIMEOUT_S
+    """--health-check-timeout: how long /health_generate waits for the scheduler to step."""
+    group_setup_timeout: float = 60.0
+    """--weight-group-setup-timeout: seconds /init_weights_update_group may wait for its peers."""
+    max_group_setups: int = 2
+    """--max-weight-group-setups: weight-group joins in progress at once (503 beyond)."""
+    allow_nonfinite_weights: bool = False
+    """--allow-nonfinite-weights: accept weight updates holding NaN or inf."""
 
 
 class BadRequest(Exception):
-    """400 with SGLang's error body."""
+    """A refused request: SGLang's error body with `status` (400 unless a subclass says)."""
+
+    status = 400
+
+
+class TooLarge(BadRequest):
+    status = 413
+
+
+class Busy(BadRequest):
+    status = 503
 
 
 # ----- request bodies (unknown fields are ignored, as SGLang's pydantic models do) -----
@@ -115,7 +166,10 @@ class GenerateReq(msgspec.Struct, kw_only=True):
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
-    phrase = "Bad Request" if status == 400 else "Error"
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
     body = {
         "error": {"message": message},
         "object": "error",
@@ -132,8 +186,21 @@ def result_response(success: bool, message: str, **extra: Any) -> web.Response:
     )
 
 
+MAX_BODY = web.AppKey("max_request_bytes", int)
+
+
 async def read_body(request: web.Request, kind: type[Any], allow_empty: bool = False) -> Any:
-    raw = await request.read()
+    limit = request.app[MAX_BODY]
+    too_large = TooLarge(
+        f"{request.path}: the request body ({request.content_length or 'more than ' + str(limit)} bytes) "
+        f"exceeds this engine's limit of {limit} bytes (--max-request-bytes)"
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large  # refused before a byte of it is read
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
     if not raw.strip():
         if allow_empty:
             raw = b"{}"
@@ -199,16 +266,41 @@ class EngineState:
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     receiver: BucketReceiver = field(default_factory=BucketReceiver)
     receiving: int = 0  # weight broadcasts being received now (a blocked one cannot be interrupted)
+    group_setups: int = 0  # weight-group joins whose thread has not returned (nor can be stopped)
+    api_key: str | None = None
+    """The key every endpoint but /health requires; None serves without authentication."""
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    on_fatal: Callable[[BaseException], None] | None = None
+    """Called once if the scheduler task fails: the process must end (cpu_engine exits non-zero)."""
 
 
-def _normalise(req: GenerateReq, sched: Scheduler) -> list[tuple[list[int], SamplingParams, str, bool]]:
-    """Split a single or batched request into (prompt ids, params, rid, return_logprob) items."""
+def _texts(req: GenerateReq, max_prompts: int) -> list[str] | None:
+    """The request's text prompts (None for input_ids); refuses a request with too many prompts
+    before anything is tokenized."""
     if (req.text is None) == (req.input_ids is None):
         raise BadRequest("exactly one of text or input_ids must be given")
+    n = (1 if isinstance(req.text, str) else len(req.text)) if req.text is not None else None
+    if n is None and req.input_ids is not None:
+        n = len(req.input_ids) if _is_batched_ids(req.input_ids) else 1
+    if n is not None and n > max_prompts:
+        raise BadRequest(
+            f"the request holds {n} prompts; this engine takes at most {max_prompts} per request "
+            "(--max-prompts-per-request)"
+        )
+    if req.text is None:
+        return None
+    return [req.text] if isinstance(req.text, str) else req.text
+
+
+def _normalise(
+    req: GenerateReq, sched: Scheduler, encoded: list[list[int]] | None
+) -> list[tuple[list[int], SamplingParams, str, bool]]:
+    """Split a single or batched request into (prompt ids, params, rid, return_logprob) items;
+    `encoded`: the text prompts' token ids (tokenized off the event loop)."""
     prompts: list[list[int]]
     if req.text is not None:
-        texts = [req.text] if isinstance(req.text, str) else req.text
-        prompts = [sched.tokenizer.encode(t).ids for t in texts]
+        assert encoded is not None
+        prompts = encoded
         batched = not isinstance(req.text, str)
     else:
         ids = req.input_ids or []
@@ -251,13 +343,13 @@ def _normalise(req: GenerateReq, sched: Scheduler) -> list[tuple[list[int], Samp
     for i, (prompt, sp) in enumerate(zip(prompts, sps, strict=True)):
         if not prompt:
             raise BadRequest(f"prompt {i} is empty")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(prompt) >= ctx:
+        if len(prompt) >= ctx:  # first: it is O(1), and a huge prompt is refused without a scan
             raise BadRequest(
                 f"The input ({len(prompt)} tokens) is longer than the model's context length ({ctx} tokens)."
             )
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt) + sp.max_new_tokens > ctx:
             raise BadRequest(
                 f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
@@ -273,13 +365,29 @@ class EngineApp:
 
     def __init__(self, state: EngineState) -> None:
         self.s = state
+        limits = state.limits
+        # Blocking work beside the forward pass (which has its own thread, see engine_scheduler):
+        # joining and leaving weight groups and receiving buckets on threads no request can
+        # exhaust; tokenizing on two of its own, so a huge text delays only other texts.
+        self._setup_lock = threading.Lock()  # guards state.group_setups (a stuck join keeps its slot)
+        self._group_threads = ThreadPoolExecutor(
+            max_workers=limits.max_group_setups + 2, thread_name_prefix="engine-weight-group"
+        )
+        self._tokenize_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-tokenize")
 
     @property
     def sched(self) -> Scheduler:
         return self.s.scheduler
 
+    async def _on_group_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._group_threads, functools.partial(fn, *args))
+
     def build(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=1 << 30)
+        app = web.Application(
+            middlewares=[self._auth, self._errors], client_max_size=self.s.limits.max_request_bytes
+        )
+        app[MAX_BODY] = self.s.limits.max_request_bytes
         app.cleanup_ctx.append(self._scheduler_ctx)
         r = app.router
         r.add_get("/health", self.health)
@@ -310,14 +418,44 @@ class EngineApp:
     async def _scheduler_ctx(self, app: web.Application) -> AsyncIterator[None]:
         # The app owns the scheduler task: it starts with the server and is awaited on cleanup.
         task = asyncio.get_running_loop().create_task(self.sched.run(), name="engine-scheduler")
+        task.add_done_callback(self._scheduler_ended)
         yield
         task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        await asyncio.gather(task, return_exceptions=True)  # a failure was reported when it happened
         for group in self.s.groups.values():
-            await asyncio.to_thread(destroy_weight_group, group)
+            await self._on_group_thread(destroy_weight_group, group)
+        self.sched.close()
+        self._group_threads.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_threads.shutdown(wait=False, cancel_futures=True)
+
+    def _scheduler_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            error = RuntimeError("the scheduler loop returned")
+        print(f"tether cpu engine: the scheduler failed: {type(error).__name__}: {error}", flush=True)
+        traceback.print_exception(error)
+        if self.s.on_fatal is not None:
+            self.s.on_fatal(error)
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        key = self.s.api_key
+        if (
+            key is None
+            or request.path in PUBLIC_PATHS
+            or authorized(request.headers.get("Authorization"), key)
+        ):
+            return await handler(request)
+        # Before the body is read and before any handler runs: an unauthenticated call changes nothing.
+        response = error_response(
+            f"{request.path}: this engine requires its API key as 'Authorization: Bearer <key>'", status=401
+        )
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
 
     @web.middleware
     async def _errors(
@@ -326,7 +464,7 @@ class EngineApp:
         try:
             return await handler(request)
         except BadRequest as e:
-            return error_response(str(e))
+            return error_response(str(e), e.status)
         except (ValueError, EngineUnavailable) as e:
             return error_response(str(e))
         except web.HTTPException:
@@ -340,9 +478,21 @@ class EngineApp:
         return web.Response(status=200 if self.sched.model.loaded else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        if self.sched.running or self.sched.paused:
-            # Tokens are flowing, or generation is paused on purpose (a weight update): the
-            # engine is healthy, and a probe queued behind the pause would only time out.
+        timeout = self.s.limits.health_timeout
+        if self.sched.failed is not None:
+            return web.Response(status=503)
+        if self.sched.paused:
+            # Generation is paused on purpose (a weight update): the engine is healthy, and a
+            # probe queued behind the pause would only time out.
+            return web.Response(status=200)
+        if self.sched.running:
+            # Requests are decoding: healthy only if the model finishes a step within the
+            # timeout (a scheduler stuck in an operation or a step must not look alive).
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.sched.next_step()
+            except (TimeoutError, EngineUnavailable):
+                return web.Response(status=503)
             return web.Response(status=200)
         req = Request(
             rid=f"HEALTH_CHECK_{time.time()}",
@@ -356,12 +506,13 @@ class EngineApp:
         except EngineUnavailable:
             return web.Response(status=503)
         try:
-            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            async with asyncio.timeout(timeout):
                 await req.done.wait()
         except TimeoutError:
             self.sched.abort(req.rid, False)
             return web.Response(status=503)
-        return web.Response(status=200)
+        # Answered, even aborted (a pause or abort_all takes the probe too): the loop is alive.
+        return web.Response(status=200 if self.sched.failed is None else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -399,6 +550,7 @@ class EngineApp:
                         "paused": s.paused,
                         "weights_loaded": s.model.loaded,
                         "weight_receives": self.s.receiving,
+                        "weight_group_setups": self.s.group_setups,
                         "steps": s.steps,
                         "tokens_generated": s.tokens_generated,
                     }
@@ -413,7 +565,13 @@ class EngineApp:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body: GenerateReq = await read_body(request, GenerateReq)
-        items = _normalise(body, self.sched)
+        texts = _texts(body, self.s.limits.max_prompts_per_request)
+        encoded = None
+        if texts is not None:
+            # Tokenizing megabytes of text takes seconds: never on the event loop.
+            loop = asyncio.get_running_loop()
+            encoded = await loop.run_in_executor(self._tokenize_threads, self._encode, texts)
+        items = _normalise(body, self.sched, encoded)
         now = time.monotonic()
         reqs = [
             Request(
@@ -450,6 +608,9 @@ class EngineApp:
             raise
         out = [self.sched.response(req) for req in reqs]
         return web.json_response(out[0] if single else out)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self.sched.tokenizer.encode_batch(texts)]
 
     async def _stream(self, request: web.Request, reqs: list[Request], single: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -546,7 +707,7 @@ class EngineApp:
                 raise ModelConfigError(
                     f"{body.model_path}: the model config differs from the one being served"
                 )
-            named = await asyncio.to_thread(read_safetensors_dir, body.model_path)
+            named = await asyncio.to_thread(self._read_checked, body.model_path)
             async with self.s.update_lock:
                 await self._apply(named, True, body.weight_version, body.abort_all_requests)
         except (ModelConfigError, WeightMismatch) as e:
@@ -558,24 +719,80 @@ class EngineApp:
             message += f" Weight version updated to {body.weight_version}."
         return result_response(True, message, num_paused_requests=0)
 
+    def _read_checked(self, path: str) -> dict[str, torch.Tensor]:
+        """Worker thread: a checkpoint's tensors, refused if any holds NaN or inf (unless allowed)."""
+        named = read_safetensors_dir(path)
+        if not self.s.limits.allow_nonfinite_weights:
+            check_finite(named.items())
+        return named
+
+    def _decode_checked(self, payload: str) -> dict[str, torch.Tensor]:
+        named = dict(decode_named_tensors(payload))
+        if not self.s.limits.allow_nonfinite_weights:
+            check_finite(named.items())
+        return named
+
     async def init_group(self, request: web.Request) -> web.Response:
         body: InitGroupReq = await read_body(request, InitGroupReq)
         if body.group_name in self.s.used_group_names:
             return result_response(False, f"group_name={body.group_name!r} was already used on this server")
         if body.backend == "nccl" and not torch.cuda.is_available():
             return result_response(False, "backend='nccl' needs CUDA; the CPU engine uses backend='gloo'")
+        limits = self.s.limits
+        with self._setup_lock:
+            if self.s.group_setups >= limits.max_group_setups:
+                raise Busy(
+                    f"{limits.max_group_setups} weight-group setups are in progress already "
+                    "(--max-weight-group-setups); try again once one has finished"
+                )
+            self.s.group_setups += 1
         self.s.used_group_names.add(body.group_name)
+        # torch's rendezvous client bounds its connect by the timeout, but then waits without
+        # limit for the store to answer: a port that takes the connection and never replies
+        # would hold the request forever. The request ends at the timeout instead; the thread
+        # keeps its slot until the peer lets go, and a join it completes after that is undone.
+        outcome = _Join()
+
+        def join() -> WeightGroup | None:
+            try:
+                group = init_weight_group(
+                    f"tcp://{body.master_address}:{body.master_port}",
+                    body.rank_offset,
+                    body.world_size,
+                    body.group_name,
+                    body.backend,
+                    setup_timeout=timedelta(seconds=limits.group_setup_timeout),
+                )
+            finally:
+                with self._setup_lock:  # by the thread: a slot is free only once its thread is
+                    self.s.group_setups -= 1
+            with self._setup_lock:
+                if not outcome.abandoned:
+                    outcome.delivered = True
+                    return group
+            destroy_weight_group(group)  # its caller was told that the join failed
+            return None
+
+        limit = f"--weight-group-setup-timeout={limits.group_setup_timeout:g}s"
+        loop = asyncio.get_running_loop()
+        joining = loop.run_in_executor(self._group_threads, join)
+        # A little beyond the rendezvous's own limit, so that its error (naming the cause) wins.
+        done, _ = await asyncio.wait({joining}, timeout=limits.group_setup_timeout + 2.0)
+        if not done:
+            with self._setup_lock:
+                outcome.abandoned = not outcome.delivered
+            if outcome.abandoned:
+                joining.add_done_callback(_retrieve)
+                return result_response(
+                    False,
+                    f"Failed to init group: {body.master_address}:{body.master_port} did not complete "
+                    f"the rendezvous within {limit}",
+                )
         try:
-            group = await asyncio.to_thread(
-                init_weight_group,
-                f"tcp://{body.master_address}:{body.master_port}",
-                body.rank_offset,
-                body.world_size,
-                body.group_name,
-                body.backend,
-            )
+            group = await joining
         except Exception as e:
-            return result_response(False, f"Failed to init group: {type(e).__name__}: {e}")
+            return result_response(False, f"Failed to init group: {type(e).__name__}: {e} ({limit})")
+        assert group is not None  # not abandoned
         self.s.groups[body.group_name] = group
         print(
             f"joined weight update group {body.group_name!r} as rank {body.rank_offset} of {body.world_size}"
@@ -589,7 +806,7 @@ class EngineApp:
         group = self.s.groups.pop(body.group_name, None)
         if group is None:
             return result_response(False, f"group_name={body.group_name!r} is not an open group")
-        await asyncio.to_thread(destroy_weight_group, group)
+        await self._on_group_thread(destroy_weight_group, group)
         return result_response(True, "Succeeded to destroy custom process group.")
 
     async def begin_update(self, request: web.Request) -> web.Response:
@@ -626,7 +843,7 @@ class EngineApp:
                 self.sched.apply_aborts()
             self.s.receiving += 1
             try:
-                await asyncio.to_thread(
+                await self._on_group_thread(
                     self.s.receiver.receive,
                     self.sched.model,
                     body.names,
@@ -634,6 +851,7 @@ class EngineApp:
                     body.shapes,
                     group,
                     body.load_format == "flattened_bucket",
+                    not self.s.limits.allow_nonfinite_weights,
                 )
             finally:
                 self.s.receiving -= 1
@@ -667,7 +885,7 @@ class EngineApp:
                 f"serialized_named_tensors has {len(body.serialized_named_tensors)} entries; tp_size is 1",
             )
         try:
-            named = dict(await asyncio.to_thread(decode_named_tensors, body.serialized_named_tensors[0]))
+            named = await asyncio.to_thread(self._decode_checked, body.serialized_named_tensors[0])
             async with self.s.update_lock:
                 await self._apply(named, False, body.weight_version, body.abort_all_requests)
         except (PayloadRejected, WeightMismatch) as e:
@@ -746,6 +964,20 @@ class EngineApp:
         return web.json_response({"success": True, "message": f"Resumed {sorted(tags)}."})
 
 
+@dataclass
+class _Join:
+    """Who owns a weight-group join that outlived its request (guarded by the setup lock)."""
+
+    abandoned: bool = False  # the request answered "failed": a late group is destroyed
+    delivered: bool = False  # the thread handed the group to the request
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Take an abandoned join's outcome, so that its failure is not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _is_batched_ids(ids: list[Any] | None) -> bool:
     return bool(ids) and all(isinstance(x, list) for x in ids or [])
 
@@ -754,4 +986,4 @@ def make_app(state: EngineState) -> web.Application:
     return EngineApp(state).build()
 
 
-__all__ = ["DelaySampler", "EngineApp", "EngineState", "make_app"]
+__all__ = ["DelaySampler", "EngineApp", "EngineLimits", "EngineState", "make_app"]

@@ -4,6 +4,14 @@
 `--rollout-engine cpu` runs tether's embedded engine; both speak SGLang's HTTP API, so one client
 and one readiness probe (GET /health_generate) serve both.
 
+Both require the run's engine key (`EngineLaunchConfig.api_key`, see engine_auth.py) on every
+endpoint but `/health`. It reaches the process in its environment only, never in argv: SGLang
+reads `--api-key`/`--admin-api-key` from its command line, so it starts through key_shim.py,
+which moves the key from the environment into its own `sys.argv` and runs
+`sglang.launch_server` (what `ps` shows is the argv the process was started with) and redacts
+the key from SGLang's logs. Engines get the engine key and not the run secret
+(`ProcessSpec.run_secret`).
+
     launch_cfg = EngineLaunchConfig.from_config(cfg.rollout, cfg.fault_tolerance, cfg.sglang_args, plan)
     launch = build_launch(engine, launch_cfg, node_name=lambda part: nodes[part.hostname])
     procs = await start_engine(supervisor, launch)   # ready, or ActorDied with the log tail
@@ -29,7 +37,9 @@ import msgspec
 
 from tether.placement.plan import Engine, EnginePart, Plan
 from tether.placement.server_groups import OverrideValue
+from tether.rollout import key_shim as key_shim_file
 from tether.rollout.config import RolloutConfig
+from tether.rollout.engine_auth import ENGINE_KEY_ENV, bearer_header
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.errors import ConfigError
 from tether.runtime.process import ProcessSpec
@@ -59,7 +69,16 @@ PLAN_FLAGS: dict[str, str] = {
     "dist-init-addr": "the placement plan",
     "nnodes": "--rollout-num-gpus-per-engine with --rollout-engines-may-span-nodes",
     "node-rank": "the placement plan",
+    "api-key": "--engine-api-key-file (every engine gets the run's engine key)",
+    "admin-api-key": "--engine-api-key-file (every engine gets the run's engine key)",
 }
+
+
+def key_shim(module: str, key_flags: Sequence[str]) -> list[str]:
+    """What follows the python in argv to run `module` with `key_flags` set to the engine key
+    from the environment (see key_shim.py; the key never appears in the command line)."""
+    return [key_shim_file.__file__, module, ",".join(key_flags)]
+
 
 # SGLang on CPU (SGLANG_USE_CPU_ENGINE=1): the torch-native attention backend is the one that runs
 # there, and without a cap the KV cache reserves ~15 GB; 32768 tokens keep a server near 3 GB.
@@ -93,6 +112,17 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
     """--rollout-health-check-first-wait: how long an engine may take to answer /health_generate."""
     offload: bool = False
     """The plan offloads rollout memory (colocated): SGLang needs --enable-memory-saver."""
+    api_key: str | None = None
+    """The engine key every engine requires (given in its environment); None: SGLang starts
+    without one, and the CPU engine refuses to start."""
+    allow_nonfinite_weights: bool = False
+    """CPU engine: accept weight updates holding NaN or inf (SGLang has no such check)."""
+
+    def __repr__(self) -> str:
+        # The key stays out of logs and tracebacks that show this config.
+        shown = msgspec.structs.replace(self, api_key=None if self.api_key is None else "<redacted>")
+        fields = ", ".join(f"{f}={getattr(shown, f)!r}" for f in self.__struct_fields__)
+        return f"EngineLaunchConfig({fields})"
 
     @classmethod
     def from_config(
@@ -102,6 +132,7 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
         sglang_args: Sequence[str],
         plan: Plan,
         sglang_python: str | None = None,
+        api_key: str | None = None,
     ) -> EngineLaunchConfig:
         if rollout.hf_checkpoint is None:
             raise ConfigError("--hf-checkpoint", None, "engines need a model directory to serve")
@@ -114,6 +145,8 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
             # Loading can take long (compiling, big weights): first-wait is the start-up grace.
             ready_timeout=fault_tolerance.rollout_health_check_first_wait or 600.0,
             offload=plan.offload_rollout,
+            api_key=api_key,
+            allow_nonfinite_weights=rollout.engine_allow_nonfinite_weights,
         )
 
 
@@ -129,6 +162,11 @@ class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
     worker_type: str = "regular"
     bootstrap_port: int | None = None
     """For a prefill engine: its disaggregation bootstrap port (the router needs it)."""
+    api_key: str | None = None
+    """The key the engine requires (the readiness probe sends it)."""
+
+    def __repr__(self) -> str:
+        return f"EngineLaunch(name={self.name!r}, url={self.url!r}, worker_type={self.worker_type!r})"
 
 
 def _key(flag: str) -> str:
@@ -237,7 +275,16 @@ def server_argv(engine: Engine, part: EnginePart, cfg: EngineLaunchConfig) -> li
     """The full command line of one engine process."""
     if cfg.backend == "sglang":
         flags = sglang_flags(engine, part, cfg)
-        return [sglang_python(cfg.sglang_python), "-m", "sglang.launch_server", *flags_to_argv(flags)]
+        python = sglang_python(cfg.sglang_python)
+        if cfg.api_key is None:
+            return [python, "-m", "sglang.launch_server", *flags_to_argv(flags)]
+        # SGLang 0.5.23 (srt/utils/auth.py) checks `Authorization: Bearer`: --api-key guards the
+        # plain API (/generate, /get_model_info, ...), --admin-api-key the admin endpoints
+        # (weight updates, pause/abort, memory, flush; without it they take the api key), and
+        # /health*, /ready*, /metrics stay open. One key for both leaves no endpoint to a
+        # weaker key and unlocks the admin-only ones for the key holder alone.
+        shim = key_shim("sglang.launch_server", ["--api-key", "--admin-api-key"])
+        return [python, *shim, *flags_to_argv(flags)]
     return cpu_engine_argv(engine, part, cfg)
 
 
@@ -267,14 +314,18 @@ def cpu_engine_argv(engine: Engine, part: EnginePart, cfg: EngineLaunchConfig) -
     if dropped:
         log.warning("engine %d: --rollout-engine cpu ignores SGLang flags %s", engine.index, dropped)
     base = ["--model-path", cfg.model_path, "--host", engine.host, "--port", str(engine.http_port)]
+    if cfg.allow_nonfinite_weights:
+        base.append("--allow-nonfinite-weights")
     return [sys.executable, "-m", "tether.rollout.cpu_engine", *base, *flags_to_argv(kept)]
 
 
 def server_env(part: EnginePart, cfg: EngineLaunchConfig) -> dict[str, str]:
-    """Environment laid over the node agent's: the plan's devices, and SGLang's CPU switch."""
+    """Environment laid over the node agent's: the plan's devices, SGLang's CPU switch, the key."""
     env = dict(part.env)
     if cfg.backend == "sglang" and cfg.device_kind == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if cfg.api_key is not None:
+        env[ENGINE_KEY_ENV] = cfg.api_key
     return env
 
 
@@ -288,9 +339,23 @@ def local_node(part: EnginePart) -> str:
 
 
 def build_launch(
-    engine: Engine, cfg: EngineLaunchConfig, node_name: Callable[[EnginePart], str] = local_node
+    engine: Engine,
+    cfg: EngineLaunchConfig,
+    node_name: Callable[[EnginePart], str] = local_node,
+    node_address: Callable[[EnginePart], str] | None = None,
 ) -> EngineLaunch:
-    """Process specs of one tether-started engine (external engines are not started)."""
+    """Process specs of one tether-started engine (external engines are not started).
+
+    `node_address`: a part's node address from the plan, to which the node agent binds the
+    process's gloo/NCCL sockets (the weight-update group, SGLang's own groups); by default the
+    engine's host for its first node and none for the others.
+    """
+
+    def address(part: EnginePart) -> str:
+        if node_address is not None:
+            return node_address(part)
+        return engine.host if part.node_rank == 0 else ""
+
     if engine.external:
         raise ValueError(f"engine {engine.index} at {engine.address} is external; tether does not start it")
     if not engine.parts:
@@ -301,6 +366,8 @@ def build_launch(
             argv=server_argv(engine, part, cfg),
             env=server_env(part, cfg),
             node=node_name(part),
+            address=address(part),
+            run_secret=False,  # an engine speaks HTTP with the engine key, never tether's RPC
         )
         for part in sorted(engine.parts, key=lambda p: -p.node_rank)
     ]
@@ -315,19 +382,21 @@ def build_launch(
         ready_timeout=cfg.ready_timeout,
         worker_type=engine.worker_type,
         bootstrap_port=bootstrap,
+        api_key=cfg.api_key,
     )
 
 
 def http_ready(
-    url: str, path: str = "/health_generate", timeout: float = 10.0
+    url: str, path: str = "/health_generate", timeout: float = 10.0, api_key: str | None = None
 ) -> Callable[[], Awaitable[bool]]:
-    """A readiness probe: True once GET url+path answers 200 (a refused connection is 'not yet')."""
+    """A readiness probe: True once GET url+path answers 200 (a refused connection is 'not yet');
+    it sends `api_key` (the CPU engine guards /health_generate)."""
 
     async def probe() -> bool:
         try:
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-                session.get(url + path) as resp,
+                session.get(url + path, headers=bearer_header(api_key)) as resp,
             ):
                 await resp.read()
                 return resp.status == 200
@@ -351,7 +420,7 @@ async def start_engine(
     procs = [await sup.start(spec, restartable=restartable) for spec in launch.specs[:-1]]
     head = await sup.start(
         launch.specs[-1],
-        ready=http_ready(launch.url),
+        ready=http_ready(launch.url, api_key=launch.api_key),
         ready_timeout=launch.ready_timeout,
         restartable=restartable,
     )

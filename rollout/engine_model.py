@@ -10,13 +10,13 @@ trainer exports.
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 
 import msgspec
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -68,7 +68,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         gen_path = Path(path) / "generation_config.json"
         if gen_path.exists():
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            try:
+                gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            except (OSError, ValueError, AttributeError) as e:
+                raise ModelConfigError(f"{gen_path}: cannot read the generation config: {e}") from e
             if isinstance(gen_eos, list):
                 eos_ids = tuple(dict.fromkeys([*eos_ids, *gen_eos]))
             elif gen_eos is not None and gen_eos not in eos_ids:
@@ -156,10 +159,39 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
         raise ModelConfigError(f"{path}: no *.safetensors file")
     out: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    out[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            # A corrupt or truncated shard is the caller's bad input (400), named by its file.
+            raise ModelConfigError(f"{file}: not a readable safetensors file: {e}") from e
     return out
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, or None when all are finite."""
+    with torch.inference_mode():
+        for name, tensor in named:
+            if not tensor.dtype.is_floating_point:
+                continue
+            # One pass without an allocation: NaN and inf survive a sum, so a finite sum proves
+            # every element finite; a non-finite one may only be an overflow, checked exactly.
+            if torch.isfinite(tensor.sum()).item():
+                continue
+            if not bool(torch.isfinite(tensor).all()):
+                return name
+    return None
+
+
+def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """WeightMismatch naming the first tensor with NaN or inf (a diverged trainer's update)."""
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise WeightMismatch(
+            f"{bad}: holds NaN or inf values; the update is refused and nothing of it was applied "
+            "(start the engine with --allow-nonfinite-weights to accept such weights)"
+        )
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

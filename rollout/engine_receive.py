@@ -14,16 +14,24 @@ its last full checkpoint (DistributedTransport.restore_from), as it must for a h
 sync anyway. Everything else lands in one receive buffer kept across updates (fresh pages
 every sync would cost as much as the copy) and is copied into place. A flattened bucket is
 one buffer that becomes the storage of its parameters (see _receive_flat).
+
+Unless the engine accepts non-finite weights (--allow-nonfinite-weights), no byte lands in a
+live parameter before the whole bucket is checked for NaN and inf, so a refused bucket leaves
+the served weights as they were. Without a copy: a tensor that would land in its live
+parameter lands in a spare of the same shape instead, and once the bucket passes the two swap
+(the old parameter becomes the spare for the next sync); a flattened bucket lands in a spare
+buffer that then backs its parameters. The price is a second copy of the received weights in
+memory; the straight-into-live receive is kept for engines that skip the check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from tether.rollout.engine_model import TinyLM, WeightMismatch, check_named
+from tether.rollout.engine_model import TinyLM, WeightMismatch, check_finite, check_named
 from tether.runtime.weight_group import WeightGroup, broadcast
 
 _ALIGN = 64  # every staged tensor starts on a cache line, so any dtype can view it
@@ -34,10 +42,26 @@ class BucketReceiver:
 
     def __init__(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        # Checked receives land here first: by parameter name, and by flattened bucket key.
+        self._spares: dict[str, torch.Tensor] = {}
+        self._spare_arenas: dict[Hashable, torch.Tensor] = {}
 
     def release(self) -> None:
-        """Free the receive buffer (memory released on request; the next update makes a new one)."""
+        """Free the receive buffers (memory released on request; the next update makes new ones)."""
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._spares, self._spare_arenas = {}, {}
+
+    def _spare(self, name: str, live: torch.Tensor) -> torch.Tensor:
+        spare = self._spares.pop(name, None)
+        if spare is None or spare.dtype != live.dtype or spare.shape != live.shape:
+            spare = torch.empty_like(live, memory_format=torch.contiguous_format)
+        return spare
+
+    def _keep_spare(self, name: str, old: torch.Tensor) -> None:
+        # A parameter that is a view of a bigger buffer (a flattened bucket's) is not reused:
+        # writing into it would write into memory it shares with others.
+        if old.is_contiguous() and old.untyped_storage().nbytes() == old.numel() * old.element_size():
+            self._spares[name] = old
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         if self._buffer.numel() < nbytes:
@@ -52,8 +76,10 @@ class BucketReceiver:
         shapes: Sequence[Sequence[int]],
         group: WeightGroup,
         flattened: bool,
+        check_values: bool = True,
     ) -> None:
-        """Receive the bucket from rank 0 of `group` and load it; WeightMismatch if it does not fit."""
+        """Receive the bucket from rank 0 of `group` and load it; WeightMismatch if it does not fit
+        or (with `check_values`) holds NaN or inf, the parameters untouched in both cases."""
         refusal: WeightMismatch | None = None
         try:
             if len(set(names)) != len(names):
@@ -71,9 +97,9 @@ class BucketReceiver:
             refusal = e
         items = [(n, d, s, _nbytes(d, s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
         if flattened:
-            self._receive_flat(model, items, group, refusal)
+            refusal = self._receive_flat(model, items, group, refusal, check_values) or refusal
         else:
-            self._receive_each(model, items, group, refusal)
+            refusal = self._receive_each(model, items, group, refusal, check_values) or refusal
         if refusal is not None:
             raise refusal
 
@@ -83,19 +109,37 @@ class BucketReceiver:
         items: list[tuple[str, torch.dtype, Sequence[int], int]],
         group: WeightGroup,
         refusal: WeightMismatch | None,
-    ) -> None:
+        check_values: bool,
+    ) -> WeightMismatch | None:
         total = sum(size for *_, size in items)
         if refusal is not None:
             broadcast(self._staging(total), 0, group)
-            return
+            return None
         # A bucket's bytes land in a buffer that then backs its parameters (views, no copy); the
         # next sync's identical bucket lands in the same buffer, in place. The model owns these
         # buffers, so released weights free them.
         key = tuple((name, dtype, tuple(shape)) for name, dtype, shape, _ in items)
         arena = model.arenas.get(key)
-        if arena is None or not self._backs(model, arena, items):
-            arena = torch.empty(total, dtype=torch.uint8)
-        broadcast(arena, 0, group)
+        backs = arena is not None and self._backs(model, arena, items)
+        if check_values:
+            # Into the spare buffer, which nothing serves from; it backs the parameters only
+            # once checked, and the buffer it replaces is the spare of the next sync.
+            landing = self._spare_arenas.pop(key, None)
+            if landing is None or landing.numel() != total:
+                landing = torch.empty(total, dtype=torch.uint8)
+            broadcast(landing, 0, group)
+            try:
+                check_finite(_views(landing, items))
+            except WeightMismatch as e:
+                self._spare_arenas[key] = landing
+                return e
+            if arena is not None and backs:
+                self._spare_arenas[key] = arena
+            arena = landing
+        else:
+            if arena is None or not backs:
+                arena = torch.empty(total, dtype=torch.uint8)
+            broadcast(arena, 0, group)
         offset = 0
         for name, dtype, shape, size in items:
             raw = arena[offset : offset + size]
@@ -108,6 +152,7 @@ class BucketReceiver:
         model.arenas[key] = arena
         backing = {p.untyped_storage().data_ptr() for p in model.params.values()}
         model.arenas = {k: a for k, a in model.arenas.items() if a.data_ptr() in backing}
+        return None
 
     @staticmethod
     def _backs(
@@ -132,8 +177,10 @@ class BucketReceiver:
         items: list[tuple[str, torch.dtype, Sequence[int], int]],
         group: WeightGroup,
         refusal: WeightMismatch | None,
-    ) -> None:
-        targets: list[tuple[str, torch.Tensor, bool]] = []  # (name, where it lands, is it staged)
+        check_values: bool,
+    ) -> WeightMismatch | None:
+        # (name, where it lands, how it is loaded: "live" in place, "swap" a spare, "stage" a copy)
+        targets: list[tuple[str, torch.Tensor, str]] = []
         staged_bytes = 0
         plan: list[tuple[str, torch.dtype, Sequence[int], int, torch.Tensor | None]] = []
         for name, dtype, shape, size in items:
@@ -143,18 +190,45 @@ class BucketReceiver:
                 staged_bytes += -(-size // _ALIGN) * _ALIGN
         buf = self._staging(staged_bytes)
         for name, dtype, shape, offset, live in plan:
-            if live is not None:
-                targets.append((name, live, False))
+            if live is not None and check_values:
+                targets.append((name, self._spare(name, live), "swap"))
+            elif live is not None:
+                targets.append((name, live, "live"))
             else:
                 size = _nbytes(dtype, shape)
-                targets.append((name, buf[offset : offset + size].view(dtype).view(list(shape)), True))
-        # Post every receive at once, like the sender's sends, and load each as it completes.
+                targets.append((name, buf[offset : offset + size].view(dtype).view(list(shape)), "stage"))
+        # Post every receive at once, like the sender's sends, and load each as it completes
+        # (checked ones once the whole bucket has arrived).
         works = [dist.broadcast(t, src=0, group=group.group, async_op=True) for _, t, _ in targets]
-        for work, (name, tensor, staged) in zip(works, targets, strict=True):
+        poisoned: WeightMismatch | None = None
+        for work, (name, tensor, how) in zip(works, targets, strict=True):
             assert work is not None
             work.wait()
-            if staged and refusal is None:
+            if refusal is not None:
+                continue
+            if not check_values:
+                if how == "stage":
+                    model.assign(name, tensor)
+            elif poisoned is None:
+                try:  # while the later tensors are still arriving
+                    check_finite([(name, tensor)])
+                except WeightMismatch as e:
+                    poisoned = e
+        if refusal is not None or not check_values:
+            return None
+        if poisoned is not None:
+            for name, tensor, how in targets:
+                if how == "swap":
+                    self._spares[name] = tensor
+            return poisoned
+        for name, tensor, how in targets:
+            if how == "swap":
+                old = model.params[name]
+                model.adopt(name, tensor)
+                self._keep_spare(name, old)
+            else:
                 model.assign(name, tensor)
+        return None
 
 
 def _check_aligned(
@@ -170,6 +244,18 @@ def _check_aligned(
                 f"{dtype} element size {dtype.itemsize}"
             )
         offset += _nbytes(dtype, shape)
+
+
+def _views(
+    buffer: torch.Tensor, items: list[tuple[str, torch.dtype, Sequence[int], int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of a flattened bucket as a view of `buffer` (offsets checked to be aligned)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    offset = 0
+    for name, dtype, shape, size in items:
+        out.append((name, buffer[offset : offset + size].view(dtype).view(list(shape))))
+        offset += size
+    return out
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:

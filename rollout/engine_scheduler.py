@@ -5,6 +5,12 @@ control operations (weight updates, pause, release...) so they always fall betwe
 steps, then applies aborts, then runs one model step in a worker thread: the prompts admitted
 this iteration are prefilled and every running sequence advances one token, in one call. A
 request that arrives while others decode is admitted at the next iteration and joins the batch.
+
+The forward pass has a thread of its own, so no other blocking work of the engine (tokenizing,
+reading weights from disk, joining a weight group) can leave it waiting for a worker. If the
+loop itself fails (the model raises), every request ends at once with an abort naming the
+error, later work is refused, and the task's owner ends the process: a scheduler that is gone
+must not leave an engine that answers but never generates.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -83,6 +90,19 @@ class Scheduler:
         self._seeds = random.Random(seed)
         self.steps = 0
         self.tokens_generated = 0
+        self.failed: BaseException | None = None
+        self._stepped = asyncio.Condition()  # notified after every model step (health probes)
+        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
+
+    def close(self) -> None:
+        """Release the forward thread (after the loop task has ended)."""
+        self._forward_thread.shutdown(wait=False, cancel_futures=True)
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise EngineUnavailable(
+                f"the engine's scheduler failed: {type(self.failed).__name__}: {self.failed}"
+            )
 
     # ----- called from HTTP handlers (event loop thread) -----
 
@@ -92,6 +112,7 @@ class Scheduler:
         return gen
 
     def submit(self, req: Request) -> None:
+        self._check_alive()
         if not self.model.loaded:
             raise EngineUnavailable("the weights are released; call /resume_memory_occupation first")
         if req.rid in self.by_rid:
@@ -109,6 +130,7 @@ class Scheduler:
 
     async def between_steps(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run `op` on the scheduler task between two model steps and return its result."""
+        self._check_alive()
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._ops.append((op, future))
         self._wake.set()
@@ -117,6 +139,13 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting
+
+    async def next_step(self) -> None:
+        """Return once the model completes a step after this call (callers bound the wait)."""
+        start = self.steps
+        async with self._stepped:
+            await self._stepped.wait_for(lambda: self.steps > start or self.failed is not None)
+        self._check_alive()
 
     # ----- operations meant for between_steps -----
 
@@ -142,6 +171,27 @@ class Scheduler:
     # ----- the loop -----
 
     async def run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._fail_all(e)
+            raise
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The loop is gone: end every request and queued operation now, naming the error."""
+        self.failed = error
+        message = f"the engine failed: {type(error).__name__}: {error}"
+        for req in list(self.by_rid.values()):
+            self._finish(req, {"type": "abort", "message": message})
+        self.running, self.waiting = [], deque()
+        while self._ops:
+            _, future = self._ops.popleft()
+            if not future.done():
+                future.set_exception(EngineUnavailable(message))
+
+    async def _loop(self) -> None:
         while True:
             while self._ops:
                 op, future = self._ops.popleft()
@@ -205,10 +255,15 @@ class Scheduler:
         decoding = list(self.running)
         self.running.extend(admit)
         version = self.weight_version
-        tokens, logprobs = await asyncio.to_thread(self._forward, admit, decoding, cache)
+        loop = asyncio.get_running_loop()
+        tokens, logprobs = await loop.run_in_executor(
+            self._forward_thread, self._forward, admit, decoding, cache
+        )
         self.steps += 1
         for req, tok, lp in zip([*admit, *decoding], tokens, logprobs, strict=True):
             self._append(req, tok, lp, version)
+        async with self._stepped:
+            self._stepped.notify_all()
 
     def _forward(
         self, admit: list[Request], decoding: list[Request], cache: KVCache

@@ -15,10 +15,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
+from pathlib import PurePosixPath
 from typing import ClassVar
 
 import torch
@@ -37,8 +40,39 @@ class PayloadRejected(ValueError):
     """The serialised tensors are malformed or name a class outside the allowed set."""
 
 
+# A file_system payload names shared memory by path: torch's own names are
+# "/torch_<pid>_<random>_<n>" (in /dev/shm) and "<tmpdir>/torch-shm-dir-<random>/manager.sock".
+_SHM_HANDLE = re.compile(rb"/torch_\d+_\d+_\d+")
+
+
+def _is_torch_manager(manager: object) -> bool:
+    if not isinstance(manager, bytes):
+        return False
+    path = PurePosixPath(os.fsdecode(manager))
+    return (
+        path.is_absolute()
+        and ".." not in path.parts
+        and path.name == "manager.sock"
+        and path.parent.name.startswith("torch-shm-dir-")
+    )
+
+
+def _rebuild_storage_filename(cls: object, manager: object, handle: object, *args: object) -> object:
+    """torch's rebuild_storage_filename, for names torch makes only: any other path in the
+    payload (another file in /dev/shm, a socket elsewhere) is refused before it is opened."""
+    from torch.multiprocessing import reductions
+
+    if not isinstance(handle, bytes) or not _SHM_HANDLE.fullmatch(handle):
+        raise PayloadRejected(f"serialized_named_tensors: shared-memory handle {handle!r} is not torch's")
+    if not _is_torch_manager(manager):
+        raise PayloadRejected(f"serialized_named_tensors: shared-memory manager {manager!r} is not torch's")
+    return reductions.rebuild_storage_filename(cls, manager, handle, *args)
+
+
 class _TensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
+        if module == "torch.multiprocessing.reductions" and name == "rebuild_storage_filename":
+            return _rebuild_storage_filename
         if name in _ALLOWED.get(module, frozenset()):
             return getattr(__import__(module, fromlist=[name]), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

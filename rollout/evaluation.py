@@ -73,5 +73,6 @@ async def run_evaluation(ctx: RolloutContext, rollout_id: int) -> dict[str, floa
     """Metrics over every dataset of --eval-prompt-data."""
     metrics: dict[str, float] = {}
     for name, path in ctx.data.eval_datasets():
-        metrics.update(await evaluate_dataset(ctx, name, eval_source(ctx, path), rollout_id))
+        source = await asyncio.to_thread(eval_source, ctx, path)  # reads and tokenizes: off the loop
+        metrics.update(await evaluate_dataset(ctx, name, source, rollout_id))
     return metrics

@@ -105,16 +105,26 @@ class Router:
 
     @classmethod
     def from_config(
-        cls, config: RolloutConfig, engine_urls: Sequence[str], *, router_url: str | None = None
+        cls,
+        config: RolloutConfig,
+        engine_urls: Sequence[str],
+        *,
+        router_url: str | None = None,
+        api_key: str | None = None,
     ) -> Router:
-        """Clients for `engine_urls` (or one for the sglang-router at `router_url`) behind a Router."""
+        """Clients for `engine_urls` (or one for the sglang-router at `router_url`) behind a Router;
+        each sends `api_key`, the run's engine key (the sglang-router takes the same one)."""
         timeout = config.engine_request_timeout_seconds
         if config.use_sglang_router:
             if router_url is None:
                 raise ValueError("--use-sglang-router needs the router's URL")
             total = config.sglang_server_concurrency * max(1, len(engine_urls))
             client = EngineClient(
-                router_url, name="sglang-router", max_connections=total, request_timeout=timeout
+                router_url,
+                name="sglang-router",
+                max_connections=total,
+                request_timeout=timeout,
+                api_key=api_key,
             )
             return cls([client], policy="round_robin", concurrency_per_engine=total)
         clients = [
@@ -123,6 +133,7 @@ class Router:
                 name=f"engine{i}",
                 max_connections=config.sglang_server_concurrency,
                 request_timeout=timeout,
+                api_key=api_key,
             )
             for i, url in enumerate(engine_urls)
         ]

@@ -9,6 +9,11 @@ X-SMG-Routing-Key header that EngineClient sends). `--sglang-router-<flag> [valu
 tether's command line becomes the router's `--<flag> [values]` and wins over these defaults.
 Readiness: GET /readiness answers 200 once the router has healthy workers.
 
+With the run's engine key (`RouterLaunchConfig.api_key`) the router gets `--api-key` through the
+same environment-to-argv shim as SGLang (engine_launch.key_shim; never on its command line). It
+then requires the key from its own clients (401 without it; /readiness stays open) and uses it
+toward the workers, so tether's clients send the same key to the router as to an engine.
+
     spec = router_spec(launches, RouterLaunchConfig(port=p, policy=cfg.rollout.rollout_routing_policy,
                                                     sglang_args=cfg.sglang_args))
     proc, url = await start_router(supervisor, spec, cfg_router)
@@ -22,12 +27,14 @@ from collections.abc import Sequence
 import msgspec
 
 from tether.rollout.config import RoutingPolicy
+from tether.rollout.engine_auth import ENGINE_KEY_ENV
 from tether.rollout.engine_launch import (
     ROUTER_PREFIX,
     EngineLaunch,
     Flags,
     flags_to_argv,
     http_ready,
+    key_shim,
     parse_flags,
     sglang_python,
 )
@@ -42,7 +49,7 @@ ROUTER_POLICY: dict[str, str] = {
 }
 
 # Router flags tether derives from the plan; a pass-through value would route to the wrong place.
-ROUTER_OWNED = frozenset({"host", "port", "worker-urls", "pd-disaggregation", "prefill", "decode"})
+ROUTER_OWNED = frozenset({"host", "port", "worker-urls", "pd-disaggregation", "prefill", "decode", "api-key"})
 
 
 class RouterLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +64,11 @@ class RouterLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Python of the venv holding sglang-router; None: the SGLang python (see engine_launch)."""
     ready_timeout: float = 120.0
     name: str = "sglang-router"
+    api_key: str | None = None
+    """The engine key: the router sends it to the workers (given in its environment)."""
+
+    def __repr__(self) -> str:
+        return f"RouterLaunchConfig(port={self.port!r}, host={self.host!r}, policy={self.policy!r})"
 
     @property
     def url(self) -> str:
@@ -110,16 +122,21 @@ def router_argv(engines: Sequence[EngineLaunch], cfg: RouterLaunchConfig) -> lis
     flags["policy"] = [policy]
     flags.update(router_passthrough(cfg.sglang_args))
     python = cfg.python or sglang_python()
-    return [python, "-m", "sglang_router.launch_router", *flags_to_argv(flags), *worker_args]
+    launcher = ["-m", "sglang_router.launch_router"]
+    if cfg.api_key is not None:
+        launcher = key_shim("sglang_router.launch_router", ["--api-key"])
+    return [python, *launcher, *flags_to_argv(flags), *worker_args]
 
 
 def router_spec(engines: Sequence[EngineLaunch], cfg: RouterLaunchConfig, node: str = "local") -> ProcessSpec:
-    return ProcessSpec(name=cfg.name, argv=router_argv(engines, cfg), node=node)
+    env = {ENGINE_KEY_ENV: cfg.api_key} if cfg.api_key is not None else {}
+    return ProcessSpec(name=cfg.name, argv=router_argv(engines, cfg), env=env, node=node, run_secret=False)
 
 
 async def start_router(
     sup: Supervisor, spec: ProcessSpec, cfg: RouterLaunchConfig
 ) -> tuple[ManagedProcess, str]:
     """Start the router (after its engines are ready); return it and its base URL once it routes."""
-    proc = await sup.start(spec, ready=http_ready(cfg.url, "/readiness"), ready_timeout=cfg.ready_timeout)
+    ready = http_ready(cfg.url, "/readiness", api_key=cfg.api_key)
+    proc = await sup.start(spec, ready=ready, ready_timeout=cfg.ready_timeout)
     return proc, cfg.url

@@ -52,6 +52,7 @@ async def serve(args: argparse.Namespace) -> int:
                 interval=setup["interval"],
                 timeout=setup["timeout"],
                 first_wait=setup["interval"],
+                misses=int(setup.get("misses", 3)),
                 name="head",
             )
 

@@ -7,7 +7,8 @@ to the head, and heartbeats both ways; when the head stops answering it stops it
 and exits. On a single machine the head runs the same `NodeAgent` class inside itself.
 
 Every process runs under `tether.runtime.shim` in its own session and process group, with
-its output in `<run_dir>/logs/<name>.log`.
+its output in `<run_dir>/logs/<name>.log`, and with its gloo and NCCL sockets on the interface
+holding its node's planned address (`ProcessSpec.address`, see runtime/netif.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from tether.runtime import shim
 from tether.runtime.errors import HeartbeatLost
 from tether.runtime.liveness import LivenessMonitor
+from tether.runtime.netif import socket_ifname_env
 from tether.runtime.process import ExitInfo, ProcessSpec, log_path, read_log_tail
 from tether.runtime.secret import SECRET_ENV, secret_to_env
 
@@ -51,6 +53,25 @@ def address_toward(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return str(probe.getsockname()[0])
+
+
+def _command_pid(shim_pid: int) -> int:
+    """The command a shim runs: its earliest-started child (orphans the shim reaps descend from
+    the command, so they started later). The shim itself, which forwards signals to its group,
+    while it has no child yet or is gone."""
+    try:
+        children = Path(f"/proc/{shim_pid}/task/{shim_pid}/children").read_text().split()
+    except OSError:
+        return shim_pid
+    started: list[tuple[int, int]] = []
+    for pid in map(int, children):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            continue
+        # Field 22 (starttime); the fields start after the command name's last ')'.
+        started.append((int(stat[stat.rindex(b")") + 2 :].split()[19]), pid))
+    return min(started)[1] if started else shim_pid
 
 
 @dataclass
@@ -122,7 +143,12 @@ class NodeAgent:
         if spec.name in self._children:
             raise ValueError(f"process name {spec.name!r} is already running on node {self.node!r}")
         env = {**os.environ, **spec.env}
-        env[SECRET_ENV] = secret_to_env(self._secret)
+        # Collectives on the node's planned address (a host name there resolves: off the loop).
+        env.update(await asyncio.to_thread(socket_ifname_env, spec.address, env))
+        if spec.run_secret:
+            env[SECRET_ENV] = secret_to_env(self._secret)
+        else:
+            env.pop(SECRET_ENV, None)  # an agent started by SLURM or systemd holds it in os.environ
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault(BIND_HOST_ENV, self.bind_host)
         env["TETHER_PROCESS_NAME"] = spec.name
@@ -156,7 +182,8 @@ class NodeAgent:
             os.killpg(child.proc.pid, signum)
 
     async def stop_process(self, name: str, grace: float | None = None) -> ExitInfo:
-        """SIGTERM the group, wait `grace` seconds, then SIGKILL; return how it ended."""
+        """SIGTERM the command (which stops its own children), wait `grace` seconds, then
+        SIGKILL its whole group; return how it ended."""
         child = self._children.get(name)
         if child is None:
             raise KeyError(f"no process named {name!r} on node {self.node!r}")
@@ -185,7 +212,15 @@ class NodeAgent:
             if child.exited.is_set():
                 break
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.proc.pid, sig)
+                if sig == signal.SIGTERM:
+                    # To the command alone, once: it stops its own children its own way (SGLang
+                    # drains and ends its scheduler, torchrun its ranks), and the shim then ends
+                    # whatever it left. Sent to the whole group, the children would die under
+                    # their parent, which reports a crash; and each process would get it twice,
+                    # the second after a clean shutdown removed its handler (death by SIGTERM).
+                    os.kill(_command_pid(child.proc.pid), sig)
+                else:
+                    os.killpg(child.proc.pid, sig)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await child.exited.wait()
@@ -263,6 +298,7 @@ async def serve(args: argparse.Namespace) -> int:
                 interval=setup["interval"],
                 timeout=setup["timeout"],
                 first_wait=setup["interval"],
+                misses=int(setup.get("misses", 3)),
                 name="head",
             )
 

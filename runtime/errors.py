@@ -110,6 +110,11 @@ class RpcTimeout(TimeoutError):
         super().__init__(f"{actor}.{method} did not answer within {timeout:g} s")
 
 
+class RpcOverloaded(RuntimeError):
+    """An RPC server refused a call: the caller's calls still running there already hold the
+    server's per-caller limit of message bytes (the caller sees it as a RemoteError)."""
+
+
 class HeartbeatLost(RuntimeError):
     """A liveness probe failed or did not answer in time."""
 

@@ -78,8 +78,9 @@ class ManualClock:
 class LivenessMonitor:
     """Probes a peer every `interval` seconds, the first time after `first_wait`.
 
-    `run()` returns never on success and raises `HeartbeatLost` when a probe raises or does
-    not finish within `timeout`; `on_failure`, when given, is called with that error first.
+    `run()` returns never on success and raises `HeartbeatLost` once `misses` probes in a row
+    raised or did not finish within `timeout` (one late answer from a peer whose event loop
+    stalled for a moment is not a lost peer); `on_failure`, when given, is called first.
     """
 
     def __init__(
@@ -90,9 +91,12 @@ class LivenessMonitor:
         timeout: float,
         first_wait: float,
         name: str = "peer",
+        misses: int = 1,
         on_failure: Callable[[HeartbeatLost], None] | None = None,
         clock: Clock | None = None,
     ) -> None:
+        if misses < 1:
+            raise ValueError(f"misses={misses!r}: must be at least 1")
         for key, value in (("interval", interval), ("timeout", timeout), ("first_wait", first_wait)):
             if not value >= 0 or (key != "first_wait" and value == 0):
                 raise ValueError(f"{key}={value!r}: must be a positive number of seconds")
@@ -101,6 +105,8 @@ class LivenessMonitor:
         self.timeout = timeout
         self.first_wait = first_wait
         self.name = name
+        self.misses = misses
+        self.missed = 0  # consecutive failed probes so far
         self.on_failure = on_failure
         self.clock: Clock = clock or LoopClock()
         self.last_ok: float | None = None
@@ -126,15 +132,26 @@ class LivenessMonitor:
             raise HeartbeatLost(self.name, f"probe failed: {type(exc).__name__}: {exc}") from exc
 
     async def run(self) -> None:
+        since = self.clock.now()  # the last time the peer was known alive
         await self.clock.sleep(self.first_wait)
         while True:
             started = self.clock.now()
             try:
                 await self._probe_once()
-            except HeartbeatLost as lost:
-                if self.on_failure is not None:
-                    self.on_failure(lost)
-                raise
-            self.probes += 1
-            self.last_ok = self.clock.now()
+            except HeartbeatLost as missed:
+                self.missed += 1
+                if self.missed >= self.misses:
+                    waited = self.clock.now() - (self.last_ok if self.last_ok is not None else since)
+                    lost = HeartbeatLost(
+                        self.name,
+                        f"{missed.reason}; {self.missed} heartbeat(s) in a row missed, "
+                        f"no answer for {waited:.1f} s",
+                    )
+                    if self.on_failure is not None:
+                        self.on_failure(lost)
+                    raise lost from missed
+            else:
+                self.missed = 0
+                self.probes += 1
+                self.last_ok = self.clock.now()
             await self.clock.sleep(max(0.0, started + self.interval - self.clock.now()))

@@ -16,7 +16,9 @@ class ProcessSpec(msgspec.Struct, kw_only=True):
     """One process to start: a name (also its log file's name), argv, extra environment.
 
     `env` is laid over the agent's environment (placement supplies CUDA_VISIBLE_DEVICES and
-    the rest); the run secret is added by the agent and never travels in a spec.
+    the rest); the run secret is added by the agent and never travels in a spec. `address` is
+    the node's planned address: the agent binds the process's gloo and NCCL sockets to the
+    interface holding it (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, unless already set).
     """
 
     name: str
@@ -24,6 +26,11 @@ class ProcessSpec(msgspec.Struct, kw_only=True):
     env: dict[str, str] = msgspec.field(default_factory=dict)
     cwd: str | None = None
     node: str = "local"
+    address: str = ""
+    run_secret: bool = True
+    """Whether the process gets the run secret (TETHER_SECRET): only those that speak tether's
+    RPC need it; an engine or the sglang-router, which anyone may ask to run code paths over
+    HTTP, must not hold the key to every actor of the run."""
 
     def validate(self) -> None:
         if not _NAME.match(self.name):

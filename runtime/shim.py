@@ -37,6 +37,15 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(err, f"prctl({option}, {value}) failed: {os.strerror(err)}")
 
 
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Get `signum` when the parent dies (a trainer rank whose torchrun agent was SIGKILLed would
+    otherwise live on, orphaned, holding its ports); exit now if it is already gone."""
+    parent = os.getppid()
+    _prctl(PR_SET_PDEATHSIG, signum)
+    if os.getppid() != parent:  # died before the signal was armed
+        os.kill(os.getpid(), signum)
+
+
 def _stat_fields(pid: int) -> tuple[int, int] | None:
     """(ppid, pgrp) of `pid`, or None when it is gone."""
     try:

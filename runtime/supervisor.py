@@ -14,17 +14,26 @@ node named `local` (this machine), and agents that registered with `tether agent
 and `watch()`, which raises the first failure (run it in the run loop's TaskGroup).
 
 Leaving the block stops everything: SIGTERM to each process group, a grace period, SIGKILL;
-remote agents are told to shut down. If the head dies without that (SIGKILL), the shims'
-PR_SET_PDEATHSIG and the agents' and actors' heartbeats end every child.
+remote agents are told to shut down. Processes that can be asked to exit (trainer ranks serve
+a `shutdown` call) are better stopped first with `stop_gracefully`, which falls back to the
+same signals only when they have not exited in time. If the head dies without that (SIGKILL),
+the shims' PR_SET_PDEATHSIG and the agents' and actors' heartbeats end every child.
+
+Every exit is recorded in the run directory's events.jsonl as a `process_exit` event: name,
+node, pid, exit code or signal, whether the owner had stopped it (`expected`) and how
+(`stopped_by`: "request" when it was asked and exited by itself, "signal" when it was sent
+SIGTERM/SIGKILL, null when it ended on its own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +58,7 @@ class Heartbeat(msgspec.Struct, frozen=True):
     interval: float = 1.0
     timeout: float = 3.0
     first_wait: float = 1.0
+    misses: int = 3  # consecutive missed heartbeats before a peer counts as lost
 
 
 def exit_error(info: ExitInfo) -> ActorDied:
@@ -94,6 +104,8 @@ class ManagedProcess:
     monitor: asyncio.Task[None] | None = None
     restartable: bool = False
     """The owner watches this process (`wait()`) and replaces it when it dies: its exit does not end the run."""
+    stopped_by: str | None = None
+    """How the owner ended it: "request" (asked, see `Supervisor.stop_gracefully`) or "signal"."""
 
     async def wait(self) -> ExitInfo:
         return await asyncio.shield(self.exit)
@@ -111,7 +123,12 @@ class _HeadService:
 
     async def agent_setup(self) -> dict[str, Any]:
         hb = self._sup.heartbeat
-        return {"run_dir": str(self._sup.run_dir), "interval": hb.interval, "timeout": hb.timeout}
+        return {
+            "run_dir": str(self._sup.run_dir),
+            "interval": hb.interval,
+            "timeout": hb.timeout,
+            "misses": hb.misses,
+        }
 
     async def register_agent(self, node: str, address: str, inventory: dict[str, Any]) -> None:
         await self._sup._register_agent(node, address, inventory)
@@ -124,7 +141,7 @@ class _HeadService:
         if args is None:
             raise KeyError(f"no actor named {name!r} is starting")
         hb = self._sup.heartbeat
-        return {"args": args, "interval": hb.interval, "timeout": hb.timeout}
+        return {"args": args, "interval": hb.interval, "timeout": hb.timeout, "misses": hb.misses}
 
     async def actor_ready(self, name: str, address: str) -> None:
         fut = self._sup._actor_ready.get(name)
@@ -258,6 +275,7 @@ class Supervisor:
             interval=hb.interval,
             timeout=hb.timeout,
             first_wait=hb.first_wait,
+            misses=hb.misses,
             name=f"agent {node!r}",
         )
         agent.monitor = self._tg.create_task(self._watch_agent(agent, monitor))
@@ -308,6 +326,7 @@ class Supervisor:
         if proc is None or not proc.running:
             return
         proc.exit.set_result(info)
+        self._record_exit(proc, info)
         if proc.monitor is not None:
             proc.monitor.cancel()
         if proc.handle is not None:
@@ -326,6 +345,26 @@ class Supervisor:
         self._failures.put_nowait(exit_error(info))
         if self._on_exit_cb is not None:
             self._on_exit_cb(info)
+
+    def _record_exit(self, proc: ManagedProcess, info: ExitInfo) -> None:
+        """One `process_exit` line in events.jsonl (one write of a whole line, as the head's)."""
+        record = {
+            "time": time.time(),
+            "event": "process_exit",
+            "name": info.name,
+            "node": info.node,
+            "pid": info.pid,
+            "returncode": info.returncode,
+            "signal": info.signal,
+            "expected": proc.stopping,
+            "stopped_by": proc.stopped_by,
+            "reason": info.reason,
+        }
+        try:
+            with open(self.run_dir / "events.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a record is not worth failing the run's bookkeeping over
+            log.warning("could not record the exit of %r: %s", info.name, exc)
 
     async def start(
         self,
@@ -358,7 +397,16 @@ class Supervisor:
         agent = self._agent(spec.node)
         proc = ManagedProcess(spec.name, spec.node, spec, restartable=restartable)
         self._procs[spec.name] = proc
-        proc.pid = await agent.start_process(spec)
+        try:
+            proc.pid = await agent.start_process(spec)
+        except BaseException:
+            # Not started (or cancelled on the way, e.g. a stop signal during start-up): nothing
+            # of ours to stop, and no one may wait for its exit forever.
+            if self._procs.get(spec.name) is proc:
+                del self._procs[spec.name]
+            if not proc.exit.done():
+                proc.exit.set_result(ExitInfo(name=spec.name, node=spec.node, pid=0, reason="never started"))
+            raise
         try:
             async with asyncio.timeout(ready_timeout):
                 if ready_future is not None:
@@ -388,6 +436,7 @@ class Supervisor:
             raise KeyError(f"no process named {name!r}")
         if proc.running:
             proc.stopping = True
+            proc.stopped_by = "signal"
             if proc.monitor is not None:
                 proc.monitor.cancel()
             try:
@@ -402,6 +451,46 @@ class Supervisor:
         if proc.handle is not None:
             await proc.handle.close()
         return await proc.wait()
+
+    async def stop_gracefully(
+        self,
+        names: Sequence[str],
+        ask: Callable[[], Awaitable[object]],
+        *,
+        timeout: float,  # noqa: ASYNC109  # the API takes per-call timeouts
+        grace: float | None = None,
+    ) -> list[ExitInfo]:
+        """Stop `names` by asking them first; return how each ended, in order.
+
+        `ask()` tells the processes to exit by themselves (an RPC they serve, say); then up to
+        `timeout` seconds (asking included) are allowed for all of them to end. Whatever still
+        runs after that is stopped as `stop` does: SIGTERM, `grace` seconds, SIGKILL. Their
+        exits are expected, never a failure of the run. An error of `ask()` is logged, not
+        raised: a process that exits at once may drop the connection before it answers.
+        """
+        procs = [self._procs[name] for name in names]
+        asked = [p for p in procs if p.running]
+        for proc in asked:
+            proc.stopping = True
+            proc.stopped_by = "request"
+            if proc.monitor is not None:
+                proc.monitor.cancel()
+        if asked:
+            try:
+                async with asyncio.timeout(timeout):
+                    try:
+                        await ask()
+                    except Exception as exc:
+                        log.info("asking %s to exit: %s", ", ".join(p.name for p in asked), exc)
+                    await asyncio.wait([p.exit for p in asked])
+            except TimeoutError:
+                late = ", ".join(p.name for p in asked if p.running)
+                log.warning(
+                    "%s did not exit within %g s of being asked to; stopping by signal", late, timeout
+                )
+        async with asyncio.TaskGroup() as tg:
+            stops = [tg.create_task(self.stop(p.name, grace)) for p in procs]
+        return [t.result() for t in stops]
 
     def process(self, name: str) -> ManagedProcess:
         return self._procs[name]
@@ -468,6 +557,7 @@ class Supervisor:
                 interval=hb.interval,
                 timeout=hb.timeout,
                 first_wait=hb.first_wait,
+                misses=hb.misses,
                 name=f"actor {name!r}",
             )
             assert self._tg is not None

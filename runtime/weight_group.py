@@ -5,6 +5,11 @@ rendezvous (`tcp://host:port`) and build a gloo (CPU) or nccl (GPU) group named 
 the same kind of group SGLang's `init_weights_update_group` builds, so a tether trainer can
 broadcast to real SGLang servers and to tether's CPU engine alike. torch's default process
 group is neither needed nor touched: the process may already belong to another job's groups.
+
+Rank 0's store listens on the rendezvous host's address alone. Each rank's gloo device takes
+its address from GLOO_SOCKET_IFNAME, which the node agent sets to the interface holding the
+node's planned address (runtime/netif.py); without it gloo would advertise the address the
+hostname resolves to, often 127.0.0.1, and a group spanning nodes could not connect.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from tether.runtime.errors import ConfigError
+from tether.runtime.netif import bound_listener
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -54,12 +60,40 @@ def _check(init_method: str, rank: int, world_size: int, group_name: str, backen
         raise ConfigError("backend", backend, "must be gloo or nccl")
 
 
-def host_store(host: str, port: int, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
-    """Rank 0's rendezvous store, listening now (port 0: a free port, see `.port`), without
-    waiting for the other ranks; pass it to `init_weight_group` once they have been told."""
+def server_store(
+    host: str, port: int, world_size: int | None, timeout: timedelta, *, wait_for_workers: bool = True
+) -> dist.TCPStore:
+    """A multi-tenant TCP store server listening on `host`'s address alone (port 0: a free port,
+    see `.port`), not on every interface; where that address cannot be bound here, as torch
+    listens by default."""
+    listener = bound_listener(host, port)
+    if listener is None:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            multi_tenant=True,
+            wait_for_workers=wait_for_workers,
+        )
+    # The store owns the descriptor from here on (it closes it when the server goes).
     return dist.TCPStore(
-        host, port, world_size, is_master=True, timeout=timeout, multi_tenant=True, wait_for_workers=False
+        host,
+        listener.getsockname()[1],
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        multi_tenant=True,
+        wait_for_workers=wait_for_workers,
+        master_listen_fd=listener.detach(),
     )
+
+
+def host_store(host: str, port: int, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening now on `host` (port 0: a free port, see `.port`),
+    without waiting for the other ranks; pass it to `init_weight_group` once they have been told."""
+    return server_store(host, port, world_size, timeout, wait_for_workers=False)
 
 
 def init_weight_group(
@@ -70,12 +104,15 @@ def init_weight_group(
     backend: str = "gloo",
     timeout: timedelta = DEFAULT_TIMEOUT,
     store: dist.TCPStore | None = None,
+    setup_timeout: timedelta | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) the rendezvous at `init_method` and build the named group.
 
     Blocks until all `world_size` ranks have joined or `timeout` passes. Call it from a worker
     thread in async code. Rank 0 hosts the TCP store, so it must be the trainer side; it may
-    pass a store made by `host_store` (whose port `init_method` then names).
+    pass a store made by `host_store` (whose port `init_method` then names). `setup_timeout`
+    (default `timeout`) bounds a joining rank's wait for the store and the rendezvous alone: an
+    address that never answers fails within it, while `timeout` stays the collectives' limit.
     """
     _check(init_method, rank, world_size, group_name, backend)
     parsed = urlparse(init_method)
@@ -83,9 +120,12 @@ def init_weight_group(
     if store is None:
         # An explicit store, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
         # rendezvous makes every rank a client of an agent store, so nobody would host this one.
-        store = dist.TCPStore(
-            parsed.hostname, parsed.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
-        )
+        if rank == 0:
+            store = server_store(parsed.hostname, parsed.port, world_size, timeout)
+        else:
+            store = dist.TCPStore(
+                parsed.hostname, parsed.port, world_size, is_master=False, timeout=setup_timeout or timeout
+            )
     # The prefix keeps two groups on one store (or one master port reused later) apart.
     prefixed = dist.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(

@@ -7,9 +7,9 @@ apply-and-verify GB/s (into a host-local store); then against one CPU engine ser
 (gloo) sync GB/s next to a raw single-buffer broadcast of the same bytes to a plain receiver.
 
 The machine is shared, so timings are best-of-N: encode best of 2; apply-and-verify
-(`apply_verify_gb_s`) best of 3 chain steps after the first, where the version being pruned
-lends its cached files, and `apply_verify_first_gb_s` the first apply into a freshly seeded store
-(every output page newly allocated); each distributed sync is paired with a raw broadcast right
+(`apply_verify_gb_s`) best of 3 chain steps after the first (a store holding two versions, the
+oldest pruned after each publish), and `apply_verify_first_gb_s` the first apply into a freshly
+seeded store; each distributed sync is paired with a raw broadcast right
 after it (`over_raw` = best raw time / best sync time per bucket size).
 """
 
@@ -152,8 +152,8 @@ def delta_figures(
         t0 = time.perf_counter()
         store.apply(out)
         apply_s = time.perf_counter() - t0
-        # Steady state of a chain: the store holds current + previous, and the version that the
-        # publish prunes lends its files (pages already cached) to the new one.
+        # Steady state of a chain: the store holds current + previous; each apply writes new
+        # files and the publish then prunes the oldest version.
         steady_s = []
         prev = out
         for step in (2, 3, 4):
@@ -173,7 +173,7 @@ def delta_figures(
                 "delta_bytes": index.delta_bytes,
                 "delta_over_full": index.delta_bytes / full,
                 "encode_gb_s": full / encode_s / 1e9,
-                # Each sync after a chain's first: the pruned version's cached files are reused.
+                # Each sync after a chain's first (a store already holding two versions).
                 "apply_verify_gb_s": full / min(steady_s) / 1e9,
                 # Into a freshly seeded store: every output page is newly allocated.
                 "apply_verify_first_gb_s": full / apply_s / 1e9,
@@ -250,6 +250,7 @@ class RawBroadcaster:
 async def engine_figures(
     work: Path, hidden: int, layers: int, bucket_mib: list[int], syncs: int
 ) -> dict[str, Any]:
+    from tether.rollout.engine_auth import engine_env, new_engine_key
     from tether.rollout.engine_client import EngineClient
     from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
     from tether.sync.transport_delta import DeltaDiskTransport
@@ -264,12 +265,13 @@ async def engine_figures(
     port = _port()
     cmd = [sys.executable, "-m", "tether.rollout.cpu_engine", "--model-path", str(model), "--port", str(port)]
     cmd += ["--weight-version", "0"]
+    key = new_engine_key()
     proc = await asyncio.to_thread(
-        subprocess.Popen, cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        subprocess.Popen, cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=engine_env(key)
     )
     out: dict[str, Any] = {"engine_model_bytes": nbytes}
     try:
-        async with EngineClient(f"http://127.0.0.1:{port}", name="bench") as client:
+        async with EngineClient(f"http://127.0.0.1:{port}", name="bench", api_key=key) as client:
             await client.wait_ready(120)
             base: dict[str, Any] = {
                 "update_weight_request_timeout": 600.0,

@@ -2,21 +2,31 @@
 
 Deltas are byte-level and dtype-blind, so this module exposes each tensor as a window of raw
 bytes of its shard file (from the safetensors header: 8-byte little-endian length, then JSON).
+
+Everything read from a checkpoint's files is checked before use: shard names from the index stay
+inside the checkpoint directory, and each header is validated by the safetensors library (known
+dtypes, shape × dtype size equal to the byte range, ranges contiguous and inside the file).
+tether's marker also records every tensor's header entry, so a header edited in a way that still
+parses (a same-size dtype, permuted dimensions) fails verification too.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
+from tether.runtime.safe_paths import contained
 from tether.sync.checksum import checksum_fn
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -41,6 +51,8 @@ TORCH_TO_ST: dict[torch.dtype, str] = {
 }
 ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
 ST_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in ST_TO_TORCH.items()}
+# The safetensors format caps the JSON header at 100 MB; a larger length is a damaged file.
+MAX_HEADER_BYTES = 100_000_000
 
 
 class CheckpointError(ValueError):
@@ -57,12 +69,15 @@ class TensorSlot(msgspec.Struct, frozen=True):
 
 
 class WeightsMarker(msgspec.Struct, kw_only=True):
-    """`tether_weights.json`: the version a checkpoint holds and the checksum of every tensor."""
+    """`tether_weights.json`: the version a checkpoint holds, the checksum of every tensor, and
+    every tensor's header entry (dtype, shape, byte range): the checksums cover bytes only.
+    Markers written before `layout` existed have none and are checked without it."""
 
     format: str = "tether-weights"
     version: int
     checksum: str
     checksums: dict[str, str]
+    layout: dict[str, TensorSlot] = msgspec.field(default_factory=dict)
 
 
 def is_weight_file(name: str) -> bool:
@@ -70,30 +85,65 @@ def is_weight_file(name: str) -> bool:
 
 
 def read_header(path: Path) -> dict[str, TensorSlot]:
-    """The tensor table of one safetensors file, with absolute byte offsets."""
+    """The tensor table of one safetensors file, with absolute byte offsets.
+
+    Raises CheckpointError naming the file (and the tensor and field where it can) unless the
+    header is one the safetensors library accepts: readers and engines load it the same way.
+    """
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             raw_len = f.read(8)
             if len(raw_len) != 8:
                 raise CheckpointError(f"{path}: truncated safetensors header")
             (header_len,) = struct.unpack("<Q", raw_len)
+            # Checked before reading: a damaged length would otherwise allocate that much.
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(
+                    f"{path}: safetensors header length {header_len} exceeds the file ({size} bytes)"
+                    f" or the format's {MAX_HEADER_BYTES}-byte limit"
+                )
             header = json.loads(f.read(header_len))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable safetensors header: {exc}") from exc
-    size = path.stat().st_size
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
     base = 8 + header_len
     slots: dict[str, TensorSlot] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        start, end = entry["data_offsets"]
-        slot = TensorSlot(entry["dtype"], list(entry["shape"]), base + start, base + end)
+        slots[name] = slot = _slot(path, name, entry, base)
         if slot.end > size:
             raise CheckpointError(
                 f"{path}: tensor {name!r} ends at byte {slot.end} past the file size {size}"
             )
-        slots[name] = slot
+    try:
+        # The library's own validation (dtype names, contiguous ranges covering the data): what
+        # it refuses, an engine could not load either.
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: invalid safetensors header: {exc}") from exc
     return slots
+
+
+def _slot(path: Path, name: str, entry: Any, base: int) -> TensorSlot:
+    """One header entry as a TensorSlot, its byte range checked against dtype × shape."""
+    try:
+        dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        ok = isinstance(dtype, str) and all(isinstance(x, int) and x >= 0 for x in [*shape, start, end])
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {entry!r}")
+    itemsize = ST_ITEMSIZE.get(dtype)
+    if itemsize is not None and end - start != itemsize * math.prod(shape):
+        raise CheckpointError(
+            f"{path}: tensor {name!r}: shape={shape} of {dtype} is {itemsize * math.prod(shape)} bytes, "
+            f"but data_offsets=[{start}, {end}] hold {end - start}"
+        )
+    return TensorSlot(dtype, list(shape), base + start, base + end)
 
 
 def weight_map(ckpt: Path) -> dict[str, str]:
@@ -105,6 +155,11 @@ def weight_map(ckpt: Path) -> dict[str, str]:
             mapping = data["weight_map"]
         except (json.JSONDecodeError, KeyError) as exc:
             raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+        if not isinstance(mapping, dict):
+            raise CheckpointError(f"{index}: weight_map is not an object")
+        for name, shard in mapping.items():
+            # Every reader joins these names to ckpt: one leaving it could read or overwrite anything.
+            contained(ckpt, shard, entry=f"{INDEX_NAME} weight_map[{name!r}]", error=CheckpointError)
         return {str(k): str(v) for k, v in mapping.items()}
     if (ckpt / SINGLE_SHARD).exists():
         return dict.fromkeys(read_header(ckpt / SINGLE_SHARD), SINGLE_SHARD)
@@ -144,7 +199,7 @@ class CheckpointView:
         self.slots: dict[str, TensorSlot] = {}
         self._maps: dict[str, mmap.mmap] = {}
         for shard in sorted(set(self.weight_map.values())):
-            path = ckpt / shard
+            path = contained(ckpt, shard, entry=f"{INDEX_NAME} shard", error=CheckpointError)
             if not path.exists():
                 raise CheckpointError(f"{ckpt}: shard {shard!r} named in the index is missing")
             header = read_header(path)
@@ -204,13 +259,33 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+def check_layout(where: Path, slots: dict[str, TensorSlot], recorded: dict[str, TensorSlot]) -> None:
+    """Refuse (CheckpointError naming the tensor) headers that differ from the recorded layout;
+    an empty record (a marker from before layouts were recorded) checks nothing."""
+    if not recorded:
+        return
+    if set(slots) != set(recorded):
+        extra = sorted(set(slots) ^ set(recorded))
+        raise CheckpointError(f"{where}: tensors and the recorded layout differ: {extra[:5]}")
+    for name in sorted(slots):
+        got, want = slots[name], recorded[name]
+        if got != want:
+            raise CheckpointError(
+                f"{where}: tensor {name!r}: the safetensors header says {got.dtype}{got.shape} at bytes "
+                f"[{got.start}, {got.end}), the marker recorded {want.dtype}{want.shape} at "
+                f"[{want.start}, {want.end})"
+            )
+
+
 def verify_checkpoint(ckpt: Path) -> WeightsMarker:
-    """Check every tensor of a checkpoint against its marker's checksums; raise CheckpointError if not."""
+    """Check every tensor of a checkpoint against its marker (header layout and checksums);
+    raise CheckpointError if not."""
     marker = read_marker(ckpt)
     if marker is None:
         raise CheckpointError(f"{ckpt}: no {MARKER_NAME}; it is not a tether-published checkpoint")
     digest = checksum_fn(marker.checksum)
     with open_checkpoint(ckpt) as view:
+        check_layout(ckpt, view.slots, marker.layout)
         if set(view.slots) != set(marker.checksums):
             extra = sorted(set(view.slots) ^ set(marker.checksums))
             raise CheckpointError(f"{ckpt}: tensors and marker checksums differ: {extra[:5]}")

@@ -7,7 +7,9 @@
   tether weights repair --target STORE --full DIR
 
 Each prints one JSON line describing what it did and exits non-zero with a clear message when it
-refuses (wrong base, version gap, checksum mismatch, corrupted or truncated files).
+refuses (wrong base, version gap, checksum mismatch, corrupted or truncated files, a safetensors
+header that is invalid or differs from the one recorded, a file name in an index or delta that
+would leave its directory).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ and only then is the result published by the caller (see tether.sync.local_store
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import threading
@@ -22,13 +23,17 @@ import msgspec
 import numpy as np
 import zstandard
 
+from tether.runtime.safe_paths import contained
 from tether.sync.checkpoint_files import (
     MARKER_NAME,
     ST_ITEMSIZE,
     CheckpointError,
     CheckpointView,
+    TensorSlot,
     WeightsMarker,
+    check_layout,
     open_checkpoint,
+    read_marker,
 )
 from tether.sync.checksum import checksum_fn, frame_digest
 from tether.sync.delta_format import (
@@ -70,6 +75,10 @@ class ChecksumMismatch(DeltaRefused):
 
 class CorruptDelta(DeltaRefused):
     """The delta's files are truncated or corrupted."""
+
+
+def _data_path(delta_dir: Path, file: str) -> Path:
+    return contained(delta_dir, file, entry="delta frame file", error=CorruptDelta)
 
 
 def resolve_threads(threads: int) -> int:
@@ -238,13 +247,58 @@ def checkpoint_tensors(view: CheckpointView) -> dict[str, RawTensor]:
     return {name: RawTensor(s.dtype, s.shape, view.bytes_of(name)) for name, s in view.slots.items()}
 
 
+def check_frames(delta_dir: Path, index: DeltaIndex) -> None:
+    """Refuse (CorruptDelta naming the tensor, field and value) any frame whose sizes do not fit
+    the tensor it patches (dtype × shape) or whose data file is outside the delta directory, so
+    nothing is allocated or read on the word of a damaged or crafted index."""
+    for name, t in index.tensors.items():
+
+        def bad(field: str, value: object, why: str, name: str = name) -> CorruptDelta:
+            return CorruptDelta(f"{delta_dir}: tensor {name!r}: {field}={value!r} {why}")
+
+        if any(d < 0 for d in t.shape):
+            raise bad("shape", t.shape, "has a negative dimension")
+        # A dtype without a known size (no torch equivalent) is checked against the target's
+        # header instead, in check_base.
+        itemsize = ST_ITEMSIZE.get(t.dtype)
+        if itemsize is not None and t.nbytes != itemsize * math.prod(t.shape):
+            raise bad("nbytes", t.nbytes, f"but {t.dtype}{t.shape} is {itemsize * math.prod(t.shape)} bytes")
+        width = _element_size(t.dtype, t.nbytes)
+        elements = t.nbytes // width
+        for i, fr in enumerate(t.frames):
+            where = f"frames[{i}]"
+            _data_path(delta_dir, fr.file)
+            for field in ("offset", "length", "start", "count"):
+                if getattr(fr, field) < 0:
+                    raise bad(f"{where}.{field}", getattr(fr, field), "is negative")
+            if fr.start + fr.count > elements:
+                raise bad(
+                    f"{where}.start+count",
+                    fr.start + fr.count,
+                    f"covers elements past the tensor's end ({elements} elements)",
+                )
+            if fr.op == "overwrite":
+                if not 0 < fr.n_changed <= fr.count:
+                    raise bad(f"{where}.n_changed", fr.n_changed, f"is not in 1..count={fr.count}")
+                expected = fr.n_changed * (4 + width)  # uint32 gaps, then the values
+            else:
+                expected = fr.count * width
+            if fr.raw_length != expected:
+                raise bad(
+                    f"{where}.raw_length",
+                    fr.raw_length,
+                    f"but a {fr.op} frame of {fr.count} elements of {width} bytes holds {expected}",
+                )
+
+
 def verify_delta(delta_dir: Path) -> DeltaIndex:
     """Check a delta's index and that every frame is present and matches its digest."""
     index = read_index(delta_dir)
+    check_frames(Path(delta_dir), index)
     sizes: dict[str, int] = {}
     for name, t in index.tensors.items():
         for fr in t.frames:
-            path = Path(delta_dir) / fr.file
+            path = _data_path(Path(delta_dir), fr.file)
             if fr.file not in sizes:
                 if not path.exists():
                     raise CorruptDelta(f"{delta_dir}: data file {fr.file!r} is missing")
@@ -331,6 +385,7 @@ class _ShardWriter:
         self.state = _ThreadState()
         self.out_fds: dict[str, int] = {}
         self.delta_fds: dict[str, int] = {}
+        self.delta_sizes: dict[str, int] = {}
 
     def __enter__(self) -> _ShardWriter:
         return self
@@ -339,35 +394,30 @@ class _ShardWriter:
         for fd in [*self.out_fds.values(), *self.delta_fds.values()]:
             os.close(fd)
 
-    def open_shard(self, shard: str, size: int, reuse: Path | None = None) -> None:
-        """Create the new shard file; with `reuse`, take over that file instead (renamed into
-        out_dir and overwritten entirely by the plan): overwriting pages already in the page cache
-        is several times faster than allocating fresh ones when memory is full of cache."""
-        path = self.out_dir / shard
-        flags = os.O_WRONLY | os.O_CREAT
-        if reuse is not None:
-            try:
-                os.rename(reuse, path)
-            except OSError:
-                flags |= os.O_TRUNC
-        else:
-            flags |= os.O_TRUNC
-        fd = os.open(path, flags, 0o644)
+    def open_shard(self, shard: str, size: int) -> None:
+        """Create the new shard file (in out_dir, a staging directory only this apply writes)."""
+        path = contained(self.out_dir, shard, entry="delta weight_map shard", error=CorruptDelta)
+        # O_EXCL: never write through a file or link that was already there.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.out_fds[shard] = fd
         os.ftruncate(fd, size)
 
     def _delta_fd(self, file: str) -> int:
         fd = self.delta_fds.get(file)
         if fd is None:
-            path = self.delta_dir / file
+            path = _data_path(self.delta_dir, file)
             try:
                 fd = self.delta_fds[file] = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 raise CorruptDelta(f"{self.delta_dir}: data file {file!r} is missing") from None
+            self.delta_sizes[file] = os.fstat(fd).st_size
         return fd
 
     def _decompress(self, fr: DeltaFrame, name: str) -> np.ndarray:
         path = self.delta_dir / fr.file
+        # Checked before reading: pread allocates the length it is asked for.
+        if fr.offset + fr.length > self.delta_sizes[fr.file]:
+            raise CorruptDelta(f"{path}: truncated: frame of {name!r} at byte {fr.offset} is short")
         blob = os.pread(self.delta_fds[fr.file], fr.length, fr.offset)
         if len(blob) != fr.length:
             raise CorruptDelta(f"{path}: truncated: frame of {name!r} at byte {fr.offset} is short")
@@ -473,7 +523,7 @@ def check_base(index: DeltaIndex, view: CheckpointView, base_version: int) -> No
         raise WrongBase("the target's weight map differs from the delta's (another model or shard layout)")
     for name, t in index.tensors.items():
         slot = view.slots[name]
-        if slot.dtype != t.dtype or slot.shape != t.shape:
+        if slot.dtype != t.dtype or slot.shape != t.shape or slot.end - slot.start != t.nbytes:
             raise WrongBase(
                 f"tensor {name!r} is {slot.dtype}{slot.shape} in the target, {t.dtype}{t.shape} in the delta"
             )
@@ -487,21 +537,25 @@ def apply_delta(
     *,
     threads: int = 0,
     index: DeltaIndex | None = None,
-    reuse: Mapping[str, Path] | None = None,
 ) -> WeightsMarker:
     """Build the delta's result in out_dir (existing, empty) from base_dir; verify every checksum.
 
-    base_dir is only read. On any refusal an exception derived from DeltaRefused is raised and
-    out_dir may hold partial files that the caller discards. `reuse` maps shard names to files the
-    caller gives up (single-link files of a version about to be pruned): changed shards are
-    written over them instead of into new files; every byte is rewritten.
+    base_dir is only read, and nothing outside out_dir is written. On any refusal an exception
+    derived from DeltaRefused is raised and out_dir may hold partial files that the caller discards.
     """
     delta_dir = Path(delta_dir)
     index = index or read_index(delta_dir)
+    check_frames(delta_dir, index)
     digest = checksum_fn(index.checksum)
     changed = index.changed()
     with open_checkpoint(base_dir) as view, ThreadPoolExecutor(resolve_threads(threads)) as pool:
         check_base(index, view, base_version)
+        base_marker = read_marker(base_dir)
+        try:
+            check_layout(base_dir, view.slots, base_marker.layout if base_marker else {})
+        except CheckpointError as exc:
+            raise WrongBase(str(exc)) from exc
+        layout = dict(view.slots)  # the result's headers are the base's bytes, copied
         # The base bytes of changed tensors must be exactly the base's: XOR on other bytes is garbage.
         base_sums = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), changed))
         for name in changed:
@@ -515,22 +569,29 @@ def apply_delta(
         with _ShardWriter(view, delta_dir, out_dir) as writer:
             plan: list[_Write] = []
             for shard in changed_shards:
-                size = (base_dir / shard).stat().st_size
-                writer.open_shard(shard, size, (reuse or {}).get(shard))
+                size = view.shard_bytes(shard).size
+                writer.open_shard(shard, size)
                 plan += _plan_shard(shard, size, view, index, FRAME_BYTES)
             writer.run(plan, pool)
-    new_sums = verify_tensors(out_dir, index, pool_threads=threads)
-    marker = WeightsMarker(version=index.version, checksum=index.checksum, checksums=new_sums)
+    new_sums = verify_tensors(out_dir, index, pool_threads=threads, layout=layout)
+    marker = WeightsMarker(version=index.version, checksum=index.checksum, checksums=new_sums, layout=layout)
     (out_dir / MARKER_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(marker)))
     return marker
 
 
-def verify_tensors(ckpt: Path, index: DeltaIndex, pool_threads: int = 0) -> dict[str, str]:
-    """Checksum every tensor of ckpt against the index; raise ChecksumMismatch on the first wrong one."""
+def verify_tensors(
+    ckpt: Path, index: DeltaIndex, pool_threads: int = 0, layout: dict[str, TensorSlot] | None = None
+) -> dict[str, str]:
+    """Checksum every tensor of ckpt against the index (and its headers against `layout` when
+    given); raise ChecksumMismatch on the first wrong one."""
     digest = checksum_fn(index.checksum)
     with open_checkpoint(ckpt) as view, ThreadPoolExecutor(resolve_threads(pool_threads)) as pool:
         if set(view.slots) != set(index.tensors):
             raise ChecksumMismatch(f"{ckpt}: tensor names differ from the delta's")
+        try:
+            check_layout(ckpt, view.slots, layout or {})
+        except CheckpointError as exc:
+            raise ChecksumMismatch(str(exc)) from exc
         got = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), sorted(index.tensors)))
     for name, t in index.tensors.items():
         if got[name] != t.checksum:

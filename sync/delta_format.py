@@ -17,6 +17,8 @@ from typing import Literal
 
 import msgspec
 
+from tether.runtime.safe_paths import contained
+
 DELTA_INDEX = "delta_index.json"
 FORMAT_NAME = "tether-weight-delta"
 FORMAT_VERSION = 1
@@ -91,6 +93,9 @@ def read_index(delta_dir: Path) -> DeltaIndex:
         )
     if index.compression != "zstd":
         raise DeltaFormatError(f"{path}: compression={index.compression!r} is not supported")
+    for name, shard in index.weight_map.items():
+        # Appliers join shard names to the target and to the new version's staging directory.
+        contained(Path(delta_dir), shard, entry=f"weight_map[{name!r}]", error=DeltaFormatError)
     for name, t in index.tensors.items():
         if index.weight_map.get(name) != t.shard:
             raise DeltaFormatError(f"{path}: tensor {name!r} shard {t.shard!r} disagrees with the weight map")

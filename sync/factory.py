@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from tether.rollout.engine_auth import key_from_env
 from tether.rollout.engine_client import EngineClient
 from tether.sync.config import WeightSyncConfig
 from tether.sync.ledger import LedgerEntry
@@ -23,9 +24,15 @@ class Transport(Protocol):
     async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry: ...
 
 
-def engine_clients(urls: Sequence[str], timeout: float) -> list[EngineClient]:
+def engine_clients(urls: Sequence[str], timeout: float, api_key: str | None = None) -> list[EngineClient]:
+    """Clients for the engines a trainer rank pushes weights to, sending the engine key: `api_key`,
+    else TETHER_ENGINE_API_KEY, which the head puts in the ranks' environment."""
     # The one HTTP client tether has for engines; sync depends on it rather than keeping a twin.
-    return [EngineClient(url, name=f"engine{i}", request_timeout=timeout) for i, url in enumerate(urls)]
+    key = api_key if api_key is not None else key_from_env()
+    return [
+        EngineClient(url, name=f"engine{i}", request_timeout=timeout, api_key=key)
+        for i, url in enumerate(urls)
+    ]
 
 
 def weight_group_backend() -> str:

@@ -19,8 +19,16 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
+from tether.runtime.safe_paths import contained
 from tether.sync.atomic import staged_dir
-from tether.sync.checkpoint_files import INDEX_NAME, MARKER_NAME, WeightsMarker, is_weight_file, tensor_bytes
+from tether.sync.checkpoint_files import (
+    INDEX_NAME,
+    MARKER_NAME,
+    WeightsMarker,
+    is_weight_file,
+    open_checkpoint,
+    tensor_bytes,
+)
 from tether.sync.checksum import checksum_fn
 
 VERSION_DIR = re.compile(r"^weight_v(\d{6,})$")
@@ -64,7 +72,9 @@ def _write_layout(
             if t.numel() and t.data_ptr() in ptrs:
                 group[name] = t.clone()
             ptrs.add(group[name].data_ptr())
-        save_file(group, str(out_dir / shard), metadata={"format": "pt"})
+        # The layout may come from another checkpoint's index: its names must stay in out_dir.
+        path = contained(out_dir, shard, entry="shard layout file")
+        save_file(group, str(path), metadata={"format": "pt"})
     return dict(layout), checksums, total
 
 
@@ -141,7 +151,9 @@ def write_hf_checkpoint(
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=2))
         if base_dir is not None:
             copy_model_files(Path(base_dir), staging)
-        marker = WeightsMarker(version=version, checksum=checksum, checksums=checksums)
+        with open_checkpoint(staging) as view:  # each tensor's header entry, as written
+            written = dict(view.slots)
+        marker = WeightsMarker(version=version, checksum=checksum, checksums=checksums, layout=written)
         (staging / MARKER_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(marker)))
     return marker
 

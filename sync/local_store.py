@@ -4,27 +4,28 @@ Layout: `<root>/weight_v{N:06d}/` complete checkpoints, `<root>/current` a symli
 engines should load, `<root>/.lock` the file lock that serialises appliers on this host. A delta
 is applied into `weight_v{N+1}.tmp-<pid>/` beside the current version (which keeps serving),
 verified, renamed into place, and only then does `current` move, so a crash at any point leaves
-the store at the old version. The previous version is kept for an engine still reading it; the
-version a publish will prune lends its single-link shard files to the apply, which overwrites
-them (pages already cached: much faster than allocating new ones when memory is full of cache).
+the store at the old version. The previous version is kept for an engine still reading it and
+is pruned only after the new version is published: an apply refused at any point, however
+late (a result that fails its checksums), leaves every version the store held untouched.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import stat
 import time
 from pathlib import Path
 
 import msgspec
 from filelock import FileLock, Timeout
 
+from tether.runtime.safe_paths import contained
 from tether.sync.atomic import fsync_path, publish_dir, replace_symlink, temp_dir_for
 from tether.sync.checkpoint_files import (
     MARKER_NAME,
     CheckpointError,
     WeightsMarker,
+    check_layout,
     is_weight_file,
     open_checkpoint,
     read_marker,
@@ -68,7 +69,9 @@ class LocalCheckpointStore:
         link = self.root / CURRENT
         if not link.is_symlink():
             return None
-        return (self.root / os.readlink(link)).resolve()
+        # tether points it at a version beside it; anything else was not written by a store.
+        target = contained(self.root, os.readlink(link), entry=f"{CURRENT} link", error=StoreError)
+        return target.resolve()
 
     def version(self) -> int | None:
         path = self.current_path()
@@ -125,24 +128,6 @@ class LocalCheckpointStore:
                 shutil.rmtree(path, ignore_errors=True)
         fsync_path(self.root)
 
-    def _set_aside_doomed(self, current: int) -> Path | None:
-        """Move the oldest version that the next publish would prune out of the way (renamed to
-        `.old-<pid>`, which _clean_staging removes after a crash) so its files can be reused.
-
-        Safe because the ledger publishes version N+1 only after every engine serves N, so no
-        engine reads a version older than the current one's predecessors kept by keep_previous.
-        """
-        older = sorted(v for v in published_versions(self.root) if v < current)
-        kept_after = set(older[-(self.keep_previous - 1) :]) if self.keep_previous > 1 else set()
-        doomed = [v for v in older if v not in kept_after]
-        if not doomed:
-            return None
-        path = published_versions(self.root)[doomed[0]]
-        aside = path.with_name(f"{path.name}.old-{os.getpid()}")
-        os.rename(path, aside)
-        fsync_path(self.root)
-        return aside
-
     def seed(self, source: Path, *, version: int | None = None, checksum: str = "xxh3-128") -> ApplyOutcome:
         """Make a full checkpoint the store's current version (a no-op if the store already has one).
 
@@ -187,13 +172,19 @@ class LocalCheckpointStore:
                     shutil.copyfile(entry, staging / entry.name)
             digest = checksum_fn(checksum if marker is None else marker.checksum)
             with open_checkpoint(staging) as view:
+                # The copy's headers (checked by open_checkpoint) against the source's record.
+                check_layout(source, view.slots, marker.layout if marker is not None else {})
                 sums = {name: digest(view.bytes_of(name)) for name in sorted(view.slots)}
                 nbytes = view.total_bytes()
+                layout = dict(view.slots)
             if marker is not None and sums != marker.checksums:
                 bad = sorted(n for n in sums if sums[n] != marker.checksums.get(n))
                 raise CheckpointError(f"{source}: copied tensors fail their recorded checksums: {bad[:5]}")
             new_marker = WeightsMarker(
-                version=version, checksum=checksum if marker is None else marker.checksum, checksums=sums
+                version=version,
+                checksum=checksum if marker is None else marker.checksum,
+                checksums=sums,
+                layout=layout,
             )
             (staging / MARKER_NAME).write_bytes(msgspec.json.encode(new_marker))
             path = self._publish(staging, version)
@@ -231,24 +222,14 @@ class LocalCheckpointStore:
             final = self.root / version_dir_name(index.version)
             staging = temp_dir_for(final)
             staging.mkdir(parents=True)
-            aside = self._set_aside_doomed(current)
-            reuse: dict[str, Path] = {}
             try:
-                reuse = _reusable_shards(aside)
-                apply_delta(
-                    cur_path, current, delta_dir, staging, threads=self.threads, index=index, reuse=reuse
-                )
+                # Built entirely aside, in new files: no version the store holds is touched
+                # until the result has passed every check and is published.
+                apply_delta(cur_path, current, delta_dir, staging, threads=self.threads, index=index)
                 path = self._publish(staging, index.version)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
-                if aside is not None and all(p.exists() for p in reuse.values()):
-                    # Refused before any of its files were taken (a wrong base, say): put it back.
-                    os.rename(aside, aside.with_name(aside.name.rsplit(".old-", 1)[0]))
-                    aside = None
                 raise
-            finally:
-                if aside is not None:
-                    shutil.rmtree(aside, ignore_errors=True)
             return ApplyOutcome(
                 version=index.version,
                 path=str(path),
@@ -256,18 +237,6 @@ class LocalCheckpointStore:
                 seconds=time.perf_counter() - start,
                 bytes_read=index.delta_bytes,
             )
-
-
-def _reusable_shards(doomed: Path | None) -> dict[str, Path]:
-    """Shard files of a doomed version that no other version shares (hard links are shared)."""
-    if doomed is None:
-        return {}
-    found: dict[str, Path] = {}
-    for entry in doomed.iterdir():
-        st = entry.lstat()
-        if entry.name.endswith(".safetensors") and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-            found[entry.name] = entry
-    return found
 
 
 def is_store(path: Path) -> bool:

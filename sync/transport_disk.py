@@ -68,9 +68,7 @@ class FullDiskTransport:
         async with paused(self.engines, cfg.update_weight_pause_mode, timeout) as pause_clock:
             await on_all(self.engines, lambda e: reload_from_disk(e, str(path), version, timeout))
             pause_s = pause_clock()
-        if not cfg.update_weight_disk_keep_files:  # every engine has reloaded the new version
-            await asyncio.to_thread(prune_versions, self.disk_dir, {version})
-        return await confirmed_entry(
+        entry = await confirmed_entry(
             self.engines,
             timeout,
             version=version,
@@ -81,3 +79,8 @@ class FullDiskTransport:
             started_at=started_at,
             note=str(path),
         )
+        # Only once every engine confirmed the new version: until then the previous one is what a
+        # restarted engine catches up to, so it must stay on disk.
+        if entry.ok and not cfg.update_weight_disk_keep_files:
+            await asyncio.to_thread(prune_versions, self.disk_dir, {version})
+        return entry

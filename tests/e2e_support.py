@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,32 @@ def tether(*args: str, timeout: float = 300, check: bool = True) -> subprocess.C
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_clean_exit(run: Path) -> None:
+    """A run that ended normally looks clean: no error file in logs/, and every process it
+    started exited 0, not by a signal (each trainer job and engine has its exit recorded); the
+    trainer jobs by themselves, after the head asked their ranks to exit."""
+    logs = run / "logs"
+    assert sorted(p.name for p in logs.glob("*error*.json")) == []
+    exits = {e["name"]: e for e in jsonl(run / "events.jsonl") if e["event"] == "process_exit"}
+    for record in exits.values():
+        assert (record["returncode"], record["signal"], record["expected"]) == (0, None, True), record
+    started = {p.stem for p in logs.glob("*.log") if p.stem.startswith(("trainer-node", "engine"))}
+    assert started and started <= set(exits), (started, exits)
+    for name in started:
+        if name.startswith("trainer-node"):
+            assert exits[name]["stopped_by"] == "request", exits[name]
+
+
+def wait_for(
+    what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = 150.0
+) -> None:
+    """Poll `check` (files the run writes) until true; fail at once if the run exits first."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited {proc.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling a file another process writes; the condition is the sync

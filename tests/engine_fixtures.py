@@ -1,6 +1,9 @@
 """Helpers for tests that drive engines over HTTP: start an engine (the CPU engine directly, or
 either backend through tether's launcher and supervisor), a tiny JSON client, and transformers
-references for greedy tokens and log-probs."""
+references for greedy tokens and log-probs.
+
+Every engine requires an API key; the engines tests start take ENGINE_KEY (as a run's head
+makes one), and `Engine` and `engine_client` send it."""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import torch
 
 from tether.placement.plan import Engine as PlanEngine
 from tether.placement.plan import EnginePart
+from tether.rollout.engine_auth import bearer_header, engine_env, new_engine_key
+from tether.rollout.engine_client import EngineClient
 from tether.rollout.engine_launch import (
     DEFAULT_SGLANG_VENV,
     SGLANG_PYTHON_ENV,
@@ -36,6 +41,19 @@ from tether.rollout.engine_launch import (
 from tether.runtime.loop import run
 from tether.runtime.secret import new_secret
 from tether.runtime.supervisor import Supervisor
+
+ENGINE_KEY = new_engine_key()
+"""The key of every engine the tests start (one per test session)."""
+
+
+def key_env() -> dict[str, str]:
+    """This process's environment with ENGINE_KEY, for an engine process started by a test."""
+    return engine_env(ENGINE_KEY)
+
+
+def engine_client(url: str, **kwargs: Any) -> EngineClient:
+    """tether's engine client, sending ENGINE_KEY."""
+    return EngineClient(url, api_key=ENGINE_KEY, **kwargs)
 
 
 def free_port() -> int:
@@ -53,6 +71,8 @@ class Engine:
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     kind: str = "cpu"
+    api_key: str | None = ENGINE_KEY
+    """Sent as `Authorization: Bearer`; `dataclasses.replace(engine, api_key=None)` is a stranger."""
 
     def request(
         self, path: str, payload: Any = None, method: str = "POST", timeout: float = 60
@@ -64,6 +84,8 @@ class Engine:
         )
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
+        for name, value in bearer_header(self.api_key).items():
+            req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 status, raw = resp.status, resp.read()
@@ -88,6 +110,8 @@ class Engine:
     def stream(self, payload: dict[str, Any], timeout: float = 60) -> list[Any]:
         req = urllib.request.Request(self.url + "/generate", data=json.dumps(payload).encode(), method="POST")
         req.add_header("Content-Type", "application/json")
+        for name, value in bearer_header(self.api_key).items():
+            req.add_header(name, value)
         events: list[Any] = []
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             for line in resp:
@@ -112,7 +136,7 @@ def start_cpu_engine(model_path: str, log_dir: Path, *extra: str, deadline_s: fl
         *extra,
     ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=key_env())
     engine = Engine(url=f"http://127.0.0.1:{port}", model_path=model_path, proc=proc, log=log)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -294,6 +318,7 @@ def start_supervised(
         sglang_python=sglang_python,
         sglang_args=list(sglang_args or []),
         ready_timeout=ready_timeout,
+        api_key=ENGINE_KEY,
     )
     supervised = SupervisedEngine(run_dir, local_plan_engine(), cfg)
     try:

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from engine_fixtures import key_env
+
 from tether.config import Config
 from tether.rollout.config import DataConfig, RolloutConfig
 
@@ -34,7 +36,8 @@ def make_model(out: Path) -> Path:
 def cpu_engine(
     model: Path, log_dir: Path, extra: Sequence[str] = (), ready_s: float = 120.0
 ) -> Iterator[str]:
-    """A real `python -m tether.rollout.cpu_engine` process on a free port; yields its URL."""
+    """A real `python -m tether.rollout.cpu_engine` process on a free port, requiring ENGINE_KEY;
+    yields its URL."""
     port = free_port()
     log_path = log_dir / f"engine-{port}.log"
     with log_path.open("wb") as log:
@@ -56,6 +59,7 @@ def cpu_engine(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=key_env(),
         )
     url = f"http://127.0.0.1:{port}"
     try:

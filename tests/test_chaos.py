@@ -21,13 +21,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from e2e_support import Workspace, jsonl, make_workspace
+from e2e_support import Workspace, jsonl, make_workspace, wait_for
 
 from tether.run_dir import model_steps, read_jsonl
 
@@ -76,24 +75,27 @@ def start(ws: Workspace, run: Path, tmp: Path, attempt: int) -> subprocess.Popen
         )
 
 
+def resumed_for_two_steps(ws: Workspace, run: Path, tmp: Path, attempt: int) -> subprocess.Popen[bytes]:
+    """Start the next attempt; return once it resumed and trained two more steps."""
+    resumed_before = count(run, "resumed")
+    proc = start(ws, run, tmp, attempt)
+    try:
+        wait_for("the resume", lambda: count(run, "resumed") > resumed_before, proc)
+        at = live_steps(run)
+        wait_for("two more steps", lambda: live_steps(run) >= at + 2, proc)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
 def events(run: Path) -> list[dict[str, Any]]:
     return read_jsonl(run / "events.jsonl")
 
 
 def live_steps(run: Path) -> int:
     return len(model_steps(read_jsonl(run / "samples.jsonl")).steps)
-
-
-def wait_for(
-    what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = 150
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run exited {proc.returncode} while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling files another process writes; the condition is the sync
 
 
 def descendants(pid: int, argv: list[str]) -> list[psutil.Process]:
@@ -153,12 +155,8 @@ def test_chaos_every_step_once(ws: Workspace, tmp_path: Path) -> None:
         assert not second.is_running() or second.status() == psutil.STATUS_ZOMBIE
 
         # --- attempt 2: resume, then SIGTERM: checkpoint and stop ----------------------------
-        proc = start(ws, run, tmp_path, 2)
+        proc = resumed_for_two_steps(ws, run, tmp_path, 2)
         procs.append(proc)
-        resumed_before = count(run, "resumed")
-        wait_for("the resume", lambda: count(run, "resumed") > resumed_before, proc)
-        at = live_steps(run)
-        wait_for("two more steps", lambda: live_steps(run) >= at + 2, proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         assert events(run)[-1]["event"] == "stopped"
@@ -168,12 +166,8 @@ def test_chaos_every_step_once(ws: Workspace, tmp_path: Path) -> None:
         assert signal_checkpoints
 
         # --- attempt 3: resume, then SIGKILL the head mid-run ------------------------------
-        proc = start(ws, run, tmp_path, 3)
+        proc = resumed_for_two_steps(ws, run, tmp_path, 3)
         procs.append(proc)
-        resumed_before = count(run, "resumed")
-        wait_for("the resume", lambda: count(run, "resumed") > resumed_before, proc)
-        at = live_steps(run)
-        wait_for("two more steps", lambda: live_steps(run) >= at + 2, proc)
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.kill()
         proc.wait(timeout=30)

@@ -2,7 +2,9 @@
 
 Each run starts real processes (a CPU engine, Megatron ranks under torchrun, the supervisor)
 on 127.0.0.1 and checks what the run records: the ledger's versions, the engines' served
-versions, finite losses, weights that change, the receipt, and each sample's version lag.
+versions, finite losses, weights that change, the receipt, and each sample's version lag;
+and that each ended cleanly: every trainer and engine process exited 0, the trainer ranks
+because they were asked to, so `logs/` holds no error file.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
-from e2e_support import Workspace, jsonl, make_workspace, tether
+from e2e_support import Workspace, check_clean_exit, jsonl, make_workspace, tether
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -42,6 +44,7 @@ def check_run(run: Path, *, transport: str, steps: int = STEPS) -> list[dict]:
     # trainer exported, from every shard and stage. Lagging samples (async) differ by design.
     on_policy = [m for m in metrics if m["rollout/version_lag_max"] == 0]
     assert on_policy and all(m["train/train_rollout_logprob_abs_diff"] < 1e-4 for m in on_policy)
+    check_clean_exit(run)
     return metrics
 
 
@@ -159,12 +162,14 @@ def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Pa
     )
     assert sorted(p.name for p in tmp_path.glob("dump_*.msgpack")) == ["dump_0.msgpack", "dump_1.msgpack"]
     assert not (gen / "logs" / "trainer-node0.log").exists()  # no trainer was started
+    check_clean_exit(gen)
     train = tmp_path / "train"
     tether(
         "run",
         *ws.flags(train, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", dumps),
     )
     assert not (train / "logs" / "engine0.log").exists()  # no engine was started
+    check_clean_exit(train)
     metrics = [m for m in jsonl(train / "metrics.jsonl") if m["step"] >= 0]
     assert len(metrics) == 2 and all(math.isfinite(m["train/loss"]) for m in metrics)
     done = tether("plot", str(train))

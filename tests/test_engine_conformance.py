@@ -15,6 +15,7 @@ import pickle
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ import pytest
 import torch
 import uvloop
 from engine_fixtures import (
+    ENGINE_KEY,
     Engine,
+    engine_client,
     find_sglang_python,
     free_port,
     hf_greedy,
@@ -35,7 +38,6 @@ from engine_fixtures import (
 )
 from safetensors.torch import load_file
 
-from tether.rollout.engine_client import EngineClient
 from tether.rollout.engine_weights import encode_named_tensors
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
 from tether.sync.config import WeightSyncConfig
@@ -257,6 +259,73 @@ def test_errors_answer_like_sglang(engine: Engine) -> None:
     assert engine.request("/health", method="GET")[0] == 200  # still serving
 
 
+# Every endpoint that changes what an engine serves, with a body it would act on.
+MUTATIONS: list[tuple[str, Any]] = [
+    ("/update_weights_from_disk", {"model_path": "<v2>", "weight_version": "stranger"}),
+    ("/update_weight_version", {"new_version": "stranger", "abort_all_requests": True}),
+    ("/pause_generation", {"mode": "abort"}),
+    ("/continue_generation", {}),
+    ("/abort_request", {"rid": "", "abort_all": True}),
+    ("/flush_cache", {}),
+    ("/begin_weight_update", {}),
+    ("/end_weight_update", {}),
+    ("/destroy_weights_update_group", {"group_name": "weight_update_group"}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["AAAA"]}),
+    (
+        "/update_weights_from_distributed",
+        {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]},
+    ),
+    ("/release_memory_occupation", {}),
+    ("/resume_memory_occupation", {}),
+]
+
+
+def test_every_endpoint_but_health_needs_the_key(engine: Engine, models: tuple[str, str]) -> None:
+    """A caller without the engine key (or with a wrong one) gets 401 and changes nothing:
+    not the weights, the version, the pause state or a request in flight."""
+    weights = {"name": "model.embed_tokens.weight", "truncate_size": 2}  # differs between v1 and v2
+    before = engine.post("/get_weights_by_name", weights)
+    version = weight_version(engine)
+    group_port = free_port()
+    join = {
+        "master_address": "127.0.0.1",
+        "master_port": group_port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": f"stranger-{group_port}",
+        "backend": "gloo",
+    }
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(long_request, engine, "kept-running", 300)
+        wait_until(lambda: running(engine) >= 1, what="request running")
+        for key in (None, "wrong-" + "k" * 20):
+            stranger = replace(engine, api_key=key)
+            for path, body in [*MUTATIONS, ("/init_weights_update_group", join)]:
+                if path == "/update_weights_from_disk":
+                    body = {**body, "model_path": models[1]}
+                status, _ = stranger.request(path, body)
+                assert status == 401, f"{path} without the key answered {status}"
+            for path in ("/generate", "/get_weights_by_name"):
+                status, _ = stranger.request(path, {"input_ids": [1, 2], "name": "model.norm.weight"})
+                assert status == 401, f"{path} without the key answered {status}"
+            for path in ("/get_model_info", "/get_server_info"):
+                assert stranger.request(path, method="GET")[0] == 401, path
+            assert stranger.request("/health", method="GET")[0] == 200  # the one open probe
+        out = fut.result(timeout=120)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"  # neither aborted nor paused
+    assert weight_version(engine) == version
+    assert engine.post("/get_weights_by_name", weights) == before
+    assert greedy(engine, PROMPTS[0], 2)["meta_info"]["finish_reason"]["type"] == "length"
+    if engine.kind == "sglang":
+        # Started with the key (through tether's shim), SGLang logs its arguments: redacted.
+        assert engine.log is not None and ENGINE_KEY not in engine.log.read_text()
+        assert "<redacted>" in engine.log.read_text()
+    if engine.kind == "cpu":
+        # SGLang leaves /health* open to probes; tether's engine opens only /health.
+        assert replace(engine, api_key=None).request("/health_generate", method="GET")[0] == 401
+        assert engine.get("/get_server_info")["internal_states"][0]["paused"] is False
+
+
 def test_continuous_batching_joins_running_batch(engine: Engine) -> None:
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(long_request, engine, "cb-long", 2000)
@@ -428,7 +497,7 @@ def test_distributed_transport_pipelines_buckets(
     )
 
     async def body() -> LedgerEntry:
-        async with EngineClient(engine.url, name=engine.kind) as client:
+        async with engine_client(engine.url, name=engine.kind) as client:
             sender = DistributedTransport([client], sync_cfg, master_port=free_port())
             try:
                 return await sender.sync(7, iter(sorted(new.items())))

@@ -125,6 +125,13 @@ def test_engine_spanning_nodes_starts_followers_first_with_plan_devices(tmp_path
         assert flags["dist-init-addr"] == [engine.dist_init_addr] and flags["chunked-prefill-size"] == ["512"]
         assert "router-policy" not in flags and "device" not in flags  # router flags go to the router
         assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    # Each part's agent binds its collectives to that part's node address (the engine's host
+    # is the first node's; a follower's comes from the plan).
+    assert (head.address, follower.address) == (engine.host, "")
+    addresses = {n.index: n.address for n in plan.nodes}
+    placed = build_launch(engine, cfg, node_address=lambda part: addresses[part.node])
+    by_rank = {part.node_rank: addresses[part.node] for part in engine.parts}
+    assert [spec.address for spec in placed.specs] == [by_rank[1], by_rank[0]]  # follower, head
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine"):
         build_launch(engine, msgspec.structs.replace(cfg, backend="cpu"))
     with pytest.raises(ConfigError, match="--hf-checkpoint"):

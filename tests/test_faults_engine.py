@@ -14,13 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from e2e_support import Workspace, jsonl, make_workspace
+from e2e_support import Workspace, jsonl, make_workspace, wait_for
 
 pytestmark = pytest.mark.slow
 INTERVAL, TIMEOUT = 0.5, 1.0
@@ -39,18 +38,6 @@ def events(run: Path) -> list[dict[str, Any]]:
 def output(run: Path) -> str:
     path = run.parent / "tether.out"
     return path.read_text()[-6000:] if path.exists() else ""
-
-
-def wait_for(
-    what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = 120.0
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run exited {proc.returncode} while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)  # polling a file another process writes; the condition is the sync
 
 
 def engine_pid(run_pid: int) -> int | None:
@@ -152,7 +139,7 @@ def test_engine_killed_three_times(ws: Workspace, tmp_path: Path) -> None:
     # and no sample after the first sync came from the initial weights
     late = [s for r in records if r["trained_at_version"] >= 3 for s in r["samples"]]
     assert late and all("default" not in s[2] for s in late)
-    metrics = [m for m in jsonl(run / "metrics.jsonl") if m["step"] >= 0]
+    metrics = [m for m in jsonl(run / "metrics.jsonl") if m.get("step", -1) >= 0]
     assert metrics[-1]["ft/engine_restarts"] == 3
 
 

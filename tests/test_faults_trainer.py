@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 import pytest
-from e2e_support import Workspace, jsonl, make_workspace, tether
+from e2e_support import Workspace, check_clean_exit, jsonl, make_workspace, tether
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -137,6 +137,8 @@ def test_killed_rank_stops_the_run_then_resume_continues_it(
     assert "rank      : 1 (local_rank: 1)" in final and "exitcode  : -9" in final
     failed = [e for e in events(run) if e["event"] == "failed"]
     assert len(failed) == 1 and "trainer-node0" in failed[0]["error"]
+    exits = {e["name"]: e for e in events(run) if e["event"] == "process_exit"}
+    assert (exits["trainer-node0"]["returncode"], exits["trainer-node0"]["expected"]) == (1, False)
     for child in descendants:  # every engine, rank, torchrun agent and shim is gone
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, child
 
@@ -150,6 +152,7 @@ def test_killed_rank_stops_the_run_then_resume_continues_it(
     resumed = tmp_path / "resumed"
     tether("run", *flags(ws, resumed, "--save", str(ckpt), "--load", str(ckpt)))
     check_resumed(resumed, baseline / "run", latest)
+    check_clean_exit(resumed)
     assert int((ckpt / "latest").read_text()) == STEPS - 1
 
 

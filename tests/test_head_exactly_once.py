@@ -28,7 +28,7 @@ from tether.progress import RunProgress
 from tether.rollout.sample import Sample
 from tether.run_dir import RunDir, model_steps, read_jsonl
 from tether.runtime.sdnotify import Notifier
-from tether.runtime.signals import StopRequested
+from tether.runtime.signals import StopRequested, handle_signals
 
 STEPS = 6
 PHASES = ("rollout", "train", "sync", "after_step")
@@ -244,7 +244,8 @@ async def one_attempt(cfg: Config, run_dir: RunDir, disk: Disk, fault: Fault | N
         fault.steps = steps
     start = await resume(cfg, steps)
     try:
-        await run_loop(cfg, LoopRange(start, STEPS), FakeSupervisor(), steps)  # type: ignore[arg-type]
+        async with handle_signals(steps.checkpoint) as stop:
+            await run_loop(cfg, LoopRange(start, STEPS), FakeSupervisor(), steps, stop)  # type: ignore[arg-type]
     except* (StopRequested, Crash):
         pass
     finally:

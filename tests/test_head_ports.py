@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Inventory, Node
 from tether.placement.plan import plan_from_config
-from tether.ports import local_ports, plan_with_free_ports, port_free
+from tether.ports import PortClaims, local_ports, machine_addresses, plan_with_free_ports, port_free
 from tether.runtime.errors import ConfigError
 
 CLUSTER = ClusterConfig(cpu_devices=3, actor_num_gpus_per_node=2, rollout_num_gpus=1, node_port_first=20000)
@@ -50,3 +53,55 @@ def test_port_free_sees_a_bound_socket() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         assert not port_free("127.0.0.1", sock.getsockname()[1])
+
+
+def _plan_and_hold(lock_dir: str, start: Any, ready: Any, done: Any) -> None:
+    """A head in another process: plan with claims, report its ports, hold them until told."""
+    start.wait()
+    claims = PortClaims(Path(lock_dir))
+    plan = plan_with_free_ports(CLUSTER, make, claims=claims, here={"127.0.0.1"})
+    ready.put(sorted(p for _, p in local_ports(plan)))
+    done.wait()
+    claims.release()
+
+
+def test_heads_started_at_the_same_instant_get_disjoint_ports(tmp_path: Path) -> None:
+    """Four heads plan at once on one machine: each claims its block before any component
+    binds it, so no two plans share a port (a probe alone would give all four the same)."""
+    ctx = multiprocessing.get_context("spawn")
+    start, done, ready = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_plan_and_hold, args=(str(tmp_path), start, ready, done)) for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    try:
+        start.set()
+        blocks = [ready.get(timeout=60) for _ in procs]
+    finally:
+        done.set()
+        for proc in procs:
+            proc.join(timeout=30)
+    ports = [p for block in blocks for p in block]
+    assert len(ports) == len(set(ports)), blocks
+    assert all(len(block) == len(local_ports(make(CLUSTER))) for block in blocks)
+
+
+def test_a_claim_lasts_until_released_or_its_holder_ends(tmp_path: Path) -> None:
+    first = PortClaims(tmp_path)
+    plan = plan_with_free_ports(CLUSTER, make, claims=first, here={"127.0.0.1"})
+    held = [p for _, p in local_ports(plan)]
+    assert first.ports == sorted(held)
+    second = PortClaims(tmp_path)
+    moved = plan_with_free_ports(CLUSTER, make, claims=second, here={"127.0.0.1"})
+    assert not set(p for _, p in local_ports(moved)) & set(held)
+    first.release()
+    assert all(second.claim(p) for p in held)  # free again once released
+    second.release()
+
+
+def test_the_heads_own_node_address_is_checked() -> None:
+    """A plan whose node is this machine's non-loopback address is checked there too."""
+    addresses = machine_addresses()
+    assert "127.0.0.1" in addresses
+    inventory = Inventory(nodes=[Node(hostname="box", address="10.99.0.1", gpus=[])])
+    plan = plan_from_config(CLUSTER, False, False, inventory)
+    assert local_ports(plan, {"10.99.0.1"}) and not local_ports(plan, {"127.0.0.1"})

@@ -1,73 +1,62 @@
-"""bin/slurm/tether.sbatch on one machine acting as a two-node allocation.
+"""bin/slurm/tether.sbatch where a real cluster cannot take it: a node without `scontrol`.
 
-A fake `srun` (and `scontrol`) on PATH start local processes with the SLURM_* variables a real
-step would have. The inventory puts node-a at 127.0.0.1 (the batch node: head and trainer
-ranks) and node-b at 127.0.0.2 (its agent, started by srun, runs the engine); both addresses
-are loopback on Linux, so nothing leaves the machine.
+Runs under real SLURM (sbatch, srun, scancel, requeue, the time-limit signal, where each process
+runs) are tests/test_ops_slurm_real.py. Every node of that cluster has `scontrol`, so the script's
+fallback, python-hostlist expanding SLURM_JOB_NODELIST, is checked here: the script runs with a
+PATH that holds only the tools it needs, a stand-in `srun` and a stand-in tether launcher that
+records how it was called. No setting is given that has a default, so the defaults are checked
+too (the real tests set the head's host and bind address to loopback ones).
+
+`free_port_block` is shared with other tests (test_ops_systemd, test_ops_slurm_real).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
+import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import pytest
-from e2e_support import Workspace, jsonl, make_workspace
-
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bin" / "slurm" / "tether.sbatch"
-JOB_ID = "4242"
+# What the script runs besides bash's builtins, scontrol and srun.
+TOOLS = ("bash", "cat", "date", "grep", "mkdir", "od", "rm", "seq", "sleep", "tail", "tr")
 
-FAKE_SRUN = """#!{python}
-# A stand-in for srun: one local process per chosen node, with that node's SLURM variables.
-import os, signal, subprocess, sys
-
-argv = sys.argv[1:]
-opts = {{}}
-while argv and argv[0].startswith("-"):
-    key, _, value = argv.pop(0).partition("=")
-    opts[key] = value
-with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
-    log.write("srun " + " ".join(sys.argv[1:]) + "\\n")
-nodes = os.environ["SLURM_JOB_NODELIST"].split(",")
-chosen = opts["--nodelist"].split(",") if "--nodelist" in opts else nodes
-chosen = chosen[: int(opts.get("--nodes") or len(chosen))]
-procs = []
-for rank, node in enumerate(chosen):
-    env = dict(os.environ, SLURMD_NODENAME=node, SLURM_NODEID=str(nodes.index(node)),
-               SLURM_PROCID=str(rank), SLURM_STEP_ID="0", SLURM_STEP_NUM_NODES=str(len(chosen)))
-    proc = subprocess.Popen(argv, env=env)
-    procs.append(proc)
-    with open(os.environ["FAKE_SLURM_PIDS"], "a") as pids:
-        pids.write(f"{{proc.pid}}\\n")
-
-def forward(signum, frame):
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-    signal.signal(sig, forward)
-codes = [proc.wait() for proc in procs]
-sys.exit(next((c for c in codes if c != 0), 0) % 256)
+FAKE_SRUN = """#!/usr/bin/env bash
+# A stand-in for srun: records its arguments, runs the command once per --nodelist node with
+# that node's SLURMD_NODENAME, and waits for them.
+echo "srun $*" >> "$FAKE_LOG"
+nodelist=""
+while [ "$#" -gt 0 ] && [ "${1#-}" != "$1" ]; do
+  case "$1" in --nodelist=*) nodelist=${1#--nodelist=} ;; esac
+  shift
+done
+IFS=, read -ra nodes <<< "$nodelist"
+for node in "${nodes[@]}"; do SLURMD_NODENAME=$node "$@" & done
+wait
 """
 
-FAKE_SCONTROL = """#!/usr/bin/env bash
-# A stand-in for scontrol: `show hostnames LIST` (comma lists only) and `requeue JOB`.
-echo "scontrol $*" >> "$FAKE_SLURM_LOG"
-case "$1 ${2:-}" in
-  "show hostnames") tr ',' '\\n' <<< "$3" ;;
-  "requeue "*) ;;
-  *) echo "fake scontrol: unsupported: $*" >&2; exit 1 ;;
+FAKE_TETHER = """#!/usr/bin/env bash
+# A stand-in for the tether launcher. `run`: records its arguments and secret, publishes a head
+# address, and waits (with a deadline) for the agents. `agent`: records the same and says so.
+cmd=$1
+shift
+echo "$cmd $*" >> "$FAKE_LOG"
+printf '%s' "$TETHER_SECRET" > "$FAKE_DIR/$cmd-${SLURMD_NODENAME}.secret"
+case "$cmd" in
+  run)
+    run_dir=""; prev=""
+    for arg in "$@"; do [ "$prev" = --run-dir ] && run_dir=$arg; prev=$arg; done
+    echo "head node $TETHER_NODE_NAME" >> "$FAKE_LOG"
+    printf 'tcp://0.0.0.0:4242' > "$run_dir/head_address"
+    for _ in $(seq 1 200); do [ -e "$FAKE_DIR/agent-done" ] && exit 0; sleep 0.05; done
+    echo "no agent within 10 s" >> "$FAKE_LOG"; exit 7 ;;
+  agent)
+    echo "agent env head=$TETHER_HEAD_ADDRESS" >> "$FAKE_LOG"
+    : > "$FAKE_DIR/agent-done" ;;
 esac
 """
 
@@ -94,195 +83,62 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
-    return make_workspace(tmp_path_factory.mktemp("slurm"))
+def test_sbatch_without_scontrol_expands_the_nodelist_with_hostlist(tmp_path: Path) -> None:
+    fakebin = tmp_path / "bin"
+    fakebin.mkdir()
+    for tool in TOOLS:
+        found = shutil.which(tool)
+        assert found is not None, f"{tool} is not installed"
+        (fakebin / tool).symlink_to(found)
+    (fakebin / "srun").write_text(FAKE_SRUN)
+    (fakebin / "srun").chmod(0o755)
+    launcher = tmp_path / "tether"
+    launcher.write_text(FAKE_TETHER)
+    launcher.chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "TETHER"))}
+    env.update(
+        PATH=str(fakebin),  # nothing else: no scontrol
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NODELIST="node[1-2]",  # compressed, as SLURM writes it
+        SLURMD_NODENAME="node1",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        TETHER=str(launcher),
+        TETHER_PYTHON=sys.executable,  # the python with python-hostlist
+        FAKE_LOG=str(log),
+        FAKE_DIR=str(tmp_path),
+    )
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--config", "run.yaml"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    run_dir = tmp_path / "runs" / "slurm-77"  # the default: SLURM_SUBMIT_DIR/runs/slurm-JOB
+    assert "job 77 (restart 0) on node1 node2; head on node1" in done.stderr, done.stderr
 
-
-class FakeCluster:
-    """The fake SLURM commands, the allocation's variables, and the processes they started."""
-
-    def __init__(self, root: Path, ws: Workspace) -> None:
-        self.root = root
-        self.ws = ws
-        self.bin = root / "fakebin"
-        self.bin.mkdir()
-        (self.bin / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
-        (self.bin / "scontrol").write_text(FAKE_SCONTROL)
-        for tool in ("srun", "scontrol"):
-            (self.bin / tool).chmod(0o755)
-        self.log = root / "slurm.log"
-        self.pids = root / "slurm.pids"
-        self.run_dir = root / "run"
-        self.inventory = root / "inventory.json"
-        nodes = [
-            {"hostname": "node-a", "address": "127.0.0.1"},
-            {"hostname": "node-b", "address": "127.0.0.2"},
-        ]
-        self.inventory.write_text(json.dumps({"nodes": nodes}))
-        self.ports = free_port_block()
-
-    def env(self, restart: int = 0) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "TETHER"))}
-        env.update(
-            PATH=f"{self.bin}:{env['PATH']}",
-            SLURM_JOB_ID=JOB_ID,
-            SLURM_JOB_NODELIST="node-a,node-b",
-            SLURM_NNODES="2",
-            SLURMD_NODENAME="node-a",
-            SLURM_NODEID="0",
-            SLURM_SUBMIT_DIR=str(self.root),
-            SLURM_RESTART_COUNT=str(restart),
-            TETHER=str(Path(sys.executable).parent / "tether"),
-            TETHER_RUN_DIR=str(self.run_dir),
-            # Loopback only in tests; a real cluster binds every interface (the default).
-            TETHER_HEAD_BIND_HOST="127.0.0.1",
-            TETHER_HEAD_HOST="127.0.0.1",
-            FAKE_SLURM_LOG=str(self.log),
-            FAKE_SLURM_PIDS=str(self.pids),
-        )
-        return env
-
-    def flags(self, steps: int) -> list[str]:
-        return [
-            *self.ws.flags(self.run_dir),
-            "--num-rollout",
-            str(steps),
-            "--inventory",
-            str(self.inventory),
-            # Two slots a node: the trainer's two ranks fill node-a, the engine goes to node-b.
-            "--cpu-devices",
-            "2",
-            "--agents-timeout",
-            "120",
-            # Ports from a block free right now, so a run beside other tests does not collide.
-            "--node-port-first",
-            str(self.ports),
-            "--node-port-last",
-            str(self.ports + 99),
-        ]
-
-    def start(self, steps: int, restart: int = 0) -> subprocess.Popen[bytes]:
-        # --output=slurm-%j.out with --open-mode=append, as sbatch would write it.
-        with open(self.root / f"slurm-{JOB_ID}.out", "ab") as out:
-            return subprocess.Popen(
-                ["bash", str(SCRIPT), *self.flags(steps)],
-                env=self.env(restart),
-                cwd=self.root,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def wait(self, proc: subprocess.Popen[bytes], timeout: float = 300) -> int:
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(proc)
-            raise AssertionError(f"tether.sbatch did not finish in {timeout}s\n{self.output()}") from None
-
-    def kill(self, proc: subprocess.Popen[bytes]) -> None:
-        """Stop what this test started: the script's process group, then the fake srun's tasks."""
-        for pid in [proc.pid, *self.started_pids()]:
-            try:
-                os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-
-    def started_pids(self) -> list[int]:
-        return [int(p) for p in self.pids.read_text().split()] if self.pids.exists() else []
-
-    def output(self) -> str:
-        text = (self.root / f"slurm-{JOB_ID}.out").read_text(errors="replace")
-        return text[-6000:]
-
-    def slurm_calls(self) -> list[str]:
-        return self.log.read_text().splitlines() if self.log.exists() else []
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, ws: Workspace) -> FakeCluster:
-    return FakeCluster(tmp_path, ws)
-
-
-def events(run: Path) -> list[dict]:
-    return jsonl(run / "events.jsonl")
-
-
-def test_sbatch_two_nodes_head_and_agent(cluster: FakeCluster) -> None:
-    proc = cluster.start(steps=2)
-    rc = cluster.wait(proc)
-    assert rc == 0, cluster.output()
-    run = cluster.run_dir
-
-    # scontrol expanded the node list; srun started exactly one agent, on node-b.
-    calls = cluster.slurm_calls()
-    assert calls[0] == "scontrol show hostnames node-a,node-b"
+    calls = log.read_text().splitlines()
+    head = f"--run-dir {run_dir} --save {run_dir}/checkpoints --auto-resume"
+    # No bind address by default: the head binds its node's planned address, not every interface.
+    assert calls[0] == f"run --config run.yaml {head} --head-port 0", calls
+    assert calls[1] == "head node node1", calls
     sruns = [c for c in calls if c.startswith("srun ")]
-    assert len(sruns) == 1 and "--nodes=1" in sruns[0] and "--nodelist=node-b" in sruns[0]
-    assert not any("requeue" in c for c in calls)
+    assert len(sruns) == 1, calls
+    srun = sruns[0].split()
+    assert {"--nodes=1", "--ntasks=1", "--nodelist=node2", "--overlap", "--export=ALL"} <= set(srun), srun
+    # One agent, on node2 only, told the head's port at the batch node's name.
+    agents = [c for c in calls if c.startswith("agent --")]
+    assert agents == [f"agent --head tcp://node1:4242 --node-name node2 --run-dir {run_dir}"], calls
+    assert "agent env head=tcp://node1:4242" in calls
+    assert "requeue" not in done.stderr
 
-    # The plan put the trainer on node-a (the head's node) and the engine on node-b.
-    receipt = json.loads((run / "receipt.json").read_text())
-    plan = receipt["plan"]
-    hosts = {n["index"]: n["hostname"] for n in plan["nodes"]}
-    assert {hosts[n["node"]] for n in plan["train_groups"][0]["nodes"]} == {"node-a"}
-    assert [hosts[p["node"]] for e in plan["engines"] for p in e["parts"]] == ["node-b"]
-    assert "--auto-resume" in receipt["argv"] and receipt["config"]["run"]["auto_resume"] is True
-
-    # The head waited for node-b's agent, whose engine served at node-b's address.
-    evs = events(run)
-    assert {"event": "agents_ready", "nodes": ["node-b"]}.items() <= next(
-        e for e in evs if e["event"] == "agents_ready"
-    ).items()
-    engine_urls = [e["url"] for e in evs if e["event"] == "engine_ready"]
-    assert engine_urls and all(u.startswith("http://127.0.0.2:") for u in engine_urls)
-    assert evs[-1]["event"] == "finished"
-    assert any(e["event"] == "checkpoint" for e in evs)  # --save is set by the script
-
-    assert [e["version"] for e in jsonl(run / "ledger.jsonl")] == [1, 2]
-    assert [m["step"] for m in jsonl(run / "metrics.jsonl") if m["step"] >= 0] == [0, 1]
-    assert (run / "head_address").read_text().startswith("tcp://127.0.0.1:")
-    assert (run / "logs" / "engine0.log").exists()
-    # The agent left when the head shut it down: every process the fake srun started is gone.
-    for pid in cluster.started_pids():
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-
-
-def test_sbatch_usr1_checkpoints_requeues_and_resumes(cluster: FakeCluster) -> None:
-    """USR1 (the time-limit warning) → checkpoint, stop, requeue; the requeued job resumes."""
-    steps = 12  # enough that the signal lands mid-run
-    proc = cluster.start(steps=steps)
-    try:
-        deadline = time.monotonic() + 240
-        metrics = cluster.run_dir / "metrics.jsonl"
-        # Signal once the first step is done, so there is a step to checkpoint.
-        while not (metrics.exists() and any(m["step"] >= 0 for m in jsonl(metrics))):
-            assert proc.poll() is None, cluster.output()
-            assert time.monotonic() < deadline, cluster.output()
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@120` sends to the batch shell
-        rc = cluster.wait(proc)
-    finally:
-        if proc.poll() is None:
-            cluster.kill(proc)
-    assert rc == 0, cluster.output()
-    evs = events(cluster.run_dir)
-    assert [e["event"] for e in evs][-1] == "stopped"
-    saved = [e for e in evs if e["event"] == "checkpoint" and e["reason"] == "signal"]
-    assert saved, cluster.output()
-    assert f"scontrol requeue {JOB_ID}" in cluster.slurm_calls()
-    stopped_after = saved[-1]["rollout_id"]
-
-    # SLURM starts the requeued job again: same job id, so the same run directory and checkpoints.
-    rc = cluster.wait(cluster.start(steps=steps, restart=1))
-    assert rc == 0, cluster.output()
-    evs = events(cluster.run_dir)
-    resumed = [e for e in evs if e["event"] == "resumed"]
-    assert resumed and resumed[-1]["rollout_id"] == stopped_after
-    assert evs[-1]["event"] == "finished"
-    done = [m["step"] for m in jsonl(cluster.run_dir / "metrics.jsonl") if m["step"] >= 0]
-    assert sorted(set(done)) == list(range(steps))
-    assert cluster.slurm_calls().count(f"scontrol requeue {JOB_ID}") == 1
+    # One secret for the job, in the environment of the head and the agent, on no command line.
+    secrets = {p.name: p.read_text() for p in tmp_path.glob("*.secret")}
+    assert set(secrets) == {"run-node1.secret", "agent-node2.secret"}, secrets
+    secret = secrets["run-node1.secret"]
+    assert len(secret) == 64 and int(secret, 16) >= 0 and secrets["agent-node2.secret"] == secret
+    assert not any(secret in c for c in calls)

@@ -23,6 +23,7 @@ from tether.placement.inventory import (
     read_gpus_nvidia_smi,
     read_gpus_nvml,
     read_local_gpus,
+    route_source_address,
 )
 from tether.runtime.errors import ConfigError
 
@@ -122,6 +123,34 @@ def test_slurm_discovery_expands_nodes_and_copies_the_local_binding() -> None:
         ("gpu08", "10.1.0.8"),
     ]
     assert [[g.index for g in n.gpus] for n in inventory.nodes] == [[4, 5, 6, 7], [4, 5, 6, 7]]
+
+
+def test_own_name_resolving_to_loopback_takes_the_address_on_the_route_to_the_others() -> None:
+    """Debian resolves a machine's own name to 127.0.1.1; other nodes cannot reach that."""
+
+    def local(cluster: ClusterConfig, env: Mapping[str, str]) -> Node:
+        return Node(hostname="gpu08", address="127.0.1.1")
+
+    env = {"SLURM_JOB_NODELIST": "gpu[07-08]"}
+    routes = {"10.1.0.7": "10.1.0.8"}
+    inventory = discover_inventory(
+        ClusterConfig(), env=env, local=local, resolve={"gpu07": "10.1.0.7"}.get, route=routes.get
+    )
+    assert [n.address for n in inventory.nodes] == ["10.1.0.7", "10.1.0.8"]
+    # --head-network-interface names the address itself; a one-machine job stays on loopback.
+    named = discover_inventory(
+        ClusterConfig(head_network_interface="lo"),
+        env=env,
+        local=local,
+        resolve={"gpu07": "10.1.0.7"}.get,
+        route=routes.get,
+    )
+    assert named.nodes[1].address == "127.0.1.1"
+    alone = discover_inventory(
+        ClusterConfig(), env={"SLURM_JOB_NODELIST": "gpu08"}, local=local, route=routes.get
+    )
+    assert alone.nodes[0].address == "127.0.1.1"
+    assert route_source_address("127.0.0.1") == "127.0.0.1"
 
 
 def test_discovery_without_slurm_is_this_node_and_inventory_flag_wins(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_fixtures import engine_client
 from rollout_fixtures import cpu_engine, make_config, make_model
 
 from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
@@ -77,7 +78,7 @@ def write_hooks(tmp_path: Path) -> Path:
 
 def test_client_generate_abort_and_errors(engines: Engines) -> None:
     async def main() -> None:
-        async with EngineClient(engines.fast[0]) as client:
+        async with engine_client(engines.fast[0]) as client:
             resp = await client.generate(
                 [5, 6, 7], {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
             )
@@ -104,7 +105,7 @@ def test_retiring_a_hung_engine_abandons_its_requests_at_once(engines: Engines) 
     is retired, not at the request timeout; the task that made it is not cancelled."""
 
     async def main() -> None:
-        async with EngineClient(engines.slow, request_timeout=600) as client:
+        async with engine_client(engines.slow, request_timeout=600) as client:
             waiting = asyncio.ensure_future(client.generate([5, 6, 7], {"max_new_tokens": 2}))
             for _ in range(100_000):  # until the request is on its way
                 if client._in_flight:
@@ -123,7 +124,7 @@ def test_retiring_a_hung_engine_abandons_its_requests_at_once(engines: Engines) 
 
 def test_consistent_hash_routing_keeps_sessions_on_their_engine(engines: Engines) -> None:
     async def main() -> None:
-        clients = [EngineClient(u, name=f"e{i}") for i, u in enumerate(engines.fast)]
+        clients = [engine_client(u, name=f"e{i}") for i, u in enumerate(engines.fast)]
         async with Router(clients, policy="consistent_hash") as router:
             params = {"max_new_tokens": 2, "temperature": 1.0}
             first = {}
@@ -147,8 +148,8 @@ def test_abort_all_skips_an_unreachable_engine_and_aborts_the_others(engines: En
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
 
     async def main() -> None:
-        live = EngineClient(engines.fast[0], name="live")
-        async with Router([live, EngineClient(dead, name="dead", request_timeout=5)]) as router:
+        live = engine_client(engines.fast[0], name="live")
+        async with Router([live, engine_client(dead, name="dead", request_timeout=5)]) as router:
             long = asyncio.ensure_future(
                 live.generate([5, 6, 7], {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0})
             )
@@ -162,7 +163,7 @@ def test_abort_all_skips_an_unreachable_engine_and_aborts_the_others(engines: En
 
 
 def _router(urls: list[str], policy: Any = "round_robin") -> Router:
-    return Router([EngineClient(u, name=f"e{i}") for i, u in enumerate(urls)], policy=policy)
+    return Router([engine_client(u, name=f"e{i}") for i, u in enumerate(urls)], policy=policy)
 
 
 def test_default_rollout_group_semantics(engines: Engines, tmp_path: Path) -> None:
@@ -235,7 +236,7 @@ def test_partial_rollout_continues_across_a_weight_update(engines: Engines) -> N
     ds = DataSource(records(engines, 2), n_samples_per_prompt=2)
 
     async def main() -> None:
-        client = EngineClient(engines.fast[1], name="e")
+        client = engine_client(engines.fast[1], name="e")
         async with RolloutContext(cfg, Router([client])) as ctx, client:
             params = {**sampling_params(cfg.rollout), "max_new_tokens": 1200, "ignore_eos": True}
             group = ds.get_samples(1)[0]

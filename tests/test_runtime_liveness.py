@@ -56,7 +56,7 @@ def test_hung_probe_is_reported_after_timeout() -> None:
         await asyncio.sleep(0)
         assert not task.done()
         clock.advance(0.1)
-        with pytest.raises(HeartbeatLost, match="peer: heartbeat lost \\(no answer within 2 s\\)"):
+        with pytest.raises(HeartbeatLost, match="peer: heartbeat lost \\(no answer within 2 s; 1 heartbeat"):
             await task
         assert len(reports) == 1 and mon.probes == 2
         hang.set()
@@ -76,6 +76,35 @@ def test_failing_probe_is_reported_at_once() -> None:
             await mon.run()
         with pytest.raises(ValueError, match="interval=0"):
             LivenessMonitor(probe, interval=0, timeout=1, first_wait=0)
+
+    run(main())
+
+
+def test_a_peer_is_lost_only_after_misses_in_a_row() -> None:
+    """One late answer (a peer's event loop stalled for a moment) is tolerated; a good answer
+    resets the count; `misses` failures in a row end it, saying how long there was no answer."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        script = iter([True, False, True, False, False, True, False, False, False])
+
+        async def probe() -> None:
+            if not next(script):
+                raise ConnectionError("no answer")
+
+        mon = LivenessMonitor(
+            probe, interval=1.0, timeout=0.5, first_wait=0.0, misses=3, clock=clock, name="head"
+        )
+        task = asyncio.ensure_future(mon.run())
+        for _ in range(8):  # probes 1..8 run with the clock at 0..7
+            await clock.wait_for_sleepers(1)
+            assert not task.done()
+            clock.advance(1.0)
+        with pytest.raises(HeartbeatLost, match=r"3 heartbeat\(s\) in a row missed, no answer for [23]\.0 s"):
+            await task  # probe 9 (time 8) is the third miss in a row; the last answer was at 5
+        assert mon.probes == 3 and mon.missed == 3
+        with pytest.raises(ValueError, match="misses=0"):
+            LivenessMonitor(probe, interval=1, timeout=1, first_wait=0, misses=0)
 
     run(main())
 

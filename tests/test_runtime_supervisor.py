@@ -52,8 +52,9 @@ def started() -> Iterator[list[subprocess.Popen[bytes]]]:
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def test_actor_calls_exit_reports_and_killed_actor(tmp_path: Path) -> None:
@@ -221,6 +222,38 @@ def test_two_agents_as_two_nodes(tmp_path: Path, started: list[subprocess.Popen[
         assert started[1].wait(15) == 0
 
     run(main())
+
+
+@pytest.mark.parametrize("misses", [1, 3])
+def test_a_stalled_head_keeps_its_agents_within_the_missed_heartbeats(
+    misses: int, tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    """The head's event loop blocks for longer than one heartbeat's interval + timeout (as a
+    synchronous tokenizer load once did): with 3 misses allowed the agent stays and serves; with
+    1 it gives the head up and exits 3, saying how long it waited."""
+    secret = new_secret()
+    hb = Heartbeat(interval=0.3, timeout=0.6, first_wait=0.3, misses=misses)
+
+    async def main() -> None:
+        async with Supervisor(tmp_path, secret, grace=1.0, heartbeat=hb) as sup:
+            env = {**os.environ, SECRET_ENV: secret_to_env(secret)}
+            argv = [sys.executable, "-m", "tether.runtime.agent", "--head", sup.address, "--node-name", "n1"]
+            started.append(subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE))  # noqa: ASYNC220  # fixture kills by pid
+            await sup.wait_for_agents(["n1"], timeout=30)
+            await asyncio.sleep(hb.first_wait + hb.interval)  # the agent's heartbeats are running
+            time.sleep(1.2)  # noqa: ASYNC251  # the fault under test: the head's loop stalls
+            if misses == 1:
+                assert started[0].wait(15) == 3
+                return
+            p = await sup.start(ProcessSpec(name="after", argv=["sh", "-c", "exit 0"], node="n1"))
+            assert (await p.wait()).returncode == 0
+            assert started[0].poll() is None
+
+    run(main())
+    if misses == 1:
+        assert started[0].stderr is not None
+        said = started[0].stderr.read().decode()
+        assert "heartbeat(s) in a row missed, no answer for" in said
 
 
 def test_same_node_actor_falls_back_to_tcp_when_the_socket_path_is_too_long(tmp_path: Path) -> None:

@@ -255,7 +255,7 @@ def test_xor_delta_of_one_percent_change_is_small(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "d")
 
 
-def test_chain_reuses_only_unshared_files_of_the_pruned_version(tmp_path: Path, chain: list) -> None:
+def test_chain_writes_new_files_and_prunes_only_after_publishing(tmp_path: Path, chain: list) -> None:
     # Unchanged tensors get their own shard, so v1 hard-links it from v0.
     layout = {
         n: "b.safetensors" if "norm" in n else f"a{i % 2}.safetensors" for i, n in enumerate(chain[0][0])
@@ -276,9 +276,10 @@ def test_chain_reuses_only_unshared_files_of_the_pruned_version(tmp_path: Path, 
     verify_checkpoint(v0)
     store.apply(make_delta(full[1], full[2], tmp_path / "d2"))
     v2 = store.root / "weight_v000002"
-    # v0's single-link files were rewritten as v2's changed shards; the shared one still holds v1.
-    reused = {n for n in inodes_v0 if (v2 / n).stat().st_ino == inodes_v0[n]}
-    assert reused - shared == set(inodes_v0) - shared
+    # v2's changed shards are new files (no version's files are written over: a late refusal
+    # must leave them whole); only the unchanged shard is still the one hard link.
+    kept = {n for n in inodes_v0 if (v2 / n).stat().st_ino == inodes_v0[n]}
+    assert kept == shared
     assert_same(tensors_of(v2), chain[2][0])
     verify_checkpoint(v1)  # the kept previous version (sharing files with v0) is intact
     assert not v0.exists() and not [p for p in store.root.iterdir() if ".old-" in p.name]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import uvloop
+from engine_fixtures import engine_client, key_env
 
 from tether.rollout.engine_client import EngineClient
 from tether.rollout.tiny_model import write_tiny_model
@@ -50,7 +51,7 @@ class Engine:
         cmd = [sys.executable, "-m", "tether.rollout.cpu_engine", "--model-path", str(self.model)]
         cmd += ["--port", str(self.port), "--weight-version", "0"]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=key_env())
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-2000:]
@@ -65,7 +66,7 @@ class Engine:
         raise AssertionError(f"engine did not become healthy: {self.log.read_text()[-2000:]}")
 
     async def _healthy(self) -> bool:
-        async with EngineClient(self.url) as c:
+        async with engine_client(self.url) as c:
             return await c.health()
 
     @property
@@ -130,7 +131,7 @@ def reference(model_dir: Path, state: dict[str, torch.Tensor], n: int) -> tuple[
 
 
 async def check_engine(url: str, model_dir: Path, state: dict[str, torch.Tensor], version: int) -> None:
-    async with EngineClient(url) as c:
+    async with engine_client(url) as c:
         assert await c.get_weight_version() == str(version)
         params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
         got = await c.generate(PROMPT, params, return_logprob=True)
@@ -161,7 +162,7 @@ def test_distributed_transport_buckets_and_matches_transformers(
     bf16 on the wire is converted into the engine's float32 parameters."""
 
     async def body() -> None:
-        async with EngineClient(engine.url, name="e0") as client:
+        async with engine_client(engine.url, name="e0") as client:
             t = DistributedTransport(
                 [client],
                 cfg(
@@ -228,7 +229,7 @@ def test_distributed_buckets_are_pipelined(engine: Engine, model_dir: Path, tmp_
     """Bucket k+1's request goes out once bucket k's bytes have left, before bucket k's answer."""
 
     async def body() -> None:
-        async with EngineClient(engine.url, name="p0") as client:
+        async with engine_client(engine.url, name="p0") as client:
             held = AnswersAfterNextBucket(client)
             t = DistributedTransport(
                 [held], cfg(tmp_path, update_weight_collective_timeout=60.0), master_port=free_port()
@@ -253,7 +254,7 @@ def test_distributed_group_rebuilt_after_engine_restart(model_dir: Path, tmp_pat
     try:
 
         async def body() -> None:
-            async with EngineClient(eng.url, name="r0") as client:
+            async with engine_client(eng.url, name="r0") as client:
                 t = DistributedTransport(
                     [client], cfg(tmp_path, update_weight_collective_timeout=60.0), master_port=free_port()
                 )
@@ -275,7 +276,7 @@ def test_distributed_group_rebuilt_after_engine_restart(model_dir: Path, tmp_pat
 
 def test_full_disk_transport_publishes_and_reloads(engine: Engine, model_dir: Path, tmp_path: Path) -> None:
     async def body() -> None:
-        async with EngineClient(engine.url, name="e0") as client:
+        async with engine_client(engine.url, name="e0") as client:
             hooked: list[str] = []
             c = cfg(tmp_path, update_weight_transport="disk", update_weight_disk_dir=str(tmp_path / "pub"))
             t = FullDiskTransport([client], c, base_dir=model_dir, post_write_hook=hooked.append)
@@ -301,7 +302,7 @@ def test_delta_transport_chain_restart_and_repair(model_dir: Path, tmp_path: Pat
     try:
 
         async def body() -> None:
-            async with EngineClient(eng.url, name="d0") as client:
+            async with engine_client(eng.url, name="d0") as client:
                 c = cfg(
                     tmp_path,
                     update_weight_mode="delta",
@@ -343,7 +344,7 @@ def test_delta_transport_chain_restart_and_repair(model_dir: Path, tmp_path: Pat
 
 def test_tensor_transport_colocated(engine: Engine, model_dir: Path, tmp_path: Path) -> None:
     async def body() -> None:
-        async with EngineClient(engine.url, name="e0") as client:
+        async with engine_client(engine.url, name="e0") as client:
             t = TensorTransport([client], cfg(tmp_path))
             await t.release()  # as before training
             state = trained(model_dir, seed=40)
@@ -431,7 +432,7 @@ def test_engine_stops_promptly_while_a_weight_receive_waits_for_a_gone_sender(
 
         async def body() -> None:
             port = free_port()
-            async with EngineClient(eng.url, name="s0") as client:
+            async with engine_client(eng.url, name="s0") as client:
                 join = {
                     "master_address": "127.0.0.1",
                     "master_port": port,
@@ -511,7 +512,7 @@ def test_pipeline_stages_each_send_over_their_own_group(
     continued, with its update session closed."""
 
     async def body() -> None:
-        async with EngineClient(engine.url, name="e0") as client:
+        async with engine_client(engine.url, name="e0") as client:
             conf = cfg(tmp_path, update_weight_collective_timeout=60.0)
             stages = [
                 DistributedTransport([client], conf, master_port=free_port(), group_tag="pp0-"),

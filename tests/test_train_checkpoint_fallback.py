@@ -18,8 +18,9 @@ import torch.distributed.checkpoint as dcp
 from tether.train import checkpoint
 
 
-def _write(root: Path, step: int) -> Path:
-    """A checkpoint directory with real shard files and every file a load reads."""
+def _write(root: Path, step: int, *, digests: bool = True) -> Path:
+    """A checkpoint directory with real shard files and every file a load reads; with `digests`
+    as `checkpoint.save` leaves it, without as an older tether or another tool would."""
     d = root / checkpoint.iter_dir_name(step)
     model = d / checkpoint.MODEL_OPTIM
     with warnings.catch_warnings():
@@ -41,6 +42,8 @@ def _write(root: Path, step: int) -> Path:
     (d / "rng" / "rank_00000.msgpack").write_bytes(msgspec.msgpack.encode(rng))
     state = checkpoint.RunState(step=step, rollout_id=step, weight_version=step + 1)
     (d / checkpoint.RUN_STATE).write_bytes(msgspec.msgpack.encode(state))
+    if digests:
+        checkpoint.write_digests(d)
     (root / checkpoint.LATEST).write_text(str(step))
     return d
 
@@ -78,10 +81,12 @@ def test_truncated_shard_falls_back_to_the_previous_and_says_so(
     )
 
 
+@pytest.mark.parametrize("digests", [True, False], ids=["digests", "named-without-digests"])
 @pytest.mark.parametrize("damage", ["run_state", "metadata", "common", "rng", "missing_shard"])
-def test_each_damaged_file_is_named(tmp_path: Path, damage: str) -> None:
-    _write(tmp_path, 1)
-    d = _write(tmp_path, 2)
+def test_each_damaged_file_is_named(tmp_path: Path, damage: str, digests: bool) -> None:
+    # Without digests the checks are the trusted-input ones, for a directory the user named.
+    _write(tmp_path, 1, digests=digests)
+    d = _write(tmp_path, 2, digests=digests)
     model = d / checkpoint.MODEL_OPTIM
     target = {
         "run_state": d / checkpoint.RUN_STATE,
@@ -104,8 +109,8 @@ def test_each_damaged_file_is_named(tmp_path: Path, damage: str) -> None:
     else:
         target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 3)])
     with pytest.raises(ValueError, match=str(target).replace(".", r"\.")):
-        checkpoint.validate_checkpoint(d)
-    path, skipped = checkpoint.select_checkpoint(tmp_path)
+        checkpoint.validate_checkpoint(d, named=not digests)
+    path, skipped = checkpoint.select_checkpoint(tmp_path, named=not digests)
     assert path == tmp_path / "iter_0000001" and skipped[0].path == str(d)
 
 

@@ -45,6 +45,7 @@ def _write(root: Path, step: int) -> Path:
     (model / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     state = checkpoint.RunState(step=step, rollout_id=step, weight_version=step + 1)
     (d / checkpoint.RUN_STATE).write_bytes(msgspec.msgpack.encode(state))
+    checkpoint.write_digests(d)
     (root / checkpoint.LATEST).write_text(str(step))
     return d
 

@@ -9,6 +9,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from train_checks.launcher import results, torchrun, value
 
@@ -80,3 +81,11 @@ def test_checkpoint_layout_on_disk(runs: tuple[Path, dict[str, list[dict[str, An
         "rank_00000.msgpack",
         "rank_00001.msgpack",
     ]
+    # Every file, both ranks' shards included, is in the digests the save wrote, and they match.
+    from tether.train import checkpoint
+
+    record = (ckpt / "iter_0000001" / checkpoint.DIGESTS).read_bytes()
+    files = msgspec.msgpack.decode(record, type=checkpoint.CheckpointDigests).files
+    assert {"rng/rank_00001.msgpack", "run_state.msgpack", "model_optim/.metadata"} <= set(files)
+    assert any(name.startswith("model_optim/__1_") for name in files)
+    checkpoint.validate_checkpoint(ckpt / "iter_0000001")

@@ -70,7 +70,8 @@ def resolve_protected(load_dirs: Collection[str | Path | None]) -> set[Path]:
         if load_dir is None:
             continue
         protected.add(Path(load_dir))
-        chosen, _skipped = select_checkpoint(load_dir)
+        # Named by the user: the run loads its checkpoints even without digests (trusted input).
+        chosen, _skipped = select_checkpoint(load_dir, named=True)
         if chosen is not None:
             protected.add(chosen)
     return protected

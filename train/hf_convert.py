@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from tether.runtime.errors import ConfigError
+from tether.runtime.safe_paths import contained
 from tether.train.hf_config import ModelArch
 
 Kind = Literal["replicated", "vocab", "row", "qkv", "fc1"]
@@ -150,6 +151,9 @@ class HFWeights:
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            for name, shard in weight_map.items():
+                # Joined to the directory below: a name leaving it would read any file.
+                contained(self.dir, shard, entry=f"{index.name} weight_map[{name!r}]")
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
@@ -166,7 +170,8 @@ class HFWeights:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise KeyError(f"{self.dir}: checkpoint has no tensor {name!r}")
-        with safe_open(str(self.dir / self.weight_map[name]), framework="pt") as h:
+        shard = contained(self.dir, self.weight_map[name], entry=f"weight_map[{name!r}]")
+        with safe_open(str(shard), framework="pt") as h:
             return h.get_tensor(name)
 
 

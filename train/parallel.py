@@ -2,7 +2,9 @@
 Megatron's parallel state (TP, PP, DP; CP=1), then seeds.
 
 gloo on CPU, NCCL on GPU. On CPU the Megatron compatibility patches are applied here, after the
-default group exists and before any model is built.
+default group exists and before any model is built. Every group here connects over the interface
+that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name: the node agent sets them to the one holding the
+node's planned address (runtime/netif.py), so a job spanning nodes does not advertise 127.0.0.1.
 """
 
 from __future__ import annotations

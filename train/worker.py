@@ -8,6 +8,13 @@ Address discovery: every rank binds `tcp://BIND_HOST:0` and writes
 it serves; the head waits for WORLD_SIZE files and connects to each. The run secret comes
 from the environment (TETHER_SECRET), never the command line.
 
+End of the job: the head calls `shutdown` on every rank; each rank closes its weight-sync
+transport, stops serving, finishes the work on its thread, leaves its process groups and
+exits 0, so torchrun exits 0 and writes no error file. The head signals only ranks that have
+not exited within its grace period. A rank that raises (outside an RPC call, whose errors go to
+the caller) leaves its traceback in torchrun's error file (TORCHELASTIC_ERROR_FILE), which
+`main` records.
+
 Ordering contract: Megatron's collectives must run in the same order on every rank, so the
 head calls every rank with the same method and awaits all of them before the next collective
 call (`init`, `train`, `compute_log_probs`, `save`, `load`, `export_hf`). Each rank runs
@@ -19,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import socket
@@ -254,13 +260,17 @@ class TrainerWorker:
 
         Returns its run state, its `path`, and the damaged checkpoints `skipped` on the way
         (`[{"path", "error"}]`, newest first) so that the head can say which one it resumed from.
+        A checkpoint without tether's digests loads only when load_dir is what --load names (the
+        user named it), not the --save directory --auto-resume scans.
         """
         actor = self._require_init()
+        chosen = self._algorithm.load if self._algorithm is not None else None
+        named = chosen is not None and Path(load_dir) == Path(chosen)
 
         def work() -> dict[str, Any] | None:
             from tether.train import checkpoint
 
-            loaded = checkpoint.load_checkpoint(actor, load_dir, finetune=finetune)
+            loaded = checkpoint.load_checkpoint(actor, load_dir, finetune=finetune, named=named)
             if loaded is None:
                 return None
             state = loaded.state
@@ -419,10 +429,19 @@ class TrainerWorker:
         return self._info()
 
     async def shutdown(self) -> None:
-        """Stop serving; the process then leaves its process groups and exits 0."""
-        for client in self._engines:
-            await client.close()
-        self._stop.set()
+        """Stop serving; the process then leaves its process groups and exits 0.
+
+        The weight-sync transport goes first: a weight-update group still open at exit can
+        abort the process (gloo), and the engines are told to drop their side of it.
+        """
+        transport, self._transport = self._transport, None
+        try:
+            if transport is not None and hasattr(transport, "close"):
+                await transport.close()
+        finally:
+            for client in self._engines:
+                await client.close()
+            self._stop.set()
 
     async def _wait_stopped(self) -> None:
         await self._stop.wait()
@@ -476,6 +495,8 @@ async def serve(
     endpoint = None
     if ipc_dir is not None:
         endpoint = ipc_endpoint(ipc_dir, f"trainer-rank{rank}")  # main() made the directory
+    # Leaving the executor waits for the step on its thread; the head bounds that wait (it
+    # signals a rank that has not exited within its grace period).
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-rank{rank}") as executor:
         worker = TrainerWorker(executor, node_address)
         bind = endpoint or f"tcp://{bind_host}:0"
@@ -484,8 +505,10 @@ async def serve(
             await worker._wait_stopped()
     from tether.train import parallel
 
-    with contextlib.suppress(Exception):  # the job is ending; a peer may already be gone
+    try:
         parallel.destroy()
+    except Exception as exc:  # the job is ending; a peer may already be gone
+        print(f"trainer rank {rank}: leaving the process groups: {exc}", file=sys.stderr, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -512,6 +535,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import uvloop
 
+    from tether.runtime.shim import die_with_parent
+
+    die_with_parent()  # the rank ends with its torchrun agent, however that one ends
+
     from tether.train.megatron_cpu import quiet_megatron_imports
 
     with quiet_megatron_imports():
@@ -523,6 +550,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    # torchrun copies the first failed rank's error file (its exception and traceback, written
+    # by `record`) into the job's TORCHELASTIC_ERROR_FILE.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     _parser = argparse.ArgumentParser(prog="python -m tether.train.worker", description=__doc__)
     add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
+    _rc = record(main)(_parser.parse_args()) or 0
+    # `serve` has closed all this rank holds (RPC server, weight-sync group, process groups);
+    # the interpreter's own teardown of torch and Megatron only adds seconds to every run's end
+    # (and on GPUs can block in driver teardown). A rank that raised never gets here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_rc)

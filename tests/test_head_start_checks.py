@@ -1,0 +1,98 @@
+"""What the head checks and records at start: its bind address against the plan, and a
+"failed" line in events.jsonl for every failure, whatever its type."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from e2e_support import Workspace, jsonl, make_workspace, tether
+
+from tether.config import resolve
+from tether.job import head_bind_host
+from tether.nodes import node_names
+from tether.placement.inventory import Inventory, Node
+from tether.placement.plan import plan_from_config
+from tether.run_dir import read_jsonl
+from tether.runtime.errors import ConfigError
+
+
+def plan_on(*addresses: str):  # type: ignore[no-untyped-def]
+    cfg = resolve(
+        ["--cpu-devices", "1", "--actor-num-nodes", str(len(addresses)), "--actor-num-gpus-per-node", "1"]
+    )
+    nodes = [Node(hostname=f"node{i}", address=a, gpus=[]) for i, a in enumerate(addresses)]
+    plan = plan_from_config(cfg.cluster, True, False, Inventory(nodes=nodes))
+    return cfg, plan, node_names(plan, this_host="node0")
+
+
+def test_multi_node_default_binds_the_head_nodes_address() -> None:
+    cfg, plan, names = plan_on("10.9.0.1", "10.9.0.2")
+    assert head_bind_host(cfg, plan, names) == "10.9.0.1"
+
+
+def test_loopback_bind_with_nodes_on_other_machines_is_refused() -> None:
+    cfg, plan, names = plan_on("10.9.0.1", "10.9.0.2")
+    cfg = resolve(["--cpu-devices", "1", "--head-bind-host", "127.0.0.1"])
+    with pytest.raises(ConfigError, match=r"--head-bind-host=.*127\.0\.0\.1.*node1.*10\.9\.0\.1"):
+        head_bind_host(cfg, plan, names)
+
+
+def test_one_machine_binds_loopback() -> None:
+    cfg, plan, names = plan_on("127.0.0.1", "127.0.0.2")  # both "nodes" on this machine
+    assert head_bind_host(cfg, plan, names) == "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    return make_workspace(tmp_path_factory.mktemp("start_checks"))
+
+
+@pytest.mark.slow
+def test_any_failure_ends_the_events_with_a_failed_line(ws: Workspace, tmp_path: Path) -> None:
+    """A failure of no special type (here: unreadable prompt data, found after the engines
+    started) still ends events.jsonl with "failed", naming where and what."""
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text("{not json\n")
+    run = tmp_path / "run"
+    done = tether(
+        "run",
+        *ws.flags(run, "--num-rollout", "1", "--debug-rollout-only", "--prompt-data", str(bad)),
+        check=False,
+    )
+    assert done.returncode != 0
+    last = jsonl(run / "events.jsonl")[-1]
+    assert last["event"] == "failed" and last["process"] == "head", last
+    assert str(bad) in last["error"] or "prompts.jsonl" in last["error"], last
+
+
+@pytest.mark.slow
+def test_sigterm_during_start_up_stops_cleanly(ws: Workspace, tmp_path: Path) -> None:
+    """A stop signal before the loop (SLURM's USR1 forwarded as TERM while engines start) ends
+    the run with exit 0 and "stopped", so the job script requeues it; no process is left."""
+    run = tmp_path / "run"
+    flags = ws.flags(run, "--num-rollout", "2", "--debug-rollout-only")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether", "run", *flags], env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "start" for e in read_jsonl(run / "events.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)  # polling a file the run writes; the condition is the sync
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = read_jsonl(run / "events.jsonl")
+    assert events[-1]["event"] == "stopped" and "ready" not in [e["event"] for e in events], events
+    assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
