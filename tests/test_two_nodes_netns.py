@@ -319,7 +319,7 @@ class TwoNodeRun:
 def test_disk_sync_and_engine_replaced_on_node_b(nodes: TwoNodes, ws: Workspace, tmp_path: Path) -> None:
     """Full disk sync to the engine on B; the engine killed there is started again on B (through
     B's agent), with B's interface for its collectives, and serves the current weights."""
-    steps = 3
+    steps = 10  # the kill comes after step 1: the rollouts of the steps after it need the new engine
     flags = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "weights")]
     flags += ["--use-fault-tolerance", "--rollout-health-check-interval", "0.5"]
     flags += ["--rollout-health-check-timeout", "2", "--max-engine-restarts", "2"]
