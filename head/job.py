@@ -361,7 +361,7 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                     secret,
                     bind_host=bind_host,
                     port=cfg.run.head_port,
-                    heartbeat=Heartbeat(misses=cfg.run.heartbeat_misses),
+                    heartbeat=control_heartbeat(cfg),
                 )
             )
             atomic_write_bytes(run_path / "head_address", sup.address.encode())
@@ -489,6 +489,11 @@ def _find(exc: BaseException, kind: type[E]) -> E | None:
             if found is not None:
                 return found
     return None
+
+
+def control_heartbeat(cfg: Config) -> Heartbeat:
+    """Heartbeats between the head and its agents and actors; agents learn them at setup."""
+    return Heartbeat(misses=cfg.run.heartbeat_misses)
 
 
 def head_bind_host(cfg: Config, plan: Plan, names: dict[int, str]) -> str:

@@ -15,12 +15,15 @@ import pytest
 from e2e_support import Workspace, jsonl, make_workspace, tether
 
 from tether.config import resolve
-from tether.job import head_bind_host
+from tether.job import control_heartbeat, head_bind_host
 from tether.nodes import node_names
 from tether.placement.inventory import Inventory, Node
 from tether.placement.plan import plan_from_config
 from tether.run_dir import read_jsonl
 from tether.runtime.errors import ConfigError
+from tether.runtime.loop import run
+from tether.runtime.secret import new_secret
+from tether.runtime.supervisor import Supervisor, _HeadService
 
 
 def plan_on(*addresses: str):  # type: ignore[no-untyped-def]
@@ -47,6 +50,21 @@ def test_loopback_bind_with_nodes_on_other_machines_is_refused() -> None:
 def test_one_machine_binds_loopback() -> None:
     cfg, plan, names = plan_on("127.0.0.1", "127.0.0.2")  # both "nodes" on this machine
     assert head_bind_host(cfg, plan, names) == "127.0.0.1"
+
+
+def test_heartbeat_misses_reach_the_head_and_its_agents(tmp_path: Path) -> None:
+    """--heartbeat-misses sets how many beats the head and each agent (told at its setup) may
+    miss; 0 is refused."""
+    hb = control_heartbeat(resolve(["--heartbeat-misses", "5"]))
+    assert hb.misses == 5 and control_heartbeat(resolve([])).misses == 3
+
+    async def setup() -> dict[str, object]:
+        async with Supervisor(tmp_path, new_secret(), heartbeat=hb) as sup:
+            return await _HeadService(sup).agent_setup()
+
+    assert run(setup())["misses"] == 5
+    with pytest.raises(ConfigError, match="heartbeat-misses"):
+        resolve(["--heartbeat-misses", "0"])
 
 
 @pytest.fixture(scope="module")
