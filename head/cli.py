@@ -29,7 +29,7 @@ COMMANDS: dict[str, Command] = {
         "tether.rollout.cpu_engine", "Serve a model with the embedded CPU engine (SGLang's HTTP API)."
     ),
     "init-model": Command(
-        "tether.rollout.tiny_model", "Write a small random Hugging Face model and tokenizer."
+        "tether.rollout.cpu_engine.tiny_model", "Write a small random Hugging Face model and tokenizer."
     ),
     "bench": Command("tether.bench", "Benchmarks that print JSON: runtime, engine, rollout, sync, e2e."),
     "weights": Command("tether.sync.cli", "Operator tools for published weights: diff, apply, verify."),

@@ -35,10 +35,11 @@ from transformers import AutoTokenizer
 
 from tether import demo_task
 from tether.config import resolve
+from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.debug_dump import save_rollout
 from tether.rollout.sample import Sample, SampleStatus
-from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
-from tether.run_dir import atomic_write_bytes, live_metrics, read_jsonl
+from tether.run_dir import live_metrics, read_jsonl
+from tether.runtime.atomic_file import write_bytes_atomic
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,7 @@ def main(args: argparse.Namespace) -> int:
         "reward_plot": plots[-1],
         "curves": plots[0],
     }
-    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2).encode())
+    write_bytes_atomic(out / "summary.json", json.dumps(summary, indent=2).encode())
     print(f"[demo] summary ({out / 'summary.json'}):", flush=True)
     print(
         f"[demo]   held-out reward: initial {_fmt(initial)}, after warm-up {_fmt(warmed)}, "

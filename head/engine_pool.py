@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 
 from tether.config import Config
 from tether.placement.plan import Plan
-from tether.rollout.engine_client import EngineClient
-from tether.rollout.engine_launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
+from tether.rollout.engine_api.client import EngineClient
+from tether.rollout.engine_api.launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
 from tether.rollout.router import Router
 from tether.run_dir import RunDir
 from tether.runtime.errors import HeartbeatLost

@@ -32,12 +32,13 @@ from tether.placement.plan import Plan, plan_from_config
 from tether.ports import PortClaims, plan_with_free_ports
 from tether.progress import RunProgress
 from tether.retention import CheckpointRetention
-from tether.rollout.engine_auth import run_key
-from tether.rollout.engine_client import EngineClient
+from tether.rollout.engine_api.auth import run_key
+from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.router import Router
 from tether.rollout_manager import RolloutManager, version_lags
-from tether.run_dir import RunDir, atomic_write_bytes, default_run_dir
+from tether.run_dir import RunDir, default_run_dir
 from tether.runtime import task_dump
+from tether.runtime.atomic_file import write_bytes_atomic
 from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError
 from tether.runtime.sdnotify import Notifier
 from tether.runtime.secret import SECRET_ENV, new_secret, secret_from_env
@@ -364,7 +365,7 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                     heartbeat=control_heartbeat(cfg),
                 )
             )
-            atomic_write_bytes(run_path / "head_address", sup.address.encode())
+            write_bytes_atomic(run_path / "head_address", sup.address.encode())
             remote = remote_nodes(plan, names)
             if remote:
                 progress.message(f"waiting for node agents {remote} at {sup.address}")

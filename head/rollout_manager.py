@@ -16,10 +16,11 @@ import msgspec
 from tether.config import Config
 from tether.rollout.data_source import DataSource, DataSourceState, load_tokenizer
 from tether.rollout.debug_dump import load_rollout, save_rollout
+from tether.rollout.default_rollout import generate_rollout
 from tether.rollout.evaluation import run_evaluation, should_evaluate
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.hooks import load_function, maybe_await
-from tether.rollout.rollout_fn import RolloutContext, generate_rollout, using_context
+from tether.rollout.rollout_fn import RolloutContext, using_context
 from tether.rollout.router import Router
 from tether.rollout.sample import Sample
 

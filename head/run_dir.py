@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from tether.runtime.atomic_file import write_bytes_atomic as atomic_write_bytes
+from tether.runtime.atomic_file import write_bytes_atomic
 
 
 def default_run_dir(root: Path = Path("runs")) -> Path:
@@ -91,7 +91,7 @@ class RunDir:
             },
             **(extra or {}),
         }
-        atomic_write_bytes(self.receipt_path, json.dumps(receipt, indent=2, default=str).encode())
+        write_bytes_atomic(self.receipt_path, json.dumps(receipt, indent=2, default=str).encode())
 
     def _append(self, path: Path, record: dict[str, Any]) -> None:
         # One write of one whole line: a crash can lose the line but never leaves half of it

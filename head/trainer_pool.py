@@ -28,7 +28,7 @@ import torch
 
 from tether.config import Config
 from tether.placement.plan import Plan, TorchrunNode
-from tether.rollout.engine_auth import ENGINE_KEY_ENV
+from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
 from tether.rollout.sample import Sample
 from tether.run_dir import RunDir
 from tether.runtime.errors import ActorDied

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from tether.rollout.engine_auth import read_key_file
+from tether.rollout.engine_api.auth import read_key_file
 from tether.runtime.errors import ConfigError
 
 # Constrained scalars for optional fields: msgspec puts bounds on the number, not on `T | None`.
@@ -151,7 +151,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     rollout_function_path: Annotated[
         str,
         Meta(description="Rollout function `generate_rollout(args, rollout_id, data_source, evaluation)`."),
-    ] = "tether.rollout.rollout_fn.generate_rollout"
+    ] = "tether.rollout.default_rollout.generate_rollout"
     rollout_temperature: Annotated[float, Meta(ge=0, description="Sampling temperature during rollout.")] = (
         1.0
     )

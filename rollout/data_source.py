@@ -19,7 +19,7 @@ import numpy as np
 
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.sample import Sample, SampleStatus
-from tether.runtime.atomic_file import write_bytes_atomic as write_atomic
+from tether.runtime.atomic_file import write_bytes_atomic
 from tether.runtime.errors import ConfigError
 
 STATE_VERSION = 1
@@ -296,7 +296,7 @@ class DataSource:
 
     def save(self, path: str | os.PathLike[str], pending: Iterable[list[Sample]] = ()) -> None:
         """Write the position atomically (msgpack)."""
-        write_atomic(Path(path), msgspec.msgpack.encode(self.state_dict(pending)))
+        write_bytes_atomic(Path(path), msgspec.msgpack.encode(self.state_dict(pending)))
 
     def load(self, path: str | os.PathLike[str]) -> None:
         raw = Path(path).read_bytes()

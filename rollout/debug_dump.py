@@ -11,8 +11,8 @@ from pathlib import Path
 
 import msgspec
 
-from tether.rollout.data_source import write_atomic
 from tether.rollout.sample import Sample
+from tether.runtime.atomic_file import write_bytes_atomic
 
 DUMP_FORMAT = "tether.debug_rollout"
 DUMP_VERSION = 1
@@ -49,7 +49,7 @@ def save_rollout(
     """Write one rollout's groups atomically; returns the file written."""
     path = dump_path(template, rollout_id)
     dump = RolloutDump(rollout_id=rollout_id, groups=groups, metrics=dict(metrics or {}))
-    write_atomic(path, msgspec.msgpack.encode(dump))
+    write_bytes_atomic(path, msgspec.msgpack.encode(dump))
     return path
 
 

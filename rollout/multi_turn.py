@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tether.rollout.engine_client import GenerateResponse
+from tether.rollout.engine_api.client import GenerateResponse
 from tether.rollout.rollout_fn import RolloutContext
 from tether.rollout.sample import Sample
 

@@ -1,6 +1,6 @@
-"""The default rollout function, with slime's semantics, and the per-sample and per-group steps it is built from.
+"""One rollout with slime's semantics, and the per-sample and per-group steps it is built from.
 
-`generate_rollout(args, rollout_id, data_source, evaluation=False)` keeps slime's signature. The
+`run_rollout` is what the default rollout function (tether.rollout.default_rollout) runs. The
 live objects it needs (router, reward model, hooks) travel in a `RolloutContext` that the rollout
 manager installs with `using_context(ctx)`; a context variable, not a global, so two managers in
 one process (or a test) do not see each other's. Custom hooks reach the router the same way,
@@ -27,7 +27,7 @@ import msgspec
 
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data_source import DataSource
-from tether.rollout.engine_client import EngineUnavailable
+from tether.rollout.engine_api.client import EngineUnavailable
 from tether.rollout.hooks import (
     FlatArgs,
     HookError,
@@ -456,18 +456,3 @@ def rollout_metrics(
         "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
         "rollout/samples_per_second": len(samples) / seconds if seconds > 0 else 0.0,
     }
-
-
-async def generate_rollout(
-    args: Any, rollout_id: int, data_source: DataSource, evaluation: bool = False
-) -> list[list[Sample]] | dict[str, float]:
-    """slime's rollout-function signature; needs a RolloutContext installed by the caller.
-
-    Returns the rollout's groups, or with `evaluation=True` the evaluation metrics.
-    """
-    ctx = current_context()
-    if evaluation:
-        from tether.rollout.evaluation import run_evaluation
-
-        return await run_evaluation(ctx, rollout_id)
-    return await run_rollout(ctx, rollout_id, data_source)

@@ -26,7 +26,7 @@ import msgspec
 import xxhash
 
 from tether.rollout.config import RolloutConfig, RoutingPolicy
-from tether.rollout.engine_client import (
+from tether.rollout.engine_api.client import (
     EngineClient,
     EngineUnavailable,
     GenerateResponse,

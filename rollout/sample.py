@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import msgspec
@@ -206,8 +206,3 @@ def validate_group(samples: Sequence[Sample], group_size: int) -> None:
         if s.index in seen:
             raise SampleContractError("index", s.index, "appears twice in one group", sample_index=s.index)
         seen.add(s.index)
-
-
-def flatten_groups(groups: Iterable[Sequence[Sample]]) -> list[Sample]:
-    """Samples of several groups in one list, in group order."""
-    return [s for group in groups for s in group]

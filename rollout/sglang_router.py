@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import msgspec
 
 from tether.rollout.config import RoutingPolicy
-from tether.rollout.engine_auth import ENGINE_KEY_ENV
-from tether.rollout.engine_launch import (
+from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
+from tether.rollout.engine_api.launch import (
     ROUTER_PREFIX,
     EngineLaunch,
     Flags,

@@ -175,12 +175,6 @@ class NodeAgent:
         self._tg.create_task(self._reap(child), name=f"reap:{spec.name}")
         return proc.pid
 
-    async def signal_process(self, name: str, signum: int) -> None:
-        """Send `signum` to the process group of `name`."""
-        child = self._child(name)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.proc.pid, signum)
-
     async def stop_process(self, name: str, grace: float | None = None) -> ExitInfo:
         """SIGTERM the command (which stops its own children), wait `grace` seconds, then
         SIGKILL its whole group; return how it ended."""

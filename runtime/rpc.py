@@ -276,12 +276,6 @@ class RpcServer:
             self._context.term()
             self._context = None
 
-    async def serve_forever(self) -> None:
-        """Wait until the server stops (it stops only when closed or cancelled)."""
-        if self._task is None:
-            raise RuntimeError(f"RPC server {self.name!r} is not started (use `async with`)")
-        await asyncio.shield(self._task)
-
     @property
     def in_flight(self) -> int:
         return len(self._calls)

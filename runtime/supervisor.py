@@ -523,7 +523,7 @@ class Supervisor:
             raise ValueError(f"transport={transport!r}: expected 'auto', 'tcp' or 'ipc'")
         if transport == "ipc" and node != LOCAL:
             raise ValueError(f"transport='ipc' with node={node!r}: ipc reaches this machine only")
-        argv = [sys.executable, "-m", "tether.runtime.actor_host", "--name", name, "--target", target]
+        argv = [sys.executable, "-m", "tether.bench.actor_host", "--name", name, "--target", target]
         argv += ["--head", self.address]
         if transport != "tcp" and node == LOCAL:
             sock_dir = self.run_dir / "sock"

@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
-from tether.rollout.engine_auth import key_from_env
-from tether.rollout.engine_client import EngineClient
+from tether.rollout.engine_api.auth import key_from_env
+from tether.rollout.engine_api.client import EngineClient
 from tether.sync.config import WeightSyncConfig
 from tether.sync.ledger import LedgerEntry
 from tether.sync.transport_delta import DeltaDiskTransport

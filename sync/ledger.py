@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from tether.sync.atomic import fsync_path
+from tether.runtime.atomic_file import fsync_path
 
 
 class LedgerError(RuntimeError):
@@ -91,16 +91,6 @@ class VersionLedger:
             if entry.ok:
                 return entry.version
         return 0
-
-    def next_version(self, engine_versions: dict[str, int | None]) -> int:
-        """The version the next sync publishes; refuses while an engine is not at the current one."""
-        current = self.version
-        behind = {name: v for name, v in engine_versions.items() if v != current}
-        if behind:
-            raise LedgerError(
-                f"cannot publish version {current + 1}: engines not serving version {current}: {behind}"
-            )
-        return current + 1
 
     def record(self, entry: LedgerEntry) -> None:
         """Append one entry durably."""

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from tether.sync.atomic import staged_dir
+from tether.runtime.atomic_file import staged_dir
 from tether.sync.checkpoint_files import TORCH_TO_ST, open_checkpoint, tensor_bytes
 from tether.sync.config import WeightSyncConfig
 from tether.sync.delta import DeltaRefused, RawTensor, encode_delta
 from tether.sync.delta_format import DeltaIndex, delta_dir_name
-from tether.sync.engine_api import (
+from tether.sync.engine_control import (
     EngineEndpoint,
     SyncFailed,
     confirmed_entry,

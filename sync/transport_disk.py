@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tether.sync.config import WeightSyncConfig
-from tether.sync.engine_api import (
+from tether.sync.engine_control import (
     EngineEndpoint,
     SyncFailed,
     confirmed_entry,

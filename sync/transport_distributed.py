@@ -33,7 +33,7 @@ from tether.runtime.weight_group import (
 )
 from tether.sync.buckets import buckets, dtype_name, nbytes, with_last
 from tether.sync.config import WeightSyncConfig
-from tether.sync.engine_api import (
+from tether.sync.engine_control import (
     EngineEndpoint,
     SyncFailed,
     best_effort_on_all,
@@ -444,10 +444,3 @@ class DistributedTransport:
             perf_started=t0,
             started_at=started_at,
         )
-
-
-def raw_broadcast_seconds(group: WeightGroup, buffer: torch.Tensor) -> float:
-    """Time one broadcast of a single buffer (the bench's baseline for bucketed sync)."""
-    t0 = time.perf_counter()
-    broadcast(buffer, 0, group)
-    return time.perf_counter() - t0

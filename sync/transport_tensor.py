@@ -17,14 +17,14 @@ import torch
 
 from tether.sync.buckets import buckets, nbytes, with_last
 from tether.sync.config import WeightSyncConfig
-from tether.sync.engine_api import EngineEndpoint, SyncFailed, call, confirmed_entry, on_all, paused
+from tether.sync.engine_control import EngineEndpoint, SyncFailed, call, confirmed_entry, on_all, paused
 from tether.sync.ledger import LedgerEntry
 
 Named = list[tuple[str, torch.Tensor]]
 
 
 class Encoder(Protocol):
-    """The engine side's payload format (tether.rollout.engine_weights)."""
+    """The engine side's payload format (tether.rollout.engine_api.weights)."""
 
     def share(self, named: Named) -> Named:
         """Copies another process can open; they must outlive the engines' answers."""
@@ -37,12 +37,12 @@ class Encoder(Protocol):
 
 class _EngineWeights:
     def share(self, named: Named) -> Named:
-        from tether.rollout.engine_weights import share_named_tensors
+        from tether.rollout.engine_api.weights import share_named_tensors
 
         return share_named_tensors(named)
 
     def serialize(self, shared: Named) -> str:
-        from tether.rollout.engine_weights import serialize_named_tensors
+        from tether.rollout.engine_api.weights import serialize_named_tensors
 
         return serialize_named_tensors(shared)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tether import demo_task
-from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
+from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 HERE = Path(__file__).resolve().parent
 

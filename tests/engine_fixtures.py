@@ -28,9 +28,9 @@ import torch
 
 from tether.placement.plan import Engine as PlanEngine
 from tether.placement.plan import EnginePart
-from tether.rollout.engine_auth import bearer_header, engine_env, new_engine_key
-from tether.rollout.engine_client import EngineClient
-from tether.rollout.engine_launch import (
+from tether.rollout.engine_api.auth import bearer_header, engine_env, new_engine_key
+from tether.rollout.engine_api.client import EngineClient
+from tether.rollout.engine_api.launch import (
     DEFAULT_SGLANG_VENV,
     SGLANG_PYTHON_ENV,
     SGLANG_VENV_ENV,
@@ -122,13 +122,19 @@ class Engine:
         return events
 
 
-def start_cpu_engine(model_path: str, log_dir: Path, *extra: str, deadline_s: float = 60) -> Engine:
+def start_cpu_engine(
+    model_path: str,
+    log_dir: Path,
+    *extra: str,
+    deadline_s: float = 60,
+    module: str = "tether.rollout.cpu_engine",
+) -> Engine:
     port = free_port()
     log = log_dir / f"engine-{port}.log"
     cmd = [
         sys.executable,
         "-m",
-        "tether.rollout.cpu_engine",
+        module,
         "--model-path",
         model_path,
         "--port",
@@ -203,7 +209,7 @@ def hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
 
 def make_models(root: Path) -> tuple[str, str]:
     """Two tiny Llama checkpoints with the same shapes and different weights (v1, v2)."""
-    from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
     v1 = write_tiny_model(root / "v1", TinyModelSpec(seed=0))
     v2 = write_tiny_model(root / "v2", TinyModelSpec(seed=1))

@@ -27,14 +27,18 @@ def free_port() -> int:
 
 
 def make_model(out: Path) -> Path:
-    from tether.rollout.tiny_model import write_tiny_model
+    from tether.rollout.cpu_engine.tiny_model import write_tiny_model
 
     return write_tiny_model(out)
 
 
 @contextmanager
 def cpu_engine(
-    model: Path, log_dir: Path, extra: Sequence[str] = (), ready_s: float = 120.0
+    model: Path,
+    log_dir: Path,
+    extra: Sequence[str] = (),
+    ready_s: float = 120.0,
+    module: str = "tether.rollout.cpu_engine",
 ) -> Iterator[str]:
     """A real `python -m tether.rollout.cpu_engine` process on a free port, requiring ENGINE_KEY;
     yields its URL."""
@@ -45,7 +49,7 @@ def cpu_engine(
             [
                 sys.executable,
                 "-m",
-                "tether.rollout.cpu_engine",
+                module,
                 "--model-path",
                 str(model),
                 "--host",

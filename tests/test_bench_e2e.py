@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from e2e_support import tether
 
-from tether.bench_e2e import MODES, RATIO_KEYS, ratios, summarise
+from tether.bench.e2e import MODES, RATIO_KEYS, ratios, summarise
 
 FRACTIONS = ("trainer_busy_fraction", "engine_busy_fraction")
 

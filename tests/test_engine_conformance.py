@@ -2,7 +2,7 @@
 
 "cpu" is tether's embedded engine; "sglang" (marked `sglang`) is the real SGLang 0.5.x server
 on CPU, run from the venv tests/sglang_env.sh builds and skipped, naming the missing venv, when
-it is absent. Both start through tether's launcher (`tether.rollout.engine_launch`) under a
+it is absent. Both start through tether's launcher (`tether.rollout.engine_api.launch`) under a
 Supervisor, one server per param for the whole module. Cases assert the shared contract;
 where a case reads state only one engine exposes, it says so. Cases that change the served
 weights put v1 back before they return, so their order does not matter.
@@ -38,7 +38,8 @@ from engine_fixtures import (
 )
 from safetensors.torch import load_file
 
-from tether.rollout.engine_weights import encode_named_tensors
+from tether.bench.slow_engine import delay_argv
+from tether.rollout.engine_api.weights import encode_named_tensors
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
 from tether.sync.config import WeightSyncConfig
 from tether.sync.ledger import LedgerEntry
@@ -597,10 +598,12 @@ def test_release_and_resume_memory(engine: Engine, models: tuple[str, str]) -> N
     assert flush[0] == 200 and isinstance(flush[1], str)
 
 
-def test_cpu_engine_test_delay_option(models: tuple[str, str], tmp_path: Path) -> None:
-    """CPU engine only: the seeded per-request delay holds each request before it joins the batch."""
-    args = ("--test-delay-distribution", "constant", "--test-delay-mean-ms", "300", "--test-delay-seed", "1")
-    eng = start_cpu_engine(models[0], tmp_path, *args)
+def test_slow_engine_delay(models: tuple[str, str], tmp_path: Path) -> None:
+    """The benchmarks' slow engine: the seeded per-request delay holds each request before it joins
+    the batch."""
+    eng = start_cpu_engine(
+        models[0], tmp_path, *delay_argv("constant", 300, seed=1), module="tether.bench.slow_engine"
+    )
     try:
         out = eng.post(
             "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}

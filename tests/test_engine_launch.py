@@ -18,7 +18,7 @@ from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import EnginePart, plan_from_config
 from tether.rollout.config import RolloutConfig
-from tether.rollout.engine_launch import (
+from tether.rollout.engine_api.launch import (
     EngineLaunchConfig,
     build_launch,
     parse_flags,
@@ -197,7 +197,7 @@ def test_router_argv_regular_and_prefill_decode() -> None:
 
 
 def test_cpu_engine_starts_through_the_launcher(tmp_path: Path) -> None:
-    from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "m", TinyModelSpec(seed=0)))
     engine, stop = start_supervised("cpu", model, tmp_path / "run", ready_timeout=120)
@@ -242,7 +242,7 @@ def test_not_ready_within_first_wait_is_stopped_with_log_tail(tmp_path: Path) ->
 
 
 def test_readiness_probe_waits_for_health_generate(tmp_path: Path) -> None:
-    from tether.rollout.engine_launch import http_ready
+    from tether.rollout.engine_api.launch import http_ready
 
     engine = local_plan_engine()
     probe = http_ready(f"http://127.0.0.1:{engine.http_port}")

@@ -15,10 +15,10 @@ import pytest
 import torch
 from engine_fixtures import free_port
 
-from tether.rollout import tiny_model
-from tether.rollout.engine_model import KVCache, ModelConfig, TinyLM, WeightMismatch, read_safetensors_dir
-from tether.rollout.engine_sampling import SamplingParams, choose_tokens, parse_sampling_params
-from tether.rollout.engine_weights import PayloadRejected, decode_named_tensors, encode_named_tensors
+from tether.rollout.cpu_engine import tiny_model
+from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM, WeightMismatch, read_safetensors_dir
+from tether.rollout.cpu_engine.sampling import SamplingParams, choose_tokens, parse_sampling_params
+from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors, encode_named_tensors
 from tether.runtime.errors import ConfigError
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tether.bench.sample_codec import SampleCodecError, decode_batch, encode_batch
 from tether.rollout.sample import Sample
-from tether.rollout.sample_codec import SampleCodecError, decode_batch, encode_batch
 
 f32 = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
 text = st.text(max_size=20)

@@ -12,8 +12,9 @@ import pytest
 from engine_fixtures import engine_client
 from rollout_fixtures import cpu_engine, make_config, make_model
 
+from tether.bench.slow_engine import delay_argv
 from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
-from tether.rollout.engine_client import EngineClient, EngineError, EngineUnavailable
+from tether.rollout.engine_api.client import EngineClient, EngineError, EngineUnavailable
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.hooks import HookError
 from tether.rollout.rollout_fn import (
@@ -36,8 +37,12 @@ class Engines:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     root = tmp_path_factory.mktemp("rollout_engines")
     model = make_model(root / "model")
-    slow = ["--test-delay-distribution", "constant", "--test-delay-mean-ms", "120000"]
-    with cpu_engine(model, root) as a, cpu_engine(model, root) as b, cpu_engine(model, root, slow) as s:
+    slow = delay_argv("constant", 120000)
+    with (
+        cpu_engine(model, root) as a,
+        cpu_engine(model, root) as b,
+        cpu_engine(model, root, slow, module="tether.bench.slow_engine") as s,
+    ):
         yield Engines(model, [a, b], s)
 
 

@@ -12,7 +12,7 @@ from rollout_fixtures import make_config
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data_source import DataError, DataSource, PromptRecord, load_prompts
 from tether.rollout.debug_dump import DebugDumpError, load_rollout, save_rollout
-from tether.rollout.engine_client import EngineClient
+from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.fully_async import weight_lag
 from tether.rollout.hooks import FlatArgs, HookError, check_hook_samples, load_function
 from tether.rollout.rewards import check_reward_nonzero_std, exact_match, extract_answer, math_reward

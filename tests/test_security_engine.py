@@ -40,12 +40,12 @@ from engine_fixtures import (
 from safetensors.torch import load_file, save_file
 
 from tether.config import resolve
-from tether.rollout.engine_auth import ENGINE_KEY_ENV, authorized, read_key_file
-from tether.rollout.engine_client import EngineClient, EngineError
-from tether.rollout.engine_http import DelaySampler, EngineApp, EngineState
-from tether.rollout.engine_launch import EngineLaunchConfig, build_launch
-from tether.rollout.engine_scheduler import Scheduler
-from tether.rollout.engine_weights import encode_named_tensors
+from tether.rollout.cpu_engine.http_api import EngineApp, EngineState
+from tether.rollout.cpu_engine.scheduler import Scheduler
+from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, authorized, read_key_file
+from tether.rollout.engine_api.client import EngineClient, EngineError
+from tether.rollout.engine_api.launch import EngineLaunchConfig, build_launch
+from tether.rollout.engine_api.weights import encode_named_tensors
 from tether.rollout.sglang_router import RouterLaunchConfig, router_spec
 from tether.runtime.errors import ConfigError
 from tether.runtime.loop import run
@@ -54,7 +54,7 @@ from tether.runtime.secret import SECRET_ENV, new_secret
 from tether.runtime.supervisor import Supervisor
 from tether.runtime.weight_group import WeightGroup, broadcast, destroy_weight_group, init_weight_group
 from tether.sync.config import WeightSyncConfig
-from tether.sync.engine_api import SyncFailed
+from tether.sync.engine_control import SyncFailed
 from tether.sync.transport_distributed import DistributedTransport
 
 NAN_TENSOR = "model.layers.0.mlp.up_proj.weight"
@@ -151,7 +151,7 @@ def test_key_shim_runs_the_module_with_the_key_and_redacts_it_from_logs(tmp_path
     )
     key = "shim-key-" + "z" * 20
     env = {**os.environ, ENGINE_KEY_ENV: key, "PYTHONPATH": str(tmp_path)}
-    shim = __import__("tether.rollout.key_shim", fromlist=["x"]).__file__
+    shim = __import__("tether.rollout.engine_api.key_shim", fromlist=["x"]).__file__
     proc = subprocess.run(
         [sys.executable, shim, "sglang_router", "--api-key,--admin-api-key", "--port", "1"],
         env=env,
@@ -166,9 +166,7 @@ def test_key_shim_runs_the_module_with_the_key_and_redacts_it_from_logs(tmp_path
 
 def engine_routes() -> list[tuple[str, str]]:
     """Every (method, path) the CPU engine serves, read from its app (a new endpoint is covered)."""
-    state = EngineState(
-        scheduler=cast(Scheduler, None), model_path="", host="", port=0, delay=DelaySampler("none", 0, 0, 0)
-    )
+    state = EngineState(scheduler=cast(Scheduler, None), model_path="", host="", port=0)
     app = EngineApp(state).build()
     routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None}
     out = set()

@@ -24,7 +24,7 @@ from test_sync_delta import assert_same, make_delta, make_state, step, tensors_o
 from test_train_checkpoint_fallback import _shard
 from test_train_checkpoint_fallback import _write as write_checkpoint
 
-from tether.rollout.engine_weights import PayloadRejected, decode_named_tensors, encode_named_tensors
+from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors, encode_named_tensors
 from tether.runtime.safe_paths import UnsafePath
 from tether.sync import cli
 from tether.sync.checkpoint_files import INDEX_NAME, CheckpointError, open_checkpoint, verify_checkpoint

@@ -20,11 +20,11 @@ import torch
 import uvloop
 from engine_fixtures import engine_client, key_env
 
-from tether.rollout.engine_client import EngineClient
-from tether.rollout.tiny_model import write_tiny_model
+from tether.rollout.cpu_engine.tiny_model import write_tiny_model
+from tether.rollout.engine_api.client import EngineClient
 from tether.sync.checkpoint_files import open_checkpoint
 from tether.sync.config import WeightSyncConfig
-from tether.sync.engine_api import SyncFailed, served_versions
+from tether.sync.engine_control import SyncFailed, served_versions
 from tether.sync.ledger import LedgerEntry
 from tether.sync.local_store import LocalCheckpointStore
 from tether.sync.transport_delta import DeltaDiskTransport
@@ -581,8 +581,8 @@ def test_buckets_respect_the_size_and_keep_flattened_offsets_aligned() -> None:
 
 
 def test_engine_refuses_an_unaligned_flattened_bucket_naming_the_tensor() -> None:
-    from tether.rollout.engine_model import WeightMismatch
-    from tether.rollout.engine_receive import _check_aligned
+    from tether.rollout.cpu_engine.model import WeightMismatch
+    from tether.rollout.cpu_engine.receive import _check_aligned
 
     _check_aligned(["x", "y"], [torch.bfloat16, torch.float32], [[4], [2]])  # y at 8: fine
     with pytest.raises(WeightMismatch, match=r"y: byte offset 6 .*float32 element size 4"):

@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from tether.runtime.atomic_file import fsync_path, fsync_tree, write_bytes_atomic
 from tether.runtime.safe_paths import contained
-from tether.sync.atomic import fsync_path, fsync_tree, write_bytes_atomic
 from tether.train.megatron_cpu import quiet_megatron_imports
 from tether.train.model import Actor, unwrap
 from tether.train.parallel import all_true

@@ -32,7 +32,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tether.sync.atomic import fsync_path
+from tether.runtime.atomic_file import fsync_path
 from tether.train.checkpoint import complete_checkpoints, find_checkpoint, iter_dir_name, select_checkpoint
 
 log = logging.getLogger(__name__)

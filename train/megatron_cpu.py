@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a handful of places; on a machine without a GPU each of those
 calls fails. `apply()` redirects exactly those calls to the CPU and does nothing when CUDA is
 available, so GPU runs execute Megatron unmodified. Each patch below says which Megatron call
-path needs it (measured on megatron-core 0.16.1; see shared/reference/cpu-engines.md):
+path needs it (each measured on megatron-core 0.16.1):
 
 1. `torch.cuda.current_device()` is passed as `device=` when tensor_parallel/ layers, the
    vocab-parallel cross entropy and utils allocate buffers: it returns "cpu".

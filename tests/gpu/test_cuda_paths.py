@@ -49,7 +49,7 @@ OPEN_PAYLOAD = textwrap.dedent(
 
 @needs_cuda
 def test_cuda_ipc_payload_names_its_gpu_by_uuid_and_opens_in_another_process(tmp_path: Path) -> None:
-    from tether.rollout.engine_weights import serialize_named_tensors, share_named_tensors
+    from tether.rollout.engine_api.weights import serialize_named_tensors, share_named_tensors
 
     g = torch.Generator(device="cuda").manual_seed(0)
     named = [

@@ -32,7 +32,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 def make_models(root: Path, layers: int = 2) -> dict[str, Path]:
     """Write each family's tiny model under root, with every weight perturbed (biases and norms
     start at 0/1 in a fresh init, which would hide layout mistakes)."""
-    from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
     out = {}
     for i, (name, kw) in enumerate(FAMILIES.items()):

@@ -19,7 +19,7 @@ import runpy
 import sys
 from typing import Any
 
-KEY_ENV = "TETHER_ENGINE_API_KEY"  # tether.rollout.engine_auth.ENGINE_KEY_ENV
+KEY_ENV = "TETHER_ENGINE_API_KEY"  # tether.rollout.engine_api.auth.ENGINE_KEY_ENV
 REDACTED = "<redacted>"
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from tether.rollout.engine_auth import bearer_header
+from tether.rollout.engine_api.auth import bearer_header
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """Header carrying the session id; sglang-router (and our router) hash it to pick the engine."""
@@ -299,11 +299,6 @@ class EngineClient:
             return _generate_decoder.decode(raw)
         except msgspec.ValidationError as exc:
             raise EngineResponseError(f"engine {self.name} /generate: {exc}") from exc
-
-    async def generate_raw(self, body: Mapping[str, Any], *, routing_key: str | None = None) -> Any:
-        """POST /generate with a caller-built body (text prompts, batches); the decoded JSON answer."""
-        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
-        return await self.request("POST", "/generate", body, retry="connect", headers=headers)
 
     # ----- health and info -----
     async def health(self, request_timeout: float = 5.0) -> bool:

@@ -37,9 +37,9 @@ import msgspec
 
 from tether.placement.plan import Engine, EnginePart, Plan
 from tether.placement.server_groups import OverrideValue
-from tether.rollout import key_shim as key_shim_file
 from tether.rollout.config import RolloutConfig
-from tether.rollout.engine_auth import ENGINE_KEY_ENV, bearer_header
+from tether.rollout.engine_api import key_shim as key_shim_file
+from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, bearer_header
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.errors import ConfigError
 from tether.runtime.process import ProcessSpec

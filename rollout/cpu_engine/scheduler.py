@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 import torch
 from tokenizers import Tokenizer
 
-from tether.rollout.engine_model import KVCache, ModelConfig, TinyLM
-from tether.rollout.engine_sampling import SamplingParams, choose_tokens
+from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM
+from tether.rollout.cpu_engine.sampling import SamplingParams, choose_tokens
 
 T = TypeVar("T")
 

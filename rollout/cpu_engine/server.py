@@ -1,11 +1,8 @@
-"""`tether engine` / `python -m tether.rollout.cpu_engine`: the embedded CPU engine.
+"""The CPU engine's process: flags, the API key, and serving until a stop signal.
 
-A small inference server that speaks SGLang's native HTTP API (see engine_http.py) for the
+A small inference server that speaks SGLang's native HTTP API (see http_api.py) for the
 Llama, Qwen2 and Qwen3 models `tether init-model` writes, so every client path of tether runs
 on a CPU-only machine. Readiness: GET /health answers 200 once the model has loaded.
-
-The --test-delay-* flags are for tests and benchmarks only: each request waits a seeded random
-delay before it joins the batch, to imitate long-tail engines.
 
 Every endpoint but GET /health requires the engine's API key as `Authorization: Bearer <key>`;
 the key comes from TETHER_ENGINE_API_KEY (how tether hands it over) or --api-key-file, and the
@@ -19,6 +16,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from tether.runtime.errors import ConfigError
 
@@ -91,15 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Accept weight updates holding NaN or inf (refused by default with 400 naming the tensor).",
     )
-    parser.add_argument(
-        "--test-delay-distribution",
-        choices=["none", "constant", "exponential", "lognormal"],
-        default="none",
-        help="TESTS/BENCHMARKS ONLY: distribution of a per-request delay before a request joins the batch.",
-    )
-    parser.add_argument("--test-delay-mean-ms", type=float, default=0.0, help="TESTS ONLY: mean delay (ms).")
-    parser.add_argument("--test-delay-sigma", type=float, default=1.0, help="TESTS ONLY: lognormal sigma.")
-    parser.add_argument("--test-delay-seed", type=int, default=0, help="TESTS ONLY: delay RNG seed.")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -107,8 +96,6 @@ def _check(args: argparse.Namespace) -> None:
         ("--threads", args.threads, args.threads >= 1, "must be at least 1"),
         ("--port", args.port, 0 < args.port < 65536, "must be a TCP port"),
         ("--max-running-requests", args.max_running_requests, args.max_running_requests >= 1, "must be >= 1"),
-        ("--test-delay-mean-ms", args.test_delay_mean_ms, args.test_delay_mean_ms >= 0, "must be >= 0"),
-        ("--test-delay-sigma", args.test_delay_sigma, args.test_delay_sigma >= 0, "must be >= 0"),
         ("--max-request-bytes", args.max_request_bytes, args.max_request_bytes >= 1024, "must be >= 1024"),
         (
             "--max-prompts-per-request",
@@ -137,7 +124,7 @@ def _check(args: argparse.Namespace) -> None:
 def _api_key(args: argparse.Namespace) -> str:
     """The key from --api-key-file or TETHER_ENGINE_API_KEY; the variable leaves this process's
     environment, so nothing the engine starts inherits it."""
-    from tether.rollout.engine_auth import ENGINE_KEY_ENV, key_from_env, read_key_file
+    from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, key_from_env, read_key_file
 
     from_env = key_from_env()
     os.environ.pop(ENGINE_KEY_ENV, None)
@@ -153,14 +140,16 @@ def _api_key(args: argparse.Namespace) -> str:
     return from_env
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; `delay` (benchmarks and tests only) draws the seconds each
+    request waits before it joins the batch."""
     import torch
     from aiohttp import web
     from tokenizers import Tokenizer
 
-    from tether.rollout.engine_http import DelaySampler, EngineLimits, EngineState, make_app
-    from tether.rollout.engine_model import ModelConfig, TinyLM, read_safetensors_dir
-    from tether.rollout.engine_scheduler import Scheduler
+    from tether.rollout.cpu_engine.http_api import EngineLimits, EngineState, make_app
+    from tether.rollout.cpu_engine.model import ModelConfig, TinyLM, read_safetensors_dir
+    from tether.rollout.cpu_engine.scheduler import Scheduler
 
     torch.set_num_threads(args.threads)
     cfg = await asyncio.to_thread(ModelConfig.from_dir, args.model_path)
@@ -180,18 +169,12 @@ async def serve(args: argparse.Namespace) -> None:
         original_logprob=args.return_original_logprob,
         seed=args.random_seed,
     )
-    delay = DelaySampler(
-        args.test_delay_distribution,
-        args.test_delay_mean_ms / 1000.0,
-        args.test_delay_sigma,
-        args.test_delay_seed,
-    )
     state = EngineState(
         scheduler=scheduler,
         model_path=args.model_path,
         host=args.host,
         port=args.port,
-        delay=delay,
+        delay=delay or _no_delay,
         disk_path=args.model_path,
         disk_version=args.weight_version,
         api_key=args.api_key,
@@ -245,20 +228,18 @@ async def serve(args: argparse.Namespace) -> None:
         raise SchedulerFailed(f"{type(failures[0]).__name__}: {failures[0]}") from failures[0]
 
 
-def main(args: argparse.Namespace) -> int:
+def _no_delay() -> float:
+    return 0.0
+
+
+def main(args: argparse.Namespace, delay: Callable[[], float] | None = None) -> int:
     import uvloop
 
     _check(args)
     args.api_key = _api_key(args)
     try:
-        uvloop.run(serve(args))
+        uvloop.run(serve(args, delay))
     except SchedulerFailed as e:
         print(f"tether cpu engine: exiting, the scheduler failed: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tether.rollout.cpu_engine", description=__doc__)
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))

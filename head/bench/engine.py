@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from tether.rollout.engine_auth import bearer_header, engine_env, new_engine_key
+from tether.rollout.engine_api.auth import bearer_header, engine_env, new_engine_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tether-bench-engine-") as tmp:
         model_path = args.model_path
         if model_path is None:
-            from tether.rollout.tiny_model import write_tiny_model
+            from tether.rollout.cpu_engine.tiny_model import write_tiny_model
 
             model_path = os.fspath(write_tiny_model(Path(tmp) / "model"))
         result = uvloop.run(_bench(args, model_path, Path(tmp) / "engine.log"))
@@ -143,6 +143,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tether.rollout.bench_engine", description=__doc__)
+    _parser = argparse.ArgumentParser(prog="python -m tether.bench.engine", description=__doc__)
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

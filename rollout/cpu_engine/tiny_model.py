@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from tether.runtime.atomic_file import fsync_path
 from tether.runtime.errors import ConfigError
 
 Arch = Literal["llama", "qwen2", "qwen3"]
@@ -142,14 +143,9 @@ def _write_atomically(staging: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for entry in sorted(staging.iterdir()):
         os.chmod(entry, 0o644)  # some writers create 0600 temp files; the model is shared read-only
-        with open(entry, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_path(entry)
         os.replace(entry, out / entry.name)
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(out)
 
 
 def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = None) -> Path:

@@ -31,7 +31,7 @@ from collections.abc import Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from tether.rollout.engine_model import TinyLM, WeightMismatch, check_finite, check_named
+from tether.rollout.cpu_engine.model import TinyLM, WeightMismatch, check_finite, check_named
 from tether.runtime.weight_group import WeightGroup, broadcast
 
 _ALIGN = 64  # every staged tensor starts on a cache line, so any dtype can view it

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import torch
 
-from tether.sync.atomic import staged_dir
+from tether.runtime.atomic_file import staged_dir
 from tether.sync.checkpoint_files import TORCH_TO_ST, open_checkpoint, tensor_bytes
 from tether.sync.config import WeightSyncConfig
 from tether.sync.delta import DATA_FILE, RawTensor, checkpoint_tensors, encode_delta
@@ -250,9 +250,9 @@ class RawBroadcaster:
 async def engine_figures(
     work: Path, hidden: int, layers: int, bucket_mib: list[int], syncs: int
 ) -> dict[str, Any]:
-    from tether.rollout.engine_auth import engine_env, new_engine_key
-    from tether.rollout.engine_client import EngineClient
-    from tether.rollout.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.engine_api.auth import engine_env, new_engine_key
+    from tether.rollout.engine_api.client import EngineClient
     from tether.sync.transport_delta import DeltaDiskTransport
     from tether.sync.transport_disk import FullDiskTransport
     from tether.sync.transport_distributed import DistributedTransport
@@ -384,6 +384,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tether.sync.bench_sync", description=__doc__)
+    _parser = argparse.ArgumentParser(prog="python -m tether.bench.sync", description=__doc__)
     add_arguments(_parser)
     raise SystemExit(main(_parser.parse_args()))

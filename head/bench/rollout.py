@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tether.bench.slow_engine import delay_argv
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
-from tether.rollout.engine_auth import engine_env, new_engine_key
-from tether.rollout.engine_client import EngineClient
+from tether.rollout.engine_api.auth import engine_env, new_engine_key
+from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.rollout_fn import RolloutContext, run_rollout, using_context
 from tether.rollout.router import Router
@@ -97,7 +98,7 @@ def _figures(samples: int, wall: float, busy: float, engines: int) -> dict[str, 
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tether.rollout.tiny_model import write_tiny_model
+    from tether.rollout.cpu_engine.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="tether-bench-rollout-") as tmp:
         model = args.model_path or str(write_tiny_model(Path(tmp) / "model"))
@@ -144,10 +145,9 @@ def _engine_cmd(model: str, port: int, args: argparse.Namespace, seed: int) -> l
     import sys
 
     return [
-        sys.executable, "-m", "tether.rollout.cpu_engine", "--model-path", model, "--host", "127.0.0.1",
-        "--port", str(port), "--weight-version", "0", "--test-delay-distribution", "lognormal",
-        "--test-delay-mean-ms", str(args.delay_mean_ms), "--test-delay-sigma", str(args.delay_sigma),
-        "--test-delay-seed", str(seed),
+        sys.executable, "-m", "tether.bench.slow_engine", "--model-path", model, "--host", "127.0.0.1",
+        "--port", str(port), "--weight-version", "0",
+        *delay_argv("lognormal", args.delay_mean_ms, args.delay_sigma, seed),
     ]  # fmt: skip
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import http
-import math
-import random
 import threading
 import time
 import traceback
@@ -38,18 +36,18 @@ import msgspec
 import torch
 from aiohttp import web
 
-from tether.rollout.engine_auth import authorized
-from tether.rollout.engine_model import (
+from tether.rollout.cpu_engine.model import (
     ModelConfig,
     ModelConfigError,
     WeightMismatch,
     check_finite,
     read_safetensors_dir,
 )
-from tether.rollout.engine_receive import BucketReceiver
-from tether.rollout.engine_sampling import SamplingParams, parse_sampling_params
-from tether.rollout.engine_scheduler import EngineUnavailable, Request, Scheduler
-from tether.rollout.engine_weights import PayloadRejected, decode_named_tensors
+from tether.rollout.cpu_engine.receive import BucketReceiver
+from tether.rollout.cpu_engine.sampling import SamplingParams, parse_sampling_params
+from tether.rollout.cpu_engine.scheduler import EngineUnavailable, Request, Scheduler
+from tether.rollout.engine_api.auth import authorized
+from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors
 from tether.runtime.weight_group import WeightGroup, destroy_weight_group, init_weight_group
 
 ENGINE_VERSION = "tether-cpu-engine 0.1 (SGLang 0.5.23 API)"
@@ -228,36 +226,13 @@ def parse_dtype(text: str) -> torch.dtype:
 
 
 @dataclass
-class DelaySampler:
-    """Test/benchmark only: a seeded per-request delay before a request joins the batch."""
-
-    distribution: str
-    mean_s: float
-    sigma: float
-    seed: int
-    rng: random.Random = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.rng = random.Random(self.seed)
-
-    def draw(self) -> float:
-        if self.distribution == "none" or self.mean_s <= 0:
-            return 0.0
-        if self.distribution == "constant":
-            return self.mean_s
-        if self.distribution == "exponential":
-            return self.rng.expovariate(1.0 / self.mean_s)
-        # lognormal with the requested mean: mu = ln(mean) - sigma^2 / 2 (heavy right tail)
-        return self.rng.lognormvariate(math.log(self.mean_s) - self.sigma**2 / 2, self.sigma)
-
-
-@dataclass
 class EngineState:
     scheduler: Scheduler
     model_path: str
     host: str
     port: int
-    delay: DelaySampler
+    delay: Callable[[], float] = field(default=lambda: 0.0)
+    """Seconds a request waits before it joins the batch (benchmarks imitate slow engines)."""
     disk_path: str = ""
     disk_version: str = ""
     groups: dict[str, WeightGroup] = field(default_factory=dict)
@@ -580,7 +555,7 @@ class EngineApp:
                 params=sp,
                 return_logprob=lp,
                 generator=self.sched.new_generator(sp.sampling_seed),
-                ready_at=now + self.s.delay.draw(),
+                ready_at=now + self.s.delay(),
             )
             for prompt, sp, rid, lp in items
         ]
@@ -951,7 +926,7 @@ class EngineApp:
             named = await asyncio.to_thread(read_safetensors_dir, self.s.disk_path)
 
         async def op() -> None:
-            from tether.rollout.engine_model import KVCache
+            from tether.rollout.cpu_engine.model import KVCache
 
             if named is not None:
                 # Restored from the last checkpoint loaded from disk, so the version is its version.
@@ -986,4 +961,4 @@ def make_app(state: EngineState) -> web.Application:
     return EngineApp(state).build()
 
 
-__all__ = ["DelaySampler", "EngineApp", "EngineLimits", "EngineState", "make_app"]
+__all__ = ["EngineApp", "EngineLimits", "EngineState", "make_app"]

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from tether import demo, demo_task
-from tether.run_dir import atomic_write_bytes, read_jsonl
+from tether.run_dir import read_jsonl
+from tether.runtime.atomic_file import write_bytes_atomic
 
 MODES = ("sync", "async", "fully-async")
 RATIO_KEYS = ("samples_per_s", "trainer_busy_fraction", "engine_busy_fraction", "sync_time_mean_s")
@@ -286,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             result = bench(args, args.out)
-            atomic_write_bytes(args.out / "bench_e2e.json", json.dumps(result, indent=2).encode())
+            write_bytes_atomic(args.out / "bench_e2e.json", json.dumps(result, indent=2).encode())
         else:
             with tempfile.TemporaryDirectory(prefix="tether-bench-e2e-") as tmp:
                 result = bench(args, Path(tmp))

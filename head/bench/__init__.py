@@ -9,22 +9,22 @@ from collections.abc import Sequence
 
 BENCHES = {
     "runtime": (
-        "tether.runtime.bench_runtime",
+        "tether.bench.runtime",
         "RPC and process start-up against raw pyzmq (and Ray when installed).",
     ),
     "engine": (
-        "tether.rollout.bench_engine",
+        "tether.bench.engine",
         "CPU engine tokens/s at 1, 8 and 64 concurrent requests; reload time.",
     ),
     "rollout": (
-        "tether.rollout.bench_rollout",
+        "tether.bench.rollout",
         "Synchronous rollout against the fully-async worker on long-tail engines.",
     ),
     "sync": (
-        "tether.sync.bench_sync",
+        "tether.bench.sync",
         "Delta sizes and speeds, disk and delta sync, bucketed against raw broadcast.",
     ),
-    "e2e": ("tether.bench_e2e", "A short demo-sized run in each loop mode, side by side."),
+    "e2e": ("tether.bench.e2e", "A short demo-sized run in each loop mode, side by side."),
 }
 
 

@@ -6,7 +6,7 @@ pipelined RPC throughput, Sample-batch throughput (64 and 512 Samples of 1024 to
 prompt and 512 response tokens, with loss mask and log-probs), and a raw blocking pyzmq round
 trip as the floor. Sample batches are measured two ways:
 
-- `samples_per_s_<n>`: the columnar frames of `tether.rollout.sample_codec.encode_batch`
+- `samples_per_s_<n>`: the columnar frames of `tether.bench.sample_codec.encode_batch`
   (encoded once, outside the timing) through RPC; Ray gets the same frames (its numpy path).
 - `full_samples_per_s_<n>`: Sample objects encoded, sent and decoded back into Sample
   objects for every batch (`encode_batch` → RPC → `decode_batch`); Ray gets the list of
@@ -47,7 +47,7 @@ RTT_VS_RAW_PYZMQ_TARGET = 2.5
 
 
 def _offsets_frame() -> int:
-    from tether.rollout.sample_codec import FRAME_NAMES
+    from tether.bench.sample_codec import FRAME_NAMES
 
     return 1 + FRAME_NAMES.index("token_offsets")  # frame 0 is the header
 
@@ -65,7 +65,7 @@ class BenchActor:
 
     async def take_samples(self, frames: list[Any]) -> int:
         """A batch's frames decoded back into Sample objects."""
-        from tether.rollout.sample_codec import decode_batch
+        from tether.bench.sample_codec import decode_batch
 
         return len(decode_batch(frames))
 
@@ -160,7 +160,7 @@ def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
 
 
 async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[int, Any]) -> dict[str, Any]:
-    from tether.rollout.sample_codec import encode_batch
+    from tether.bench.sample_codec import encode_batch
     from tether.runtime.secret import new_secret
     from tether.runtime.supervisor import Supervisor
 
@@ -171,7 +171,7 @@ async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[in
             *(
                 sup.start_actor(
                     f"bench{i}",
-                    "tether.runtime.bench_runtime:BenchActor",
+                    "tether.bench.runtime:BenchActor",
                     heartbeat=False,
                     transport=args.transport,
                 )
@@ -269,7 +269,7 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from tether.rollout.sample_codec import encode_batch
+    from tether.bench.sample_codec import encode_batch
     from tether.runtime.loop import run as run_loop
 
     batches = {}
@@ -348,6 +348,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tether.runtime.bench_runtime")
+    _parser = argparse.ArgumentParser(prog="python -m tether.bench.runtime")
     add_arguments(_parser)
     raise SystemExit(main(_parser.parse_args()))

@@ -1,6 +1,6 @@
 """What a weight transport needs from an engine, and the control calls every transport shares.
 
-`EngineEndpoint` is satisfied by tether.rollout.engine_client.EngineClient (and by any HTTP
+`EngineEndpoint` is satisfied by tether.rollout.engine_api.client.EngineClient (and by any HTTP
 client with the same `request`); sync depends only on this Protocol. Every call carries a timeout,
 and calls to several engines run concurrently in one TaskGroup.
 """
