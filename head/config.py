@@ -28,6 +28,7 @@ from tether.rollout.config import DataConfig, RolloutConfig
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.errors import ConfigError
 from tether.sync.config import WeightSyncConfig
+from tether.train.capabilities import Capabilities, check_capabilities
 from tether.train.config import AlgorithmConfig, MegatronConfig, check_algorithm_against_megatron
 
 
@@ -161,6 +162,7 @@ def check_contradictions(cfg: Config) -> None:
         raise ConfigError("--debug-rollout-only", True, "contradicts --debug-train-only (nothing would run)")
     cfg.weight_sync.check_colocate(cfg.cluster.colocate)
     check_algorithm_against_megatron(cfg.algorithm, cfg.megatron)
+    check_megatron_against_run(cfg)
     if cfg.run.loop != "sync" and cfg.cluster.colocate:
         raise ConfigError(
             "--loop", cfg.run.loop, "overlaps generation and training, so it rejects --colocate"
@@ -186,6 +188,71 @@ def check_contradictions(cfg: Config) -> None:
         raise ConfigError(
             "--over-sampling-batch-size", over, f"is below --rollout-batch-size={cfg.data.rollout_batch_size}"
         )
+
+
+def check_megatron_against_run(cfg: Config) -> None:
+    """The Megatron flags against the rest of the run: the devices it plans on, the LR schedule's
+    horizon, the sample lengths rollouts produce, and the HF config when it is readable here."""
+    megatron = cfg.megatron
+    if cfg.cluster.cpu_devices is not None and not cfg.debug.debug_rollout_only:
+        check_capabilities(
+            megatron, Capabilities.cpu(), where="; this run plans on CPU devices (--cpu-devices)"
+        )
+    # The LR schedule's horizon (--lr-decay-iters, default --train-iters, which build_config derives
+    # from --num-rollout) must be known when the trainer starts, before the prompts are read.
+    decays = megatron.lr_decay_style != "constant" or megatron.lr_warmup_fraction is not None
+    counted_by_epochs = cfg.data.num_rollout is None and cfg.data.num_epoch is not None
+    if (
+        decays
+        and megatron.lr_decay_horizon is None
+        and counted_by_epochs
+        and not cfg.debug.debug_rollout_only
+    ):
+        flag, value = (
+            ("--lr-decay-style", megatron.lr_decay_style)
+            if megatron.lr_decay_style != "constant"
+            else ("--lr-warmup-fraction", megatron.lr_warmup_fraction)
+        )
+        raise ConfigError(
+            flag,
+            value,
+            "needs the schedule's horizon when the trainer starts, and --num-epoch counts the steps only "
+            "once the prompts are read: set --lr-decay-iters, --train-iters or --num-rollout, or use "
+            "--lr-decay-style constant",
+        )
+    rollout = cfg.rollout
+    longest = rollout.rollout_max_context_len
+    if longest is None and rollout.rollout_max_prompt_len and rollout.rollout_max_response_len:
+        longest = rollout.rollout_max_prompt_len + rollout.rollout_max_response_len
+    if megatron.seq_length is not None and longest is not None and longest > megatron.seq_length:
+        raise ConfigError(
+            "--seq-length",
+            megatron.seq_length,
+            f"is shorter than the {longest} tokens a rollout sample may hold "
+            "(--rollout-max-context-len, or --rollout-max-prompt-len + --rollout-max-response-len)",
+        )
+    hf = rollout.hf_checkpoint
+    if hf is not None and (Path(hf) / "config.json").is_file() and not cfg.debug.debug_rollout_only:
+        from tether.train.hf_config import check_architecture_flags, check_parallel, load_arch
+
+        arch = load_arch(hf)
+        check_architecture_flags(arch, megatron.architecture())
+        check_parallel(
+            arch,
+            megatron.tensor_model_parallel_size,
+            megatron.pipeline_model_parallel_size,
+            megatron.decoder_first_pipeline_num_layers,
+            megatron.decoder_last_pipeline_num_layers,
+        )
+
+
+def _with_train_iters(megatron: MegatronConfig, data: DataConfig) -> MegatronConfig:
+    """Fill --train-iters from --num-rollout (what slime does) so the ranks know the LR horizon."""
+    if megatron.train_iters is not None or data.num_rollout is None:
+        return megatron
+    samples = data.rollout_batch_size * data.n_samples_per_prompt
+    steps = data.num_rollout * max(1, samples // data.resolved_global_batch_size)
+    return msgspec.structs.replace(megatron, train_iters=steps)
 
 
 # --- flags derived from the slices -------------------------------------------------------
@@ -419,6 +486,7 @@ def build_config(
             key = origin.get((slice_name, name), "--" + name.replace("_", "-"))
             reason = str(exc).split(" - at ")[0]
             raise ConfigError(key, data.get(name), reason) from None
+    built["megatron"] = _with_train_iters(built["megatron"], built["data"])
     return Config(**built, sglang_args=list(sglang_args or []))
 
 

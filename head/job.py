@@ -20,8 +20,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
-
 from tether.config import Config
 from tether.engine_pool import EnginePool, EngineRestartsExhausted
 from tether.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
@@ -44,7 +42,7 @@ from tether.runtime.sdnotify import Notifier
 from tether.runtime.secret import SECRET_ENV, new_secret, secret_from_env
 from tether.runtime.signals import StopRequest, StopRequested, handle_signals
 from tether.runtime.supervisor import LOCAL, Heartbeat, Supervisor
-from tether.sync.ledger import LedgerEntry, VersionLedger
+from tether.sync.ledger import VersionLedger
 from tether.sync.local_store import LocalCheckpointStore
 from tether.trainer_pool import TrainerPool
 
@@ -173,17 +171,17 @@ class Steps:
         entry = await self.trainer.update_weights(
             self.version + 1, self.engines.urls, engines_restarted=engines_restarted
         )
-        self.version = entry["version"]
+        self.version = entry.version
         self.engines.served_version = self.version
         self.step_metrics.update(
             {
                 "sync/time_s": time.monotonic() - started,
                 "sync/version": float(self.version),
-                "sync/bytes": float(entry.get("bytes_moved", 0)),
-                "sync/pause_s": float(entry.get("pause_seconds", 0.0)),
+                "sync/bytes": float(entry.bytes_moved),
+                "sync/pause_s": float(entry.pause_seconds),
             }
         )
-        self.ledger.record(msgspec.convert(entry, LedgerEntry))
+        self.ledger.record(entry)
         self.run_dir.event("weight_sync", rollout_id=rollout_id, version=self.version)
         self.rollouts.weight_version = self.version
         return self.version
@@ -546,41 +544,37 @@ async def resume(cfg: Config, steps: Steps) -> int:
         steps.run_dir.event("resume_skipped", load=load_dir)
         _discard_after(steps, -1, f"no checkpoint in {load_dir}")
         return 0
-    _discard_after(steps, int(state["rollout_id"]), f"resumed from {state.get('path')}")
-    steps.completed = state["rollout_id"]
-    steps.position = state["data_position"]
-    steps.rollouts.load_position(state["data_position"])
-    for bad in state.get("skipped", []):
+    _discard_after(steps, state.rollout_id, f"resumed from {state.path}")
+    steps.completed = state.rollout_id
+    steps.position = state.data_position
+    steps.rollouts.load_position(state.data_position)
+    for bad in state.skipped:
         # A damaged newest checkpoint (e.g. a truncated shard): the ranks fell back to an older one.
-        steps.run_dir.event("checkpoint_damaged", path=bad["path"], error=bad["error"], used=state["path"])
-        message = (
-            f"checkpoint {bad['path']} is damaged ({bad['error']}); resuming from {state['path']} instead"
-        )
+        steps.run_dir.event("checkpoint_damaged", path=bad.path, error=bad.error, used=state.path)
+        message = f"checkpoint {bad.path} is damaged ({bad.error}); resuming from {state.path} instead"
         log.warning("%s", message)
         steps.progress.message(f"warning: {message}")
     steps.run_dir.event(
         "resumed",
         load=load_dir,
-        path=state.get("path"),
-        rollout_id=state["rollout_id"],
-        version=state["weight_version"],
+        path=state.path,
+        rollout_id=state.rollout_id,
+        version=state.weight_version,
     )
     # The engines start from --hf-checkpoint; bring them to the resumed weights first. Versions
     # only increase in a run's ledger: when this run directory already published the checkpoint's
     # version or a later one (a crash after the checkpoint), the restored weights get a new number.
-    version = int(state["weight_version"])
+    version = state.weight_version
     published = max((entry.version for entry in steps.ledger.entries), default=0)
     if published >= version > 0:
         version = published + 1
     if steps.engines is not None:
         steps.version = version - 1
-        await steps.sync_weights(state["rollout_id"])
+        await steps.sync_weights(state.rollout_id)
     else:
         steps.version = version
-    steps.progress.message(
-        f"resumed from {load_dir} after step {state['rollout_id']}, weights v{steps.version}"
-    )
-    return int(state["rollout_id"]) + 1
+    steps.progress.message(f"resumed from {load_dir} after step {state.rollout_id}, weights v{steps.version}")
+    return state.rollout_id + 1
 
 
 def _discard_after(steps: Steps, rollout_id: int, reason: str) -> None:

@@ -6,6 +6,8 @@ import sys
 from collections.abc import Sequence
 
 from tether.placement.render import print_plan
+from tether.rollout.hook_checks import check_hooks
+from tether.runtime.errors import ConfigError
 
 
 def main_argv(argv: Sequence[str]) -> int:
@@ -24,6 +26,12 @@ def main_argv(argv: Sequence[str]) -> int:
     from tether.run_command import parse
 
     cfg = parse(args, prog="tether plan")
+    try:
+        if not cfg.debug.debug_train_only:
+            check_hooks(cfg.rollout)  # every hook imports and takes the call it will get
+    except ConfigError as exc:
+        print(f"tether plan: {exc}", file=sys.stderr)
+        return 2
     try:
         plan = make_plan(cfg)
     except ValueError as exc:  # impossible requests name the numbers

@@ -22,7 +22,11 @@ from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.hooks import load_function, maybe_await
 from tether.rollout.rollout_fn import RolloutContext, using_context
 from tether.rollout.router import Router
+from tether.rollout.router_front import RouterFront
 from tether.rollout.sample import Sample
+from tether.rollout.slime_api.args import slime_args
+from tether.rollout.slime_api.bridge import slime_evaluation, slime_rollout
+from tether.rollout.slime_api.convert import uses_slime_api
 
 Groups = list[list[Sample]]
 
@@ -42,7 +46,8 @@ def version_lags(groups: Groups, current: int) -> list[int]:
 
 
 class RolloutManager:
-    """Owns the rollout context (router, rewards, hooks) and the data source position."""
+    """Owns the rollout context (router, rewards, hooks), the data source position, and the router
+    front hooks reach the engines through (`args.sglang_router_ip`/`_port`)."""
 
     def __init__(self, config: Config, router: Router | None) -> None:
         self.config = config
@@ -55,8 +60,14 @@ class RolloutManager:
         self.metrics: dict[str, float] = {}
         self._positions: dict[int, dict[str, Any]] = {}
         self._rollout_fn = generate_rollout
+        self._rollout_path = (
+            config.rollout.rollout_function_path or "tether.rollout.default_rollout.generate_rollout"
+        )
         if config.rollout.rollout_function_path:
             self._rollout_fn = load_function(config.rollout.rollout_function_path, "--rollout-function-path")
+        self._slime_rollout = uses_slime_api(self._rollout_fn)
+        """The rollout function is written against slime's API: slime Samples, slime's return shapes."""
+        self.front: RouterFront | None = None
         self._stack = contextlib.AsyncExitStack()
 
     def _load(self) -> None:
@@ -71,10 +82,26 @@ class RolloutManager:
     async def __aenter__(self) -> RolloutManager:
         await asyncio.to_thread(self._load)
         if self.router is not None:
-            self.ctx = await self._stack.enter_async_context(
-                # Built in a thread: it imports the user's hook modules.
-                await asyncio.to_thread(RolloutContext, self.config, self.router, tokenizer=self.tokenizer)
-            )
+            # The front serves from before the context exists (hooks' args carry its address) and
+            # stops before the context closes the router.
+            front = RouterFront(self.router)
+            await front.__aenter__()
+            try:
+                extra = slime_args(self.config, router_ip=front.host, router_port=front.port)
+                self.ctx = await self._stack.enter_async_context(
+                    # Built in a thread: it imports the user's hook modules.
+                    await asyncio.to_thread(
+                        RolloutContext, self.config, self.router, tokenizer=self.tokenizer, args_extra=extra
+                    )
+                )
+            except BaseException:
+                await front.__aexit__(None, None, None)
+                raise
+            self._stack.push_async_exit(front)
+            self.front = front
+            front.abort_when(self.ctx.stop)
+            if self.data is not None:
+                self.data.buffer_filter = self.ctx.buffer_filter
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -91,7 +118,12 @@ class RolloutManager:
         else:
             assert self.ctx is not None and self.data is not None
             with using_context(self.ctx):
-                result = await maybe_await(self._rollout_fn(self.ctx.args, rollout_id, self.data))
+                if self._slime_rollout:
+                    result, self.ctx.metrics = await slime_rollout(
+                        self._rollout_fn, self.ctx, rollout_id, self.data, path=self._rollout_path
+                    )
+                else:
+                    result = await maybe_await(self._rollout_fn(self.ctx.args, rollout_id, self.data))
             if not isinstance(result, list):
                 raise TypeError(
                     f"--rollout-function-path returned {type(result).__name__}, expected a list of sample groups"
@@ -155,7 +187,12 @@ class RolloutManager:
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         assert self.ctx is not None
         with using_context(self.ctx):
-            metrics = await run_evaluation(self.ctx, rollout_id)
+            if self._slime_rollout:  # slime evaluates with the rollout function (evaluation=True)
+                metrics = await slime_evaluation(
+                    self._rollout_fn, self.ctx, rollout_id, self.data, path=self._rollout_path
+                )
+            else:
+                metrics = await run_evaluation(self.ctx, rollout_id)
         means = [v for k, v in metrics.items() if k.endswith("/reward_mean")]
         if means:  # the headline figure across every eval dataset
             metrics["eval/reward_mean"] = sum(means) / len(means)

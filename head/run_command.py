@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tether.config import Config, help_text, resolve
+from tether.rollout.hook_checks import check_hooks
 from tether.runtime.errors import ConfigError
 
 DESCRIPTION = """Train with RL: start engines and trainer ranks, then run the sync, async or fully-async loop.
@@ -28,6 +29,12 @@ def main_argv(argv: Sequence[str]) -> int:
         print("usage: tether run [--config YAML] [flags]\n\n" + DESCRIPTION + "\n" + help_text())
         return 0
     cfg = parse(argv)
+    if not cfg.debug.debug_train_only:
+        try:
+            check_hooks(cfg.rollout)  # before any process starts: every hook imports and fits its call
+        except ConfigError as exc:
+            print(f"tether run: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tether.job import run_job
     from tether.runtime.loop import run

@@ -1,8 +1,10 @@
 """The trainer ranks of a run: torchrun per actor node, one RPC handle per rank.
 
-The head turns each rollout into train batches (rewards → advantages → steps → DP shards →
-micro-batch plans) and calls every rank with the same method in the same order, as Megatron's
-collectives require; ranks of one data-parallel group receive the same shard.
+The pool only hands things over: one train-side call (`tether.train.rank_work`) turns each
+rollout into every step's per-DP-rank requests, and the pool sends them through the typed
+head ↔ rank protocol (`tether.train.protocol.RankClient`), calling every rank with the same
+method in the same order, as Megatron's collectives require; ranks of one data-parallel group
+receive the same request.
 
 Leaving the pool (every exit path of the run) asks each rank to exit (`shutdown`): the ranks
 leave their process groups and exit 0, so torchrun exits 0 and leaves no error file in
@@ -19,33 +21,40 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import msgspec
 import numpy as np
-import torch
 
 from tether.config import Config
 from tether.placement.plan import Plan, TorchrunNode
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
 from tether.rollout.sample import Sample
 from tether.run_dir import RunDir
-from tether.runtime.errors import ActorDied
+from tether.runtime.errors import ActorDied, ConfigError
 from tether.runtime.process import ProcessSpec
-from tether.runtime.rpc import ActorHandle, connect
+from tether.runtime.rpc import connect
 from tether.runtime.supervisor import LOCAL, ManagedProcess, Supervisor
-from tether.train.advantages import compute_advantages, process_rewards
-from tether.train.batching import (
-    TrainBatch,
-    build_train_batch,
-    plan_micro_batches,
-    shard_for_data_parallel,
-    split_steps,
+from tether.sync.ledger import LedgerEntry
+from tether.train.protocol import (
+    ExportRequest,
+    InitRequest,
+    LoadedState,
+    LoadRequest,
+    LogProbModel,
+    LogProbsRequest,
+    RankClient,
+    SaveRequest,
+    UpdateWeightsRequest,
+    WorkerInfo,
 )
-from tether.train.worker import WorkerInfo, read_addresses
+from tether.train.rank_work import StepWork, WorkOptions, rollout_steps
+from tether.train.worker import read_addresses
 
 log = logging.getLogger(__name__)
+Q = TypeVar("Q")
+R = TypeVar("R")
 
 Groups = list[list[Sample]]
 RPC_TIMEOUT = 3600.0  # a train step or a checkpoint of a large model can take long; never forever
@@ -66,14 +75,14 @@ def _first(group: BaseExceptionGroup[Exception]) -> Exception:
     return exc
 
 
-async def _ask_to_exit(handle: ActorHandle) -> None:
+async def _ask_to_exit(rank: RankClient) -> None:
     """`shutdown` on one rank; a connection dropped before the answer means it is exiting."""
     try:
-        await handle.call("shutdown", timeout=SHUTDOWN_GRACE)
+        await rank.shutdown(timeout=SHUTDOWN_GRACE)
     except ActorDied:
         pass
     except Exception as exc:  # this rank gets the signal after the grace period instead
-        log.warning("asking %s to exit failed: %s", handle.name, exc)
+        log.warning("asking %s to exit failed: %s", rank.name, exc)
 
 
 class TrainerPool:
@@ -99,7 +108,7 @@ class TrainerPool:
         self.run_dir = run_dir
         self.secret = secret
         self.address_dir = run_dir.path / "trainer"
-        self.ranks: list[ActorHandle] = []
+        self.ranks: list[RankClient] = []
         self.procs: list[ManagedProcess] = []
         self.infos: list[WorkerInfo] = []
         self.world_size = 0
@@ -150,6 +159,9 @@ class TrainerPool:
         group = self.plan.train_group("actor")
         if group is None:
             raise RuntimeError("the placement plan has no actor group to start")
+        hf_checkpoint = self.cfg.rollout.hf_checkpoint
+        if hf_checkpoint is None:  # before any rank starts: each would fail to build its model
+            raise ConfigError("--hf-checkpoint", None, "the trainer ranks build the model from it")
         world = self.world_size = group.world_size
         # A run directory used again (requeued job, restarted service) still holds the last
         # start's rank addresses; only the ranks started now may be read.
@@ -173,18 +185,17 @@ class TrainerPool:
             addresses = read_addresses(self.address_dir, world)
             assert addresses is not None
             for r in range(world):
-                self.ranks.append(
-                    await connect(addresses[r], self.secret, name=f"trainer-rank{r}", timeout=60.0)
-                )
+                handle = await connect(addresses[r], self.secret, name=f"trainer-rank{r}", timeout=60.0)
+                self.ranks.append(RankClient(handle, timeout=RPC_TIMEOUT))
             cfg = self.cfg
-            infos = await self._all(
-                "init",
-                hf_checkpoint=cfg.rollout.hf_checkpoint,
+            init = InitRequest(
+                hf_checkpoint=hf_checkpoint,
                 algorithm=cfg.algorithm,
                 megatron=cfg.megatron,
                 temperature=cfg.rollout.rollout_temperature,
-                result_type=WorkerInfo,
+                offload_train=self.plan.offload_train,
             )
+            infos = await self._all(lambda rank: rank.init(init))
         except BaseException:
             # The exit stack calls __aexit__ only once __aenter__ has returned: stop here what
             # did start (a job that failed to start is already gone).
@@ -206,8 +217,8 @@ class TrainerPool:
         try:
             await self._stop_ranks()
         finally:
-            for handle in self.ranks:
-                await handle.close()
+            for rank in self.ranks:
+                await rank.close()
 
     async def _stop_ranks(self) -> None:
         """Ask every rank to exit; the supervisor signals a job still running after SHUTDOWN_GRACE.
@@ -226,29 +237,35 @@ class TrainerPool:
 
         async def ask_all() -> None:
             async with asyncio.TaskGroup() as tg:
-                for handle in self.ranks:
-                    tg.create_task(_ask_to_exit(handle))
+                for rank in self.ranks:
+                    tg.create_task(_ask_to_exit(rank))
 
         await self.sup.stop_gracefully(names, ask_all, timeout=SHUTDOWN_GRACE)
 
-    async def _all(self, method: str, *args: Any, result_type: Any = Any, **kwargs: Any) -> list[Any]:
+    async def _all(self, call: Callable[[RankClient], Coroutine[Any, Any, R]]) -> list[R]:
         """The same call on every rank, concurrently; results in rank order."""
-        return await self._gather(method, [(args, kwargs)] * len(self.ranks), result_type)
+        return await self._gather([call(rank) for rank in self.ranks])
 
-    async def _per_rank(self, method: str, per_dp: list[dict[str, Any]], result_type: Any = Any) -> list[Any]:
-        """Each rank gets the arguments of its data-parallel rank."""
-        return await self._gather(method, [((), per_dp[info.dp_rank]) for info in self.infos], result_type)
+    async def _per_dp(
+        self, call: Callable[[RankClient, Q], Coroutine[Any, Any, R]], requests: Sequence[Q]
+    ) -> list[R]:
+        """Each rank gets the request of its data-parallel rank (`requests[dp_rank]`); results
+        in rank order."""
+        ranks = zip(self.ranks, self.infos, strict=True)
+        return await self._gather([call(rank, requests[info.dp_rank]) for rank, info in ranks])
 
-    async def _gather(
-        self, method: str, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], result_type: Any
-    ) -> list[Any]:
-        """Call every rank with its arguments; the first rank's error, as the user needs it."""
+    def _first_per_dp(self, results: Sequence[R]) -> list[R]:
+        """One result per data-parallel rank (index: dp_rank): its first rank's, in rank order."""
+        by_dp: dict[int, R] = {}
+        for info, result in zip(self.infos, results, strict=True):
+            by_dp.setdefault(info.dp_rank, result)
+        return [by_dp[d] for d in range(len(by_dp))]
+
+    async def _gather(self, calls: list[Coroutine[Any, Any, R]]) -> list[R]:
+        """Run every rank's call concurrently; the first rank's error, as the user needs it."""
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(h.call(method, *a, timeout=RPC_TIMEOUT, result_type=result_type, **kw))
-                    for h, (a, kw) in zip(self.ranks, calls, strict=True)
-                ]
+                tasks = [tg.create_task(call) for call in calls]
         except* Exception as group:
             first = _first(group)
             if isinstance(first, ActorDied):
@@ -286,128 +303,84 @@ class TrainerPool:
         return self.infos[0].dp_size
 
     # ----- training -----
-    def make_batch(self, groups: Groups) -> TrainBatch:
-        """The rollout as one columnar batch with rewards as the estimator uses them."""
-        algo = self.cfg.algorithm
-        samples = [s for g in groups for s in g]
-        raw = np.array([s.scalar_reward(self.cfg.rollout.reward_key) for s in samples], dtype=np.float64)
-        group_ids = np.array(
-            [s.group_index if s.group_index is not None else i for i, s in enumerate(samples)]
-        )
-        rewards = process_rewards(algo, raw, group_ids)
-        return build_train_batch(
-            samples, rewards=rewards, raw_rewards=raw, per_rollout_loss_mean=algo.per_rollout_loss_mean
-        )
-
-    def _plans(self, shards: list[TrainBatch]) -> list[list[list[int]]]:
+    def work_options(self) -> WorkOptions:
+        """How the run's data flags cut a rollout into steps and micro-batches."""
         data = self.cfg.data
-        return plan_micro_batches(
-            shards,
+        return WorkOptions(
+            global_batch_size=data.resolved_global_batch_size,
             micro_batch_size=data.micro_batch_size,
             max_tokens_per_gpu=data.max_tokens_per_gpu if data.use_dynamic_batch_size else None,
+            reward_key=self.cfg.rollout.reward_key,
         )
-
-    async def _log_probs(
-        self, shards: list[TrainBatch], plans: list[list[list[int]]], model: str
-    ) -> list[np.ndarray]:
-        results = await self._per_rank(
-            "compute_log_probs",
-            [{"shard": s, "plan": p, "model": model} for s, p in zip(shards, plans, strict=True)],
-        )
-        by_dp: dict[int, np.ndarray] = {}
-        for info, result in zip(self.infos, results, strict=True):
-            by_dp.setdefault(info.dp_rank, np.asarray(result["log_probs"], dtype=np.float32))
-        return [by_dp[d] for d in range(len(shards))]
 
     async def train(self, rollout_id: int, groups: Groups, *, weight_version: int) -> dict[str, float]:
-        algo = self.cfg.algorithm
-        batch = self.make_batch(groups)
-        data = self.cfg.data
-        num_steps = max(1, batch.num_samples // data.resolved_global_batch_size)
-        steps = split_steps(batch, num_steps, per_rollout_loss_mean=algo.per_rollout_loss_mean)
-        needs_old = num_steps > 1 or algo.kl_coef != 0
-        needs_ref = algo.needs_ref_log_probs
+        """Train on one rollout (one or more optimizer steps); the last step's metrics."""
+        steps = rollout_steps(groups, self.cfg.algorithm, self.work_options(), dp_size=self.dp_size)
         metrics: dict[str, float] = {}
-        for step_batch in steps:
-            rl = algo.loss_type != "sft_loss"
-            # Advantages over the whole step (exact whitening) unless KL shaping needs the
-            # per-shard log-probs first; then each shard is whitened on its own.
-            shaped = algo.kl_coef != 0
-            if rl and not shaped:
-                step_batch.advantages = self._advantages(step_batch)
-            shards = shard_for_data_parallel(step_batch, self.dp_size)
-            plans = self._plans(shards)
-            if rl:
-                old = await self._log_probs(shards, plans, "actor") if needs_old else [None] * len(shards)
-                ref = await self._log_probs(shards, plans, "ref") if needs_ref else [None] * len(shards)
-                for shard, o, r in zip(shards, old, ref, strict=True):
-                    shard.old_log_probs = o
-                    shard.ref_log_probs = r
-                    if shaped:
-                        shard.advantages = self._advantages(shard)
-            results = await self._per_rank(
-                "train",
-                [
-                    {"rollout_id": rollout_id, "shard": s, "plan": p}
-                    for s, p in zip(shards, plans, strict=True)
-                ],
-            )
-            metrics = {f"train/{k}": float(v) for k, v in results[0].items()}
+        for step in steps:
+            await self._attach_log_probs(step)
+            requests = step.train_requests(rollout_id)
+            results = await self._per_dp(lambda rank, request: rank.train(request), requests)
+            metrics = {f"train/{k}": float(v) for k, v in results[0].metrics.items()}
             self.steps_done += 1
         metrics["train/weight_version"] = float(weight_version)
         return metrics
 
-    def _advantages(self, shard: TrainBatch) -> np.ndarray:
-        """Per-token advantages of a batch, computed on the head over the whole batch at once."""
-        as_tensor = lambda a: None if a is None else torch.from_numpy(np.asarray(a))  # noqa: E731
-        adv = compute_advantages(
-            self.cfg.algorithm,
-            rewards=torch.from_numpy(shard.rewards.astype(np.float32)),
-            response_lengths=shard.response_lengths.tolist(),
-            loss_mask=torch.from_numpy(shard.loss_masks.astype(np.float32)),
-            log_probs=as_tensor(shard.old_log_probs),
-            ref_log_probs=as_tensor(shard.ref_log_probs),
-        )
-        return adv.numpy().astype(np.float32)
+    async def _attach_log_probs(self, step: StepWork) -> None:
+        """The log-probs the step needs, computed by the ranks with the weights as they are now."""
+        if not step.needs_log_probs:
+            return
+        log_probs: dict[LogProbModel, list[np.ndarray]] = {}
+        for model in step.log_prob_models:  # one after the other: each is a collective call
+            results = await self._per_dp(self._log_probs, step.log_prob_requests(model))
+            log_probs[model] = self._first_per_dp(results)
+        step.with_log_probs(log_probs)
+
+    @staticmethod
+    async def _log_probs(rank: RankClient, request: LogProbsRequest) -> np.ndarray:
+        return (await rank.compute_log_probs(request)).log_probs
 
     # ----- weights and checkpoints -----
     async def update_weights(
         self, version: int, engine_urls: list[str], *, engines_restarted: bool = False
-    ) -> dict[str, Any]:
+    ) -> LedgerEntry:
+        """Publish the weights as `version`; the ledger entry of the rank that drove the engines."""
         layout = self.plan.weight_sync
-        group: dict[str, Any] = {}
-        if layout is not None:
-            group = {
-                "engine_ranks": [e.size for e in layout.engines],
-                "master_address": layout.master_addr,
-                "master_port": layout.master_port,
-            }
-        results = await self._all(
-            "update_weights",
+        request = UpdateWeightsRequest(
             version=version,
             engine_urls=engine_urls,
             weight_sync=self.cfg.weight_sync,
             colocate=self.plan.colocate,
-            **group,
+            engines_restarted=engines_restarted,
         )
-        entry = next(r for r in results if r is not None)
-        return dict(msgspec.to_builtins(entry))
+        if layout is not None:
+            request.engine_ranks = [e.size for e in layout.engines]
+            request.master_address = layout.master_addr
+            request.master_port = layout.master_port
+        results = await self._all(lambda rank: rank.update_weights(request))
+        entry = next((r.entry for r in results if r.entry is not None), None)
+        if entry is None:
+            raise RuntimeError(f"weight sync v{version}: no trainer rank reported its ledger entry")
+        return entry
 
     async def save(self, rollout_id: int, weight_version: int, position: dict[str, Any]) -> Path:
         assert self.cfg.algorithm.save is not None
-        paths = await self._all(
-            "save",
+        request = SaveRequest(
             save_dir=self.cfg.algorithm.save,
             step=rollout_id,
             rollout_id=rollout_id,
             weight_version=weight_version,
             data_position=position,
         )
-        return Path(paths[0])
+        results = await self._all(lambda rank: rank.save(request))
+        return Path(results[0].path)
 
-    async def load(self, load_dir: str) -> dict[str, Any] | None:
-        states = await self._all("load", load_dir=load_dir)
+    async def load(self, load_dir: str) -> LoadedState | None:
+        """The run state of the checkpoint every rank loaded, or None when there was none."""
+        request = LoadRequest(load_dir=load_dir)
+        states = await self._all(lambda rank: rank.load(request))
         return states[0]
 
     async def export_hf(self, out_dir: str) -> None:
-        await self._all("export_hf", out_dir=out_dir)
+        request = ExportRequest(out_dir=out_dir)
+        await self._all(lambda rank: rank.export_hf(request))

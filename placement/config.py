@@ -128,6 +128,15 @@ class ClusterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             raise ConfigError(
                 "--sglang-config", self.sglang_config, "server groups cannot be set with external engines"
             )
+        if self.cpu_devices is not None and self.offloads_train and (self.offload_train or self.offload):
+            # Asked for explicitly (--colocate's implied offload is moot on CPU: nothing to free).
+            raise ConfigError(
+                "--offload-train" if self.offload_train else "--offload",
+                True,
+                "moves the trainer's weights, gradients and optimizer state out of GPU memory while "
+                "engines generate; it needs CUDA, and this run plans on CPU devices (--cpu-devices)"
+                + ("" if self.offload_train else "; --offload-rollout alone releases the engines' memory"),
+            )
 
     @property
     def uses_external_engines(self) -> bool:

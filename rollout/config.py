@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from tether.rollout.engine_api.auth import read_key_file
 from tether.runtime.errors import ConfigError
+from tether.runtime.secret import read_key_file
 
 # Constrained scalars for optional fields: msgspec puts bounds on the number, not on `T | None`.
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -185,6 +185,14 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             description="Group filter `filter(args, samples)`; built in: tether.rollout.rewards.check_reward_nonzero_std."
         ),
     ] = None
+    buffer_filter_path: Annotated[
+        str | None,
+        Meta(
+            description="Which buffered groups (partial or requeued) a rollout takes first: "
+            "`filter(args, rollout_id, buffer, num_samples)` returns up to num_samples groups and removes "
+            "them from buffer (slime's meaning; default: the oldest first)."
+        ),
+    ] = None
     partial_rollout: Annotated[
         bool, Meta(description="Keep unfinished (aborted) samples and continue them in the next rollout.")
     ] = False
@@ -267,6 +275,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             ("--custom-generate-function-path", self.custom_generate_function_path),
             ("--custom-rm-path", self.custom_rm_path),
             ("--dynamic-sampling-filter-path", self.dynamic_sampling_filter_path),
+            ("--buffer-filter-path", self.buffer_filter_path),
         ):
             if value is not None and "." not in value and ":" not in value:
                 raise ConfigError(path_flag, value, "must be `package.module.function` or `file.py:function`")

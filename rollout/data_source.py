@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -153,7 +153,11 @@ class DataSource:
 
     `get_samples(n)` first returns groups from the buffer (unfinished partial-rollout groups and
     requeued groups), then fresh prompts. `add_samples(groups)` puts groups back into the buffer.
+    `buffer_filter` (--buffer-filter-path, see `tether.rollout.hooks.buffer_filter`) chooses which
+    buffered groups go first; by default the oldest.
     """
+
+    buffer_filter: Callable[[list[list[Sample]], int], list[list[Sample]]] | None = None
 
     def __init__(
         self,
@@ -265,8 +269,11 @@ class DataSource:
     def get_samples(self, num_groups: int) -> list[list[Sample]]:
         """`num_groups` groups: buffered ones first (oldest first), then fresh prompts."""
         st = self._state
-        groups = st.buffer[:num_groups]
-        del st.buffer[:num_groups]
+        if self.buffer_filter is not None and st.buffer:
+            groups = list(self.buffer_filter(st.buffer, num_groups))
+        else:
+            groups = st.buffer[:num_groups]
+            del st.buffer[:num_groups]
         for record in self.next_prompts(num_groups - len(groups)):
             groups.append(self.make_group(record))
         return groups

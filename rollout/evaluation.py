@@ -51,7 +51,7 @@ async def evaluate_dataset(
             s.rollout_id = rollout_id
     started = time.monotonic()
     async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(generate_group(ctx, g, params)) for g in groups]
+        tasks = [tg.create_task(generate_group(ctx, g, params, evaluation=True)) for g in groups]
     results: list[list[Sample]] = [t.result() for t in tasks]
     samples = [s for g in results if not group_aborted(g) for s in g if s.status != SampleStatus.FAILED]
     prefix = f"eval/{name}/"

@@ -4,6 +4,11 @@ slime hooks read flat attributes (`args.rollout_temperature`); tether's config i
 component (`args.rollout.rollout_temperature`). `FlatArgs` answers both spellings, read-only.
 A Sample that comes back from a hook is checked against the contract, and a bad one is rejected
 with the hook's path and the field at fault.
+
+Hooks written against slime's API (their module imports `slime`; see
+`tether.rollout.slime_api`) get slime's Sample and may return it: the calls here convert in
+both directions (`tether.rollout.slime_api.convert`), and loading a hook installs the import hook
+that makes `import slime` work where slime is not installed.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from tether.rollout.sample import TRAINABLE, Sample, SampleContractError, SampleStatus, validate_sample
+from tether.rollout.slime_api import finder as slime_finder
+from tether.rollout.slime_api.convert import ConversionError, copy_back, from_slime, to_slime, uses_slime_api
 from tether.runtime.errors import ConfigError
 
 
@@ -37,12 +44,14 @@ class FlatArgs:
     """Read-only view of a nested config: `args.x` finds field `x` in the one slice that holds it.
 
     Attributes of the config itself (the slices: `args.rollout`, `args.data`) resolve first,
-    so code written for tether's nested config works through the same object.
+    so code written for tether's nested config works through the same object. `extra` answers
+    names no slice holds (slime's flag names that tether resolves differently, the router's
+    address) and wins over the slices' fields of the same name.
     """
 
-    __slots__ = ("_config", "_index")
+    __slots__ = ("_config", "_extra", "_index")
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, extra: Mapping[str, Any] | None = None) -> None:
         index: dict[str, Any] = {}
         for name in _field_names(config):
             value = getattr(config, name)
@@ -50,6 +59,7 @@ class FlatArgs:
                 for field in _field_names(value):
                     index.setdefault(field, value)
         object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_extra", dict(extra or {}))
         object.__setattr__(self, "_index", index)
 
     @property
@@ -61,6 +71,9 @@ class FlatArgs:
         config = object.__getattribute__(self, "_config")
         if name in _field_names(config) or (not isinstance(config, msgspec.Struct) and hasattr(config, name)):
             return getattr(config, name)
+        extra = object.__getattribute__(self, "_extra")
+        if name in extra:
+            return extra[name]
         index = object.__getattribute__(self, "_index")
         if name in index:
             return getattr(index[name], name)
@@ -70,7 +83,7 @@ class FlatArgs:
         raise AttributeError(f"the configuration is read-only (tried to set {name!r})")
 
     def __dir__(self) -> Iterable[str]:
-        return sorted({*_field_names(self._config), *self._index})
+        return sorted({*_field_names(self._config), *self._index, *self._extra})
 
 
 def flat_args(config: Any) -> FlatArgs:
@@ -88,7 +101,9 @@ def load_function(path: str, flag: str = "hook") -> Callable[..., Any]:
     """Import `package.module.attr`, `package.module:attr` or `some/file.py:attr`.
 
     Raises ConfigError naming `flag` and the path when it cannot be imported or is not callable.
+    First installs the import hook for `slime.*` (unless slime itself is installed).
     """
+    slime_finder.install()
     try:
         if ":" in path:
             module_part, attr = path.rsplit(":", 1)
@@ -183,22 +198,87 @@ async def call_generate_hook(
     args: Any,
     sample: Sample,
     sampling_params: dict[str, Any],
+    *,
+    evaluation: bool = False,
 ) -> list[Sample]:
-    """Run a custom `generate(args, sample, sampling_params)` and check what it returns."""
-    result = await maybe_await(fn(flat_args(args), sample, sampling_params))
-    return check_hook_samples(path, result)
+    """Run a custom `generate(args, sample, sampling_params)` and check what it returns.
+
+    A slime-API hook gets slime's Sample and its own copy of the sampling parameters (slime's hooks
+    change them per turn), and `evaluation=` when its signature has that parameter, as slime calls it.
+    """
+    if not uses_slime_api(fn):
+        result = await maybe_await(fn(flat_args(args), sample, sampling_params))
+        return check_hook_samples(path, result)
+    kwargs = {"evaluation": evaluation} if _takes(fn, "evaluation") else {}
+    result = await maybe_await(fn(flat_args(args), to_slime(sample), dict(sampling_params), **kwargs))
+    return check_hook_samples(path, samples_from_hook(path, result))
+
+
+def samples_from_hook(path: str, result: object) -> object:
+    """What a slime-API hook returned, with slime Samples (alone or in a list) as tether's."""
+    items = result if isinstance(result, list) else [result]
+    out: list[object] = []
+    for pos, item in enumerate(items):
+        if isinstance(item, Sample):
+            out.append(item)
+            continue
+        try:
+            out.append(from_slime(item))
+        except ConversionError as exc:
+            where = f"sample {pos}: " if isinstance(result, list) else ""
+            raise HookError(path, where + str(exc), field=exc.field) from exc
+    return out if isinstance(result, list) else out[0]
+
+
+def slime_samples(samples: Sequence[Sample]) -> list[Any]:
+    return [to_slime(s) for s in samples]
+
+
+def keep_slime_changes(path: str, given: Sequence[Any], samples: Sequence[Sample]) -> None:
+    """Metadata a slime-API hook wrote into the Samples it was given stays with tether's."""
+    for slime_sample, sample in zip(given, samples, strict=True):
+        try:
+            copy_back(slime_sample, sample)
+        except ConversionError as exc:
+            raise HookError(path, str(exc), field=exc.field) from exc
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def call_filter(
-    fn: Callable[..., Any], path: str, args: Any, samples: Sequence[Sample]
+    fn: Callable[..., Any], path: str, args: Any, samples: Sequence[Sample], *, insufficient: bool = False
 ) -> tuple[bool, str | None]:
-    """Run a dynamic-sampling filter: slime's filters return a bool or an object with `.keep`/`.reason`."""
-    result = fn(flat_args(args), list(samples))
+    """Run a dynamic-sampling filter: slime's filters return a bool or an object with `.keep`/`.reason`.
+
+    `insufficient`: dropping this group would leave too few groups to fill the batch; a verdict
+    with `keep_when_insufficient` (slime's `check_reward_nonzero_std_with_fallback`) then keeps it.
+    """
+    if uses_slime_api(fn):
+        given = slime_samples(samples)
+        result = fn(flat_args(args), given)
+        if not inspect.isawaitable(result):
+            keep_slime_changes(path, given, samples)
+    else:
+        result = fn(flat_args(args), list(samples))
     if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
         raise HookError(path, "a dynamic sampling filter must be a plain function, not async")
     if isinstance(result, bool):
         return result, None
     keep = getattr(result, "keep", None)
+    if (
+        keep is not None
+        and not bool(keep)
+        and insufficient
+        and getattr(result, "keep_when_insufficient", False)
+    ):
+        return True, None
     if keep is None:
         # numpy / torch booleans compare like bools
         try:
@@ -206,3 +286,58 @@ def call_filter(
         except Exception as exc:
             raise HookError(path, f"returned {result!r}; expected a bool or an object with .keep") from exc
     return bool(keep), getattr(result, "reason", None)
+
+
+BufferFilter = Callable[[list[list[Sample]], int], list[list[Sample]]]
+"""Takes up to `n` groups out of the buffer (removing them from it) and returns them."""
+
+
+def buffer_filter(fn: Callable[..., Any], path: str, args: Any) -> BufferFilter:
+    """A --buffer-filter-path hook as the data source calls it: slime's
+    `filter(args, rollout_id, buffer, num_samples) -> list[list[Sample]]`, which removes the groups
+    it returns from `buffer` (rollout_id is None, as in slime)."""
+    slime = uses_slime_api(fn)
+
+    def select(buffer: list[list[Sample]], n: int) -> list[list[Sample]]:
+        if not slime:
+            taken = fn(flat_args(args), None, buffer, n)
+            return _check_taken(path, taken, buffer, n)
+        # The hook sees slime groups; what it leaves in its list stays buffered, as tether's groups.
+        mirror = [slime_samples(group) for group in buffer]
+        original = {id(view): group for view, group in zip(mirror, buffer, strict=True)}
+        taken = fn(flat_args(args), None, mirror, n)
+        if not isinstance(taken, list):
+            raise HookError(path, f"returned {type(taken).__name__}; expected a list of groups")
+        buffer[:] = [original.get(id(view)) or _group_from_hook(path, view) for view in mirror]
+        out = [original.get(id(view)) or _group_from_hook(path, view) for view in taken]
+        return _check_taken(path, out, buffer, n)
+
+    return select
+
+
+def _group_from_hook(path: str, group: object) -> list[Sample]:
+    if not isinstance(group, list):
+        raise HookError(path, f"returned a group of type {type(group).__name__}; expected a list of Samples")
+    samples = samples_from_hook(path, group)
+    assert isinstance(samples, list)
+    return [s for s in samples if isinstance(s, Sample)]
+
+
+def _check_taken(path: str, taken: object, buffer: list[list[Sample]], n: int) -> list[list[Sample]]:
+    if inspect.isawaitable(taken):
+        if inspect.iscoroutine(taken):
+            taken.close()
+        raise HookError(path, "a buffer filter must be a plain function, not async")
+    if not isinstance(taken, list):
+        raise HookError(path, f"returned {type(taken).__name__}; expected a list of groups")
+    if len(taken) > n:
+        raise HookError(path, f"returned {len(taken)} groups; {n} were asked for")
+    left = {id(g) for g in buffer}
+    for pos, group in enumerate(taken):
+        if not isinstance(group, list) or not group or not all(isinstance(s, Sample) for s in group):
+            raise HookError(path, f"group {pos} is not a non-empty list of Samples: {group!r:.120}")
+        if id(group) in left:
+            raise HookError(
+                path, f"returned group {pos} but left it in the buffer too (remove what you return)"
+            )
+    return taken

@@ -14,8 +14,16 @@ import aiohttp
 import msgspec
 
 from tether.rollout.config import RolloutConfig
-from tether.rollout.hooks import HookError, flat_args, load_function, maybe_await
+from tether.rollout.hooks import (
+    HookError,
+    flat_args,
+    keep_slime_changes,
+    load_function,
+    maybe_await,
+    slime_samples,
+)
 from tether.rollout.sample import Reward, Sample
+from tether.rollout.slime_api.convert import reward_value, uses_slime_api
 
 
 class DynamicFilterOutput(msgspec.Struct):
@@ -136,8 +144,11 @@ class RewardModel:
         self._args = flat_args(args) if args is not None else None
         self._timeout = request_timeout
         self._custom: Callable[..., Any] | None = None
+        self._slime = False
+        """The custom reward is written against slime's API: it gets (and may annotate) slime Samples."""
         if config.custom_rm_path:
             self._custom = load_function(config.custom_rm_path, "--custom-rm-path")
+            self._slime = uses_slime_api(self._custom)
         elif config.rm_type is None:
             pass  # no reward configured: samples keep the reward a generate hook gave them
         self._session: aiohttp.ClientSession | None = None
@@ -186,14 +197,23 @@ class RewardModel:
         if self._custom is not None:
             if self._cfg.group_rm:
                 return (await self._group_rewards([sample]))[0]
+            if self._slime:
+                given = slime_samples([sample])
+                reward = await maybe_await(self._custom(self._args, given[0]))
+                keep_slime_changes(self._path, given, [sample])
+                return reward_value(reward)  # type: ignore[no-any-return]
             return await maybe_await(self._custom(self._args, sample))  # type: ignore[no-any-return]
         return await self._builtin(sample)
 
     async def _group_rewards(self, samples: Sequence[Sample]) -> list[Reward]:
         if self._custom is not None:
-            result = await maybe_await(self._custom(self._args, list(samples)))
+            given: list[Any] = slime_samples(samples) if self._slime else list(samples)
+            result = await maybe_await(self._custom(self._args, given))
             if not isinstance(result, list):
                 raise HookError(self._path, f"returned {type(result).__name__}; --group-rm expects a list")
+            if self._slime:
+                keep_slime_changes(self._path, given, samples)
+                return [reward_value(r) for r in result]
             return result
         return [await self._builtin(s) for s in samples]
 

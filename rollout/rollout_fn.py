@@ -17,9 +17,10 @@ they are dropped and counted. The result is validated groups ordered by sample i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,11 +30,12 @@ from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data_source import DataSource
 from tether.rollout.engine_api.client import EngineUnavailable
 from tether.rollout.hooks import (
+    BufferFilter,
     FlatArgs,
     HookError,
+    buffer_filter,
     call_filter,
     call_generate_hook,
-    flat_args,
     load_function,
 )
 from tether.rollout.rewards import RewardModel
@@ -52,7 +54,11 @@ SEGMENTS_KEY = "segment_lengths"
 
 
 class RolloutContext:
-    """What a rollout needs besides its config: the router, the reward model, the loaded hooks."""
+    """What a rollout needs besides its config: the router, the reward model, the loaded hooks.
+
+    `args_extra`: names the hooks' `args` answer beyond the config's fields (slime's flag names
+    and the router front's address; see `tether.rollout.slime_api.args`).
+    """
 
     def __init__(
         self,
@@ -61,15 +67,16 @@ class RolloutContext:
         *,
         reward_model: RewardModel | None = None,
         tokenizer: Any = None,
+        args_extra: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         """The model's tokenizer, for hooks that insert text (tool observations); may be None."""
-        self.args: FlatArgs = flat_args(config)
+        self.args: FlatArgs = FlatArgs(config, extra=args_extra)
         self.rollout: RolloutConfig = config.rollout
         self.data: DataConfig = config.data
         self.router = router
-        self.reward_model = reward_model or RewardModel(self.rollout, config)
+        self.reward_model = reward_model or RewardModel(self.rollout, self.args)
         cfg = self.rollout
         self.generate_hook: tuple[Callable[..., Any], str] | None = None
         if cfg.custom_generate_function_path:
@@ -79,6 +86,17 @@ class RolloutContext:
         if cfg.dynamic_sampling_filter_path:
             path = cfg.dynamic_sampling_filter_path
             self.filter_hook = (load_function(path, "--dynamic-sampling-filter-path"), path)
+        self.buffer_filter: BufferFilter | None = None
+        """--buffer-filter-path as the data source calls it (`DataSource.buffer_filter`)."""
+        path = getattr(cfg, "buffer_filter_path", None)
+        if path:
+            self.buffer_filter = buffer_filter(load_function(path, "--buffer-filter-path"), path, self.args)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop the context was entered on: hooks running in threads schedule coroutines here."""
+        self.resources = contextlib.AsyncExitStack()
+        """Closed when the context exits: what hook APIs opened for it (HTTP sessions, tasks)."""
+        self.extensions: dict[str, Any] = {}
+        """Per-context state of hook APIs (slime's GenerateState, say), by a key of their own."""
         self.metrics: dict[str, float] = {}
         """Metrics of the latest rollout (read by the manager after each call)."""
         self.stop = asyncio.Event()
@@ -88,15 +106,19 @@ class RolloutContext:
         """Set while surplus requests are being aborted: samples not yet sent are not sent."""
 
     async def __aenter__(self) -> RolloutContext:
+        self.loop = asyncio.get_running_loop()
         await self.reward_model.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         # the context owns the router's connection pools and the reward model's session
         try:
-            await self.reward_model.__aexit__(*exc)
+            await self.resources.aclose()
         finally:
-            await self.router.close()
+            try:
+                await self.reward_model.__aexit__(*exc)
+            finally:
+                await self.router.close()
 
 
 ENGINE_FAILURE = "tether_engine_failure"
@@ -250,14 +272,18 @@ async def generate_one(ctx: RolloutContext, sample: Sample, params: dict[str, An
     return sample
 
 
-async def generate_sample(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> list[Sample]:
-    """One sample through the custom generate hook (checked) or the default generate."""
+async def generate_sample(
+    ctx: RolloutContext, sample: Sample, params: dict[str, Any], *, evaluation: bool = False
+) -> list[Sample]:
+    """One sample through the custom generate hook (checked) or the default generate.
+
+    `evaluation` reaches a slime-API hook whose signature takes it, as slime passes it."""
     if ctx.generate_hook is not None:
         if ctx.stop.is_set():
             sample.status = SampleStatus.ABORTED
             return [sample]
         fn, path = ctx.generate_hook
-        return await call_generate_hook(fn, path, ctx.config, sample, params)
+        return await call_generate_hook(fn, path, ctx.args, sample, params, evaluation=evaluation)
     return [await generate_one(ctx, sample, params)]
 
 
@@ -266,12 +292,23 @@ def _unfinished(sample: Sample) -> bool:
 
 
 async def generate_group(
-    ctx: RolloutContext, group: list[Sample], params: dict[str, Any], *, score: bool = True
+    ctx: RolloutContext,
+    group: list[Sample],
+    params: dict[str, Any],
+    *,
+    score: bool = True,
+    evaluation: bool = False,
 ) -> list[Sample]:
     """Generate every unfinished sample of a group concurrently, then score the group (unless aborted)."""
     async with asyncio.TaskGroup() as tg:
         tasks = [
-            (s, tg.create_task(generate_sample(ctx, s, params)) if _unfinished(s) else None) for s in group
+            (
+                s,
+                tg.create_task(generate_sample(ctx, s, params, evaluation=evaluation))
+                if _unfinished(s)
+                else None,
+            )
+            for s in group
         ]
     out: list[Sample] = []
     for sample, task in tasks:
@@ -296,11 +333,14 @@ def group_failed(group: Sequence[Sample]) -> bool:
     return any(s.status == SampleStatus.FAILED for s in group)
 
 
-def keep_group(ctx: RolloutContext, group: Sequence[Sample]) -> tuple[bool, str | None]:
+def keep_group(
+    ctx: RolloutContext, group: Sequence[Sample], *, insufficient: bool = False
+) -> tuple[bool, str | None]:
+    """The dynamic filter's verdict; `insufficient`: dropping the group would leave the batch short."""
     if ctx.filter_hook is None:
         return True, None
     fn, path = ctx.filter_hook
-    return call_filter(fn, path, ctx.config, group)
+    return call_filter(fn, path, ctx.args, group, insufficient=insufficient)
 
 
 def finalize_groups(
@@ -346,7 +386,7 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
     reasons: dict[str, int] = {}
     ctx.stop.clear()
 
-    def settle(group: list[Sample]) -> None:
+    def settle(group: list[Sample], in_flight: int) -> None:
         if engine_failed(group):
             # Lost to an engine fault, not to the sampler: the prompt goes back whole, so it is
             # generated again and trained exactly once.
@@ -369,7 +409,7 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
                 data_source.add_samples([group])
                 counts["requeued_partial_groups"] += 1
             return
-        keep, reason = keep_group(ctx, group)
+        keep, reason = keep_group(ctx, group, insufficient=len(kept) + in_flight + 1 <= target)
         if keep:
             kept.append(group)
         else:
@@ -400,7 +440,7 @@ async def _fill(
     target: int,
     over: int,
     kept: list[list[Sample]],
-    settle: Callable[[list[Sample]], None],
+    settle: Callable[[list[Sample], int], None],
 ) -> None:
     """Draw groups until `target` are kept; then abort the surplus and settle it too."""
     async with asyncio.TaskGroup() as tg:
@@ -412,14 +452,16 @@ async def _fill(
                         s.rollout_id = rollout_id
                     pending.add(tg.create_task(generate_group(ctx, group, params)))
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for result in sorted((t.result() for t in done), key=lambda g: g[0].index or 0):
-                settle(result)
+            results = sorted((t.result() for t in done), key=lambda g: g[0].index or 0)
+            for pos, result in enumerate(results):
+                # in flight besides this group: still generating, or done and not yet settled
+                settle(result, len(pending) + len(results) - pos - 1)
         if pending:
             ctx.stop.set()
             await _abort_until_done(ctx.router, pending)
             # settle in draw order, so partial groups return to the buffer oldest first
             for result in sorted((t.result() for t in pending), key=lambda g: g[0].index or 0):
-                settle(result)
+                settle(result, 0)
 
 
 def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -3,8 +3,11 @@
     async with Supervisor(run_dir, secret, on_exit=report) as sup:
         engine = await sup.start(ProcessSpec(name="engine0", argv=[...], env=placement_env),
                                  ready=engine_answers, ready_timeout=300)
-        trainer = await sup.start_actor("ref", "my.module:RefModel", {"path": p}, node="node1")
-        await trainer.score(batch)
+        ref, address = await sup.start_announced(ProcessSpec(name="ref", argv=[...], node="node1"),
+                                                 setup={"path": p})
+        scorer = await sup.connect(ref, address)   # an RPC handle the supervisor keeps informed
+        sup.monitor(ref, scorer.ping, name="ref")  # heartbeats, reported like an exit
+        await scorer.score(batch)
         await sup.watch()          # raises ActorDied / HeartbeatLost at the first failure
 
 Processes start through the node agent of their node: an in-process `NodeAgent` for the
@@ -13,11 +16,18 @@ node named `local` (this machine), and agents that registered with `tether agent
 `on_exit(ExitInfo)` / `on_unresponsive(HeartbeatLost)` callbacks, `ManagedProcess.wait()`,
 and `watch()`, which raises the first failure (run it in the run loop's TaskGroup).
 
+A process started with `start_announced` talks to the head's control RPC at `sup.address`
+(with the run's secret, `TETHER_SECRET`): `process_setup(name)` returns the setup data its
+starter registered, as {"data": ..., "interval", "timeout", "misses"} (the heartbeat settings,
+for watching the head in turn), and `process_ready(name, address)` says it is ready and where
+it serves; `start_announced` returns that address.
+
 Leaving the block stops everything: SIGTERM to each process group, a grace period, SIGKILL;
 remote agents are told to shut down. Processes that can be asked to exit (trainer ranks serve
 a `shutdown` call) are better stopped first with `stop_gracefully`, which falls back to the
 same signals only when they have not exited in time. If the head dies without that (SIGKILL),
-the shims' PR_SET_PDEATHSIG and the agents' and actors' heartbeats end every child.
+the shims' PR_SET_PDEATHSIG and the heartbeats of the agents (and of processes that watch
+the head) end every child.
 
 Every exit is recorded in the run directory's events.jsonl as a `process_exit` event: name,
 node, pid, exit code or signal, whether the owner had stopped it (`expected`) and how
@@ -31,7 +41,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +50,6 @@ from typing import Any, Protocol
 import msgspec
 
 from tether.runtime.agent import NodeAgent
-from tether.runtime.endpoints import ipc_endpoint
 from tether.runtime.errors import ActorDied, HeartbeatLost
 from tether.runtime.liveness import LivenessMonitor
 from tether.runtime.process import ExitInfo, ProcessSpec, log_path, read_log_tail
@@ -53,7 +61,7 @@ LOCAL = "local"
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
-    """Liveness settings for actors and agents (seconds)."""
+    """Liveness settings for agents and monitored processes (seconds)."""
 
     interval: float = 1.0
     timeout: float = 3.0
@@ -116,7 +124,8 @@ class ManagedProcess:
 
 
 class _HeadService:
-    """The head's RPC interface, used by node agents and actor processes."""
+    """The head's RPC interface, used by node agents and by processes started with
+    `Supervisor.start_announced`."""
 
     def __init__(self, sup: Supervisor) -> None:
         self._sup = sup
@@ -136,19 +145,27 @@ class _HeadService:
     async def process_exited(self, info: ExitInfo) -> None:
         self._sup._on_process_exit(info)
 
-    async def actor_setup(self, name: str) -> dict[str, Any]:
-        args = self._sup._actor_args.get(name)
-        if args is None:
-            raise KeyError(f"no actor named {name!r} is starting")
+    async def process_setup(self, name: str) -> dict[str, Any]:
+        starting = self._sup._announcing.get(name)
+        if starting is None:
+            raise KeyError(f"no process named {name!r} is starting")
         hb = self._sup.heartbeat
-        return {"args": args, "interval": hb.interval, "timeout": hb.timeout, "misses": hb.misses}
+        return {"data": starting.setup, "interval": hb.interval, "timeout": hb.timeout, "misses": hb.misses}
 
-    async def actor_ready(self, name: str, address: str) -> None:
-        fut = self._sup._actor_ready.get(name)
-        if fut is None:
-            raise KeyError(f"no actor named {name!r} is starting")
-        if not fut.done():
-            fut.set_result(address)
+    async def process_ready(self, name: str, address: str) -> None:
+        starting = self._sup._announcing.get(name)
+        if starting is None:
+            raise KeyError(f"no process named {name!r} is starting")
+        if not starting.ready.done():
+            starting.ready.set_result(address)
+
+
+@dataclass
+class _Announcing:
+    """A process `start_announced` is starting: its setup data, and the address it announces."""
+
+    setup: dict[str, Any]
+    ready: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class Supervisor:
@@ -180,8 +197,7 @@ class Supervisor:
         self._agents: dict[str, _RemoteAgent] = {}
         self._agent_changed = asyncio.Event()
         self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
-        self._actor_args: dict[str, dict[str, Any]] = {}
-        self._actor_ready: dict[str, asyncio.Future[str]] = {}
+        self._announcing: dict[str, _Announcing] = {}
         self._stack = contextlib.AsyncExitStack()
         self._tg: asyncio.TaskGroup | None = None
         self._server: RpcServer | None = None
@@ -499,72 +515,73 @@ class Supervisor:
         """Raise the first failure the owner did not ask for (ActorDied or HeartbeatLost)."""
         raise await self._failures.get()
 
-    # -- Python actors --------------------------------------------------------------------
-    async def start_actor(
+    async def start_announced(
         self,
-        name: str,
-        target: str,
-        args: dict[str, Any] | None = None,
-        *,
-        node: str = LOCAL,
-        env: dict[str, str] | None = None,
+        spec: ProcessSpec,
+        setup: dict[str, Any] | None = None,
         ready_timeout: float = 120.0,
-        heartbeat: bool = True,
-        transport: str = "auto",
-    ) -> ActorHandle:
-        """Start a process that builds `target` ("module.path:ClassName") with `**args` and
-        serves it; return a handle to it once it answers.
+        *,
+        restartable: bool = False,
+    ) -> tuple[ManagedProcess, str]:
+        """Start `spec` on its node; return it, with the address it announces, once it is ready.
 
-        `transport="ipc"` serves on a Unix socket in the run directory (same node only);
-        "auto" (the default) takes ipc on this node when the socket path fits, tcp elsewhere.
-        With `heartbeat`, an actor that stops answering pings is reported (see `watch`).
+        The process fetches `setup` with the control RPC `process_setup(spec.name)` and says
+        it is ready with `process_ready(spec.name, address)` (see the module docstring).
+        Raises as `start` does: ActorDied, with the log tail, if it exits first or does not
+        announce itself within `ready_timeout` seconds.
         """
-        if transport not in ("auto", "tcp", "ipc"):
-            raise ValueError(f"transport={transport!r}: expected 'auto', 'tcp' or 'ipc'")
-        if transport == "ipc" and node != LOCAL:
-            raise ValueError(f"transport='ipc' with node={node!r}: ipc reaches this machine only")
-        argv = [sys.executable, "-m", "tether.bench.actor_host", "--name", name, "--target", target]
-        argv += ["--head", self.address]
-        if transport != "tcp" and node == LOCAL:
-            sock_dir = self.run_dir / "sock"
-            endpoint = ipc_endpoint(sock_dir, name)
-            if endpoint is None and transport == "ipc":
-                raise ValueError(f"run directory {self.run_dir}: too long a path for a Unix socket")
-            if endpoint is not None:
-                sock_dir.mkdir(exist_ok=True)
-                argv += ["--bind", endpoint]
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[str] = loop.create_future()
-        self._actor_args[name] = dict(args or {})
-        self._actor_ready[name] = ready
+        existing = self._procs.get(spec.name)
+        if spec.name in self._announcing or (existing is not None and existing.running):
+            raise ValueError(f"a process named {spec.name!r} is already running")
+        starting = _Announcing(dict(setup or {}))
+        self._announcing[spec.name] = starting
         try:
-            proc = await self._start(
-                ProcessSpec(name=name, argv=argv, env=dict(env or {}), node=node), None, ready, ready_timeout
-            )
-            address = ready.result()
+            proc = await self._start(spec, None, starting.ready, ready_timeout, restartable)
+            return proc, starting.ready.result()
         finally:
-            self._actor_args.pop(name, None)
-            self._actor_ready.pop(name, None)
-        handle = await connect(address, self._secret, name=name, timeout=30.0)
+            if self._announcing.get(spec.name) is starting:
+                del self._announcing[spec.name]
+
+    async def connect(self, proc: ManagedProcess, address: str, *, timeout: float = 30.0) -> ActorHandle:  # noqa: ASYNC109  # the API takes per-call timeouts
+        """Connect to the RPC server `proc` serves at `address`, with the run's secret.
+
+        The supervisor keeps the handle informed: once `proc` has exited, its calls fail with
+        ActorDied (exit code and log tail, as `watch()` reports it); stopping `proc`, or
+        leaving the supervisor, closes it.
+        """
+        handle = await connect(address, self._secret, name=proc.name, timeout=timeout)
         handle.expect_exit_report()
         proc.handle = handle
-        if not proc.running:  # it died between saying ready and our connecting
+        if not proc.running:  # it died between saying where it serves and our connecting
             handle.mark_dead(exit_error(proc.exit.result()))
-        elif heartbeat:
-            hb = self.heartbeat
-            monitor = LivenessMonitor(
-                handle.ping,
-                interval=hb.interval,
-                timeout=hb.timeout,
-                first_wait=hb.first_wait,
-                misses=hb.misses,
-                name=f"actor {name!r}",
-            )
-            assert self._tg is not None
-            proc.monitor = self._tg.create_task(self._watch_actor(proc, monitor))
         return handle
 
-    async def _watch_actor(self, proc: ManagedProcess, monitor: LivenessMonitor) -> None:
+    def monitor(self, proc: ManagedProcess, ping: Callable[[], Awaitable[None]], *, name: str) -> None:
+        """Call `ping()` with the supervisor's heartbeat settings while `proc` runs.
+
+        When it stops answering (`Heartbeat.misses` pings in a row fail or are late), a
+        HeartbeatLost named `name` is reported as an unexpected exit is: through `watch()` and
+        `on_unresponsive`, unless `proc` has ended or is being stopped by then. The monitor
+        ends when `proc` exits or is stopped. Does nothing when `proc` has already ended.
+        """
+        if not proc.running:
+            return
+        if self._tg is None:
+            raise RuntimeError("the supervisor is not running")
+        hb = self.heartbeat
+        monitor = LivenessMonitor(
+            ping,
+            interval=hb.interval,
+            timeout=hb.timeout,
+            first_wait=hb.first_wait,
+            misses=hb.misses,
+            name=name,
+        )
+        if proc.monitor is not None:
+            proc.monitor.cancel()
+        proc.monitor = self._tg.create_task(self._watch_process(proc, monitor))
+
+    async def _watch_process(self, proc: ManagedProcess, monitor: LivenessMonitor) -> None:
         try:
             await monitor.run()
         except HeartbeatLost as lost:

@@ -475,14 +475,20 @@ class MicroBatchTensors:
         return MicroBatchTensors(**{k: mv(v) for k, v in self.__dict__.items()})
 
 
-def micro_batch_tensors(batch: TrainBatch, indices: Sequence[int] | None = None) -> MicroBatchTensors:
-    """Padded tensors for the samples `indices` of `batch` (all of them when None)."""
+def micro_batch_tensors(
+    batch: TrainBatch, indices: Sequence[int] | None = None, *, pad_to_multiple_of: int = 1
+) -> MicroBatchTensors:
+    """Padded tensors for the samples `indices` of `batch` (all of them when None).
+
+    The sequence dimension is padded to a multiple of `pad_to_multiple_of` (TP under sequence
+    parallelism, which splits the sequence over the TP ranks).
+    """
     import torch
 
     mb = batch if indices is None else batch.select(indices)
     b = mb.num_samples
     lengths = mb.total_lengths
-    s = int(lengths.max())
+    s = -(-int(lengths.max()) // pad_to_multiple_of) * pad_to_multiple_of
     tokens = np.zeros((b, s), dtype=np.int64)
     for i in range(b):
         tokens[i, : lengths[i]] = mb.sample_tokens(i)

@@ -49,7 +49,7 @@ import xxhash
 from tether.runtime.atomic_file import fsync_path, fsync_tree, write_bytes_atomic
 from tether.runtime.safe_paths import contained
 from tether.train.megatron_cpu import quiet_megatron_imports
-from tether.train.model import Actor, unwrap
+from tether.train.model import Actor, sync_params, unwrap
 from tether.train.parallel import all_true
 
 log = logging.getLogger(__name__)
@@ -309,6 +309,7 @@ def save(actor: Actor, save_dir: str | Path, state: RunState) -> Path:
         (tmp / MODEL_OPTIM).mkdir(parents=True)
         (tmp / "rng").mkdir()
     dist.barrier()
+    sync_params(actor.chunks)
     state.scheduler = actor.scheduler.state_dict()
     state.optimizer_step = _adam_step(actor)
     dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp / MODEL_OPTIM))

@@ -28,7 +28,13 @@ _OPTIONAL_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "keep_every_checkpoints": (1, True, None),
     "expert_tensor_parallel_size": (1, True, None),
     "lr_decay_iters": (1, True, None),
+    "train_iters": (1, True, None),
+    "lr_warmup_fraction": (0.0, True, 1.0),
+    "lr_wsd_decay_iters": (1, True, None),
+    "loss_scale": (0.0, False, None),
     "recompute_num_layers": (1, True, None),
+    "decoder_first_pipeline_num_layers": (1, True, None),
+    "decoder_last_pipeline_num_layers": (1, True, None),
     "num_layers": (1, True, None),
     "hidden_size": (1, True, None),
     "ffn_hidden_size": (1, True, None),
@@ -111,7 +117,11 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     )
     lambd: Annotated[
         float,
-        Meta(ge=0.0, le=1.0, description="GAE lambda (slime's critic path; no tether estimator uses it)."),
+        Meta(
+            ge=0.0,
+            le=1.0,
+            description="GAE lambda of slime's PPO critic; tether has no critic, so only 1.0 is accepted.",
+        ),
     ] = 1.0
     per_rollout_loss_mean: Annotated[
         bool,
@@ -146,6 +156,13 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
 
     def __post_init__(self) -> None:
         _check_optional_ranges(self)
+        if self.lambd != 1.0:
+            raise ConfigError(
+                "--lambd",
+                self.lambd,
+                "is GAE's lambda, used only by slime's PPO critic (advantage estimator ppo), which tether "
+                "does not implement; its estimators (grpo, gspo, reinforce_plus_plus*) take no lambda",
+            )
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ConfigError("--eps-clip-c", self.eps_clip_c, "the dual-clip bound must be greater than 1")
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
@@ -202,6 +219,40 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         return self.use_kl_loss or self.kl_coef != 0
 
 
+def stage_layers(
+    num_layers: int, pp_size: int, first: int | None, last: int | None, *, layers_flag: str
+) -> list[int]:
+    """Transformer layers of each pipeline stage, Megatron's way: --decoder-first/last-pipeline-num-layers
+    fix the first/last stage and the other layers split evenly over the stages between them.
+
+    `layers_flag` names where `num_layers` came from (`--num-layers`, or the HF config) in errors.
+    """
+    if first is not None:
+        blame: tuple[str, object] = ("--decoder-first-pipeline-num-layers", first)
+    elif last is not None:
+        blame = ("--decoder-last-pipeline-num-layers", last)
+    elif layers_flag.startswith("--"):
+        blame = (layers_flag, num_layers)
+    else:
+        blame = ("--pipeline-model-parallel-size", pp_size)
+    fixed = [x for x in (first, last) if x is not None]
+    rest_layers = num_layers - sum(fixed)
+    rest_stages = pp_size - len(fixed)
+    if rest_stages == 0:
+        ok = rest_layers == 0
+    else:
+        ok = rest_layers >= rest_stages and rest_layers % rest_stages == 0
+    if not ok:
+        raise ConfigError(
+            *blame,
+            f"leaves {rest_layers} of {layers_flag}={num_layers} layers for the {rest_stages} of "
+            f"--pipeline-model-parallel-size={pp_size} stages without a fixed count; they must split "
+            "evenly, at least one layer per stage",
+        )
+    middle = [rest_layers // rest_stages] * rest_stages if rest_stages else []
+    return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
+
+
 # The Megatron flags a slime launch script passes that describe the model. They are accepted here and,
 # where set, checked against the HF config by the model builder (see `MegatronConfig.architecture`).
 ARCHITECTURE_FIELDS: tuple[str, ...] = (
@@ -236,11 +287,23 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
 
 
 class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Megatron-core flags tether passes to Megatron: parallelism, optimizer, precision, recompute, model."""
+    """Megatron-core flags tether passes to Megatron: parallelism, optimizer, precision, recompute, model.
+
+    Each flag reaches the Megatron config it belongs to (`tether.train.megatron_args` builds them) or
+    is refused here, before any process starts, with the flag, the value and what is missing.
+    """
 
     tensor_model_parallel_size: Annotated[int, Meta(ge=1, description="Tensor-parallel size (TP).")] = 1
     pipeline_model_parallel_size: Annotated[int, Meta(ge=1, description="Pipeline-parallel size (PP).")] = 1
-    context_parallel_size: Annotated[int, Meta(ge=1, description="Context-parallel size (CP).")] = 1
+    decoder_first_pipeline_num_layers: Annotated[
+        int | None, Meta(description="Layers on the first pipeline stage (uneven stages; needs PP > 1).")
+    ] = None
+    decoder_last_pipeline_num_layers: Annotated[
+        int | None, Meta(description="Layers on the last pipeline stage (uneven stages; needs PP > 1).")
+    ] = None
+    context_parallel_size: Annotated[
+        int, Meta(ge=1, description="Context-parallel size (CP); tether supports 1 only.")
+    ] = 1
     expert_model_parallel_size: Annotated[
         int, Meta(ge=1, description="Expert-parallel size (MoE); tether trains dense models, so 1.")
     ] = 1
@@ -248,29 +311,100 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         int | None,
         Meta(description="Tensor-parallel size inside experts (MoE); dense models: unset or 1."),
     ] = None
-    sequence_parallel: Annotated[bool, Meta(description="Megatron sequence parallelism (needs TP > 1).")] = (
-        False
-    )
+    sequence_parallel: Annotated[
+        bool,
+        Meta(description="Megatron sequence parallelism (off at TP = 1, as Megatron does; needs TE)."),
+    ] = False
     use_distributed_optimizer: Annotated[
         bool, Meta(description="Shard optimizer state across data-parallel ranks.")
+    ] = False
+    overlap_grad_reduce: Annotated[
+        bool, Meta(description="Overlap the data-parallel gradient reduction with the backward pass.")
+    ] = False
+    overlap_param_gather: Annotated[
+        bool,
+        Meta(
+            description="Overlap the distributed optimizer's parameter all-gather with the next forward "
+            "(needs --use-distributed-optimizer and --overlap-grad-reduce)."
+        ),
     ] = False
     optimizer: Annotated[Literal["adam", "sgd"], Meta(description="Optimizer.")] = "adam"
     weight_decay: Annotated[float, Meta(ge=0.0, description="Weight decay.")] = 0.01
     adam_beta1: Annotated[float, Meta(ge=0.0, lt=1.0, description="Adam beta1.")] = 0.9
     adam_beta2: Annotated[float, Meta(ge=0.0, lt=1.0, description="Adam beta2.")] = 0.999
     adam_eps: Annotated[float, Meta(gt=0.0, description="Adam epsilon.")] = 1e-8
+    sgd_momentum: Annotated[float, Meta(ge=0.0, description="SGD momentum (--optimizer sgd).")] = 0.9
     clip_grad: Annotated[
         float, Meta(ge=0.0, description="Clip gradients to this global L2 norm (0: off).")
     ] = 1.0
+    optimizer_cpu_offload: Annotated[
+        bool,
+        Meta(
+            description="Run the optimizer step on host RAM (Megatron's hybrid device optimizer; needs CUDA "
+            "and --use-precision-aware-optimizer)."
+        ),
+    ] = False
+    optimizer_offload_fraction: Annotated[
+        float,
+        Meta(ge=0.0, le=1.0, description="Share of the optimizer state --optimizer-cpu-offload moves."),
+    ] = 1.0
+    overlap_cpu_optimizer_d2h_h2d: Annotated[
+        bool,
+        Meta(description="Overlap the CPU optimizer step with its copies (with --optimizer-cpu-offload)."),
+    ] = False
+    use_precision_aware_optimizer: Annotated[
+        bool,
+        Meta(
+            description="TransformerEngine's FusedAdam keeps the master weights and moments "
+            "(needs TE, adam and --use-distributed-optimizer)."
+        ),
+    ] = False
+    train_iters: Annotated[
+        int | None,
+        Meta(
+            description="Optimizer steps of the whole run, the LR schedule's horizon "
+            "(default: --num-rollout x steps per rollout)."
+        ),
+    ] = None
     lr_decay_style: Annotated[
         Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"],
         Meta(description="Learning-rate decay schedule."),
     ] = "linear"
-    lr_decay_iters: Annotated[int | None, Meta(description="Steps over which the LR decays.")] = None
+    lr_decay_iters: Annotated[
+        int | None, Meta(description="Steps over which the LR decays (default: --train-iters).")
+    ] = None
     min_lr: Annotated[float, Meta(ge=0.0, description="Lowest learning rate of the schedule.")] = 0.0
     lr_warmup_iters: Annotated[int, Meta(ge=0, description="Linear LR warm-up steps.")] = 0
+    lr_warmup_fraction: Annotated[
+        float | None, Meta(description="Warm-up as a fraction of --lr-decay-iters (instead of iters).")
+    ] = None
+    lr_warmup_init: Annotated[float, Meta(ge=0.0, description="Learning rate the warm-up starts from.")] = 0.0
+    lr_wsd_decay_iters: Annotated[
+        int | None, Meta(description="Annealing steps at the end of the WSD schedule.")
+    ] = None
+    lr_wsd_decay_style: Annotated[
+        Literal["linear", "cosine", "exponential", "minus_sqrt"],
+        Meta(description="Annealing shape of the WSD schedule."),
+    ] = "exponential"
     bf16: Annotated[bool, Meta(description="Train in bfloat16 (mixed precision).")] = False
-    fp16: Annotated[bool, Meta(description="Train in float16 (mixed precision).")] = False
+    fp16: Annotated[bool, Meta(description="Train in float16 (mixed precision, loss scaling).")] = False
+    loss_scale: Annotated[
+        float | None,
+        Meta(description="Constant loss scale for --fp16/--bf16 (unset: dynamic scaling with --fp16)."),
+    ] = None
+    initial_loss_scale: Annotated[
+        float, Meta(gt=0.0, description="First loss scale of --fp16 dynamic scaling.")
+    ] = 2.0**32
+    min_loss_scale: Annotated[float, Meta(gt=0.0, description="Floor of --fp16 dynamic loss scaling.")] = 1.0
+    loss_scale_window: Annotated[
+        float, Meta(gt=0.0, description="Steps without overflow before --fp16 dynamic scaling grows.")
+    ] = 1000.0
+    hysteresis: Annotated[
+        int, Meta(ge=1, description="Overflows tolerated before --fp16 dynamic scaling shrinks.")
+    ] = 2
+    accumulate_allreduce_grads_in_fp32: Annotated[
+        bool, Meta(description="Accumulate and all-reduce gradients in float32 (always on with --bf16).")
+    ] = False
     attention_dropout: Annotated[
         float,
         Meta(
@@ -290,12 +424,12 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         int | None,
         Meta(description="Layers per recompute unit (uniform) or recomputed layers (block)."),
     ] = None
-    accumulate_allreduce_grads_in_fp32: Annotated[
-        bool, Meta(description="Accumulate and all-reduce gradients in float32.")
-    ] = False
     calculate_per_token_loss: Annotated[
         bool,
-        Meta(description="slime's switch for a per-token loss mean; tether's default already is one."),
+        Meta(
+            description="Megatron normalizes the loss by the step's trainable tokens (all micro-batches and "
+            "data-parallel ranks) in its schedule, instead of tether's per-token weights."
+        ),
     ] = False
 
     # Model architecture (accepted so slime scripts parse; checked against the HF config where set).
@@ -303,17 +437,23 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     hidden_size: Annotated[int | None, Meta(description="Hidden size.")] = None
     ffn_hidden_size: Annotated[int | None, Meta(description="MLP intermediate size.")] = None
     num_attention_heads: Annotated[int | None, Meta(description="Attention heads.")] = None
-    num_query_groups: Annotated[int | None, Meta(description="Key/value heads (GQA groups).")] = None
+    num_query_groups: Annotated[
+        int | None, Meta(description="Key/value heads (GQA groups; with --group-query-attention).")
+    ] = None
     group_query_attention: Annotated[bool, Meta(description="Use grouped-query attention.")] = False
     kv_channels: Annotated[int | None, Meta(description="Attention head dimension.")] = None
     vocab_size: Annotated[int | None, Meta(description="Tokenizer vocabulary size.")] = None
     make_vocab_size_divisible_by: Annotated[
-        int | None, Meta(description="Pad the embedding rows to a multiple of this (times TP).")
+        int | None,
+        Meta(description="Pad the embedding rows to a multiple of this times TP (default: of TP)."),
     ] = None
     max_position_embeddings: Annotated[
         int | None, Meta(description="Longest position the model supports.")
     ] = None
-    seq_length: Annotated[int | None, Meta(description="Training sequence length.")] = None
+    seq_length: Annotated[
+        int | None,
+        Meta(description="Longest sample (prompt + response) the trainer accepts (default: the model's)."),
+    ] = None
     rotary_base: Annotated[float | None, Meta(description="RoPE base (theta).")] = None
     rotary_percent: Annotated[
         float | None, Meta(description="Fraction of the head dim that RoPE rotates.")
@@ -336,23 +476,40 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     ] = None
     attention_backend: Annotated[
         Literal["flash", "fused", "unfused", "local", "auto"] | None,
-        Meta(description="Attention kernel (Megatron's choice on GPU; tether uses local on CPU)."),
+        Meta(description="Attention kernel: TransformerEngine's flash/fused/unfused, or Megatron's local."),
     ] = None
+    use_flash_attn: Annotated[
+        bool, Meta(description="FlashAttention (the same as --attention-backend flash; needs TE).")
+    ] = False
     attention_softmax_in_fp32: Annotated[bool, Meta(description="Compute attention softmax in float32.")] = (
         False
     )
-    no_rope_fusion: Annotated[bool, Meta(description="Disable the fused RoPE kernel.")] = False
-    no_masked_softmax_fusion: Annotated[bool, Meta(description="Disable the fused masked softmax.")] = False
+    no_rope_fusion: Annotated[bool, Meta(description="Disable the fused RoPE kernel (TE).")] = False
+    no_masked_softmax_fusion: Annotated[
+        bool, Meta(description="Disable the fused masked-softmax kernel.")
+    ] = False
     no_gradient_accumulation_fusion: Annotated[
-        bool, Meta(description="Disable fused gradient accumulation (needs APEX/TE otherwise).")
+        bool, Meta(description="Disable fused gradient accumulation into the weight gradients.")
     ] = False
 
     def __post_init__(self) -> None:
         _check_optional_ranges(self)
-        if self.bf16 and self.fp16:
-            raise ConfigError("--fp16", True, "contradicts --bf16; choose one precision")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ConfigError("--sequence-parallel", True, "needs --tensor-model-parallel-size > 1")
+        self._check_parallelism()
+        self._check_precision()
+        self._check_optimizer()
+        self._check_schedule()
+        self._check_recompute()
+        self._check_model_flags()
+
+    def _check_parallelism(self) -> None:
+        if self.context_parallel_size != 1:
+            raise ConfigError(
+                "--context-parallel-size",
+                self.context_parallel_size,
+                "context parallelism is not supported: Megatron's local attention refuses it and tether "
+                "does not split its batches along the sequence (TransformerEngine's attention and a "
+                "sequence-sharded batch layout would be needed)",
+            )
         if self.expert_model_parallel_size != 1:
             raise ConfigError(
                 "--expert-model-parallel-size",
@@ -365,6 +522,153 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 self.expert_tensor_parallel_size,
                 "tether trains dense models only",
             )
+        for flag, value in (
+            ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),
+        ):
+            if value is not None and self.pipeline_model_parallel_size == 1:
+                raise ConfigError(
+                    flag, value, "sets a pipeline stage's layers; it needs --pipeline-model-parallel-size > 1"
+                )
+        if self.num_layers is not None:
+            stage_layers(
+                self.num_layers,
+                self.pipeline_model_parallel_size,
+                self.decoder_first_pipeline_num_layers,
+                self.decoder_last_pipeline_num_layers,
+                layers_flag="--num-layers",
+            )
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise ConfigError(
+                "--overlap-param-gather",
+                True,
+                "needs --use-distributed-optimizer and --overlap-grad-reduce (as Megatron requires)",
+            )
+
+    def _check_precision(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("--fp16", True, "contradicts --bf16; choose one precision")
+        if self.loss_scale is not None and not (self.fp16 or self.bf16):
+            raise ConfigError(
+                "--loss-scale", self.loss_scale, "scales the loss of --fp16/--bf16 training; float32 has none"
+            )
+        dynamic = (
+            ("--initial-loss-scale", self.initial_loss_scale, 2.0**32),
+            ("--min-loss-scale", self.min_loss_scale, 1.0),
+            ("--loss-scale-window", self.loss_scale_window, 1000.0),
+            ("--hysteresis", self.hysteresis, 2),
+        )
+        for flag, value, default in dynamic:
+            if value == default:
+                continue
+            if not self.fp16:
+                raise ConfigError(flag, value, "tunes --fp16 dynamic loss scaling; it needs --fp16")
+            if self.loss_scale is not None:
+                raise ConfigError(
+                    flag, value, f"tunes dynamic loss scaling, which --loss-scale={self.loss_scale} turns off"
+                )
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer == "sgd":
+            for flag, value, default in (
+                ("--adam-beta1", self.adam_beta1, 0.9),
+                ("--adam-beta2", self.adam_beta2, 0.999),
+                ("--adam-eps", self.adam_eps, 1e-8),
+            ):
+                if value != default:
+                    raise ConfigError(flag, value, "applies to --optimizer adam, not sgd")
+        elif self.sgd_momentum != 0.9:
+            raise ConfigError("--sgd-momentum", self.sgd_momentum, "applies to --optimizer sgd, not adam")
+        if self.use_precision_aware_optimizer:
+            if self.optimizer != "adam":
+                raise ConfigError(
+                    "--use-precision-aware-optimizer",
+                    True,
+                    f"supports --optimizer adam only, not {self.optimizer}",
+                )
+            if not self.use_distributed_optimizer:
+                raise ConfigError(
+                    "--use-precision-aware-optimizer",
+                    True,
+                    "needs --use-distributed-optimizer (as Megatron requires)",
+                )
+        if self.optimizer_cpu_offload and not self.use_precision_aware_optimizer:
+            raise ConfigError(
+                "--optimizer-cpu-offload",
+                True,
+                "needs --use-precision-aware-optimizer (Megatron's hybrid device optimizer shares its code path)",
+            )
+        if not self.optimizer_cpu_offload:
+            if self.optimizer_offload_fraction != 1.0:
+                raise ConfigError(
+                    "--optimizer-offload-fraction",
+                    self.optimizer_offload_fraction,
+                    "applies with --optimizer-cpu-offload only",
+                )
+            if self.overlap_cpu_optimizer_d2h_h2d:
+                raise ConfigError(
+                    "--overlap-cpu-optimizer-d2h-h2d", True, "applies with --optimizer-cpu-offload only"
+                )
+
+    def _check_schedule(self) -> None:
+        if self.lr_warmup_fraction is not None and self.lr_warmup_fraction >= 1.0:
+            raise ConfigError(
+                "--lr-warmup-fraction",
+                self.lr_warmup_fraction,
+                "must be below 1 (the warm-up ends before the decay)",
+            )
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ConfigError(
+                "--lr-warmup-fraction",
+                self.lr_warmup_fraction,
+                f"contradicts --lr-warmup-iters={self.lr_warmup_iters}; set one of them",
+            )
+        warms_up = self.lr_warmup_iters > 0 or bool(self.lr_warmup_fraction)
+        if self.lr_warmup_init and not warms_up:
+            raise ConfigError(
+                "--lr-warmup-init",
+                self.lr_warmup_init,
+                "is where a warm-up starts; set --lr-warmup-iters or --lr-warmup-fraction",
+            )
+        if self.lr_decay_style == "constant":
+            if self.min_lr:
+                raise ConfigError("--min-lr", self.min_lr, "is never reached with --lr-decay-style constant")
+            if self.lr_decay_iters is not None:
+                raise ConfigError(
+                    "--lr-decay-iters",
+                    self.lr_decay_iters,
+                    "has nothing to decay with --lr-decay-style constant",
+                )
+        if self.lr_decay_style == "WSD":
+            if self.lr_wsd_decay_iters is None:
+                raise ConfigError(
+                    "--lr-decay-style", "WSD", "needs --lr-wsd-decay-iters (the annealing steps)"
+                )
+        else:
+            if self.lr_wsd_decay_iters is not None:
+                raise ConfigError(
+                    "--lr-wsd-decay-iters", self.lr_wsd_decay_iters, "applies with --lr-decay-style WSD only"
+                )
+            if self.lr_wsd_decay_style != "exponential":
+                raise ConfigError(
+                    "--lr-wsd-decay-style", self.lr_wsd_decay_style, "applies with --lr-decay-style WSD only"
+                )
+        decay = self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+        if decay is not None:
+            if self.lr_warmup_iters >= decay and self.lr_decay_style != "constant":
+                raise ConfigError(
+                    "--lr-warmup-iters",
+                    self.lr_warmup_iters,
+                    f"must be below the decay horizon {decay} (--lr-decay-iters, default --train-iters)",
+                )
+            if self.lr_wsd_decay_iters is not None and self.lr_wsd_decay_iters > decay:
+                raise ConfigError(
+                    "--lr-wsd-decay-iters",
+                    self.lr_wsd_decay_iters,
+                    f"exceeds the decay horizon {decay} (--lr-decay-iters, default --train-iters)",
+                )
+
+    def _check_recompute(self) -> None:
         if self.recompute_method is not None and self.recompute_granularity != "full":
             raise ConfigError(
                 "--recompute-method", self.recompute_method, "applies only with --recompute-granularity full"
@@ -376,6 +680,20 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 "--recompute-granularity",
                 "full",
                 "needs --recompute-method (uniform|block) and --recompute-num-layers",
+            )
+        if self.recompute_num_layers is not None and self.recompute_granularity != "full":
+            raise ConfigError(
+                "--recompute-num-layers",
+                self.recompute_num_layers,
+                "applies only with --recompute-granularity full (selective recomputes parts of every layer)",
+            )
+
+    def _check_model_flags(self) -> None:
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ConfigError(
+                "--num-query-groups",
+                self.num_query_groups,
+                "takes effect only with --group-query-attention (Megatron ignores it otherwise)",
             )
         if self.num_query_groups is not None and self.num_attention_heads is not None:
             if self.num_attention_heads % self.num_query_groups:
@@ -393,14 +711,30 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 self.num_attention_heads,
                 f"must be divisible by --tensor-model-parallel-size={self.tensor_model_parallel_size}",
             )
-        if self.num_layers is not None and self.num_layers % self.pipeline_model_parallel_size:
+        if (
+            self.seq_length is not None
+            and self.max_position_embeddings is not None
+            and self.seq_length > self.max_position_embeddings
+        ):
             raise ConfigError(
-                "--num-layers",
-                self.num_layers,
-                f"must be divisible by --pipeline-model-parallel-size={self.pipeline_model_parallel_size}",
+                "--seq-length",
+                self.seq_length,
+                f"exceeds --max-position-embeddings={self.max_position_embeddings}",
             )
-        if self.min_lr < 0:
-            raise ConfigError("--min-lr", self.min_lr, "must be >= 0")
+        if self.use_flash_attn and self.attention_backend not in (None, "flash"):
+            raise ConfigError(
+                "--use-flash-attn", True, f"contradicts --attention-backend {self.attention_backend}"
+            )
+
+    @property
+    def resolved_attention_backend(self) -> str | None:
+        """--attention-backend, with --use-flash-attn meaning flash (None: Megatron's default, auto)."""
+        return "flash" if self.use_flash_attn else self.attention_backend
+
+    @property
+    def lr_decay_horizon(self) -> int | None:
+        """Steps the LR decays over: --lr-decay-iters, else --train-iters (Megatron's default)."""
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
 
     @property
     def model_parallel_size(self) -> int:
@@ -431,6 +765,12 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 def check_algorithm_against_megatron(algorithm: AlgorithmConfig, megatron: MegatronConfig) -> None:
     """Contradictions between the two trainer slices (for the composite config's cross-slice checks)."""
+    if megatron.min_lr > algorithm.lr:
+        raise ConfigError("--min-lr", megatron.min_lr, f"exceeds the peak --lr={algorithm.lr}")
+    if megatron.lr_warmup_init > algorithm.lr:
+        raise ConfigError(
+            "--lr-warmup-init", megatron.lr_warmup_init, f"exceeds the peak --lr={algorithm.lr}"
+        )
     if megatron.calculate_per_token_loss and algorithm.per_rollout_loss_mean:
         raise ConfigError(
             "--calculate-per-token-loss",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tether.train import hf_convert
 from tether.train.hf_config import ModelArch
-from tether.train.model import unwrap
+from tether.train.model import sync_params, unwrap
 from tether.train.parallel import Topology, collective_device
 
 _END = "__tether_end_of_stage__"
@@ -54,6 +54,7 @@ def iter_hf_weights(
 
     tp_group = ps.get_tensor_model_parallel_group()
     tp_size = ps.get_tensor_model_parallel_world_size()
+    sync_params(chunks)
     for chunk in chunks:
         module = unwrap(chunk)
         numbering = hf_convert.layer_numbering(module)

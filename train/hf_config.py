@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tether.runtime.errors import ConfigError
+from tether.train.config import stage_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -41,14 +42,17 @@ class ModelArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_layernorm: bool
+    vocab_multiple: int = 1
+    """--make-vocab-size-divisible-by: embedding rows are padded to a multiple of this times TP."""
 
     def padded_vocab_size(self, tp_size: int) -> int:
-        """Vocab rounded up to a multiple of TP (embedding/output rows split evenly on TP).
+        """Vocab rounded up to a multiple of `vocab_multiple` x TP (rows split evenly on TP).
 
-        Only TP divisibility is required; padding further (Megatron-LM's 128) would add logits
-        that real tokens' softmax must then exclude.
+        By default only TP divisibility is required; padding further (Megatron-LM's 128) adds
+        logits that real tokens' softmax excludes (`step.mask_padded_vocab`).
         """
-        return -(-self.vocab_size // tp_size) * tp_size
+        multiple = self.vocab_multiple * tp_size
+        return -(-self.vocab_size // multiple) * multiple
 
 
 def _field(cfg: dict[str, Any], key: str, path: Path) -> Any:
@@ -127,8 +131,14 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
     )
 
 
-def check_parallel(arch: ModelArch, tp_size: int, pp_size: int) -> None:
-    """Reject TP/PP sizes the model cannot be split by, naming the flag."""
+def check_parallel(
+    arch: ModelArch,
+    tp_size: int,
+    pp_size: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> None:
+    """Reject TP/PP sizes (and uneven stage sizes) the model cannot be split by, naming the flag."""
     if arch.num_query_groups % tp_size or arch.num_attention_heads % tp_size:
         raise ConfigError(
             "--tensor-model-parallel-size",
@@ -139,10 +149,13 @@ def check_parallel(arch: ModelArch, tp_size: int, pp_size: int) -> None:
         raise ConfigError(
             "--tensor-model-parallel-size", tp_size, f"must divide intermediate_size={arch.ffn_hidden_size}"
         )
-    if arch.num_layers % pp_size:
-        raise ConfigError(
-            "--pipeline-model-parallel-size", pp_size, f"must divide num_layers={arch.num_layers}"
-        )
+    stage_layers(
+        arch.num_layers,
+        pp_size,
+        first_stage_layers,
+        last_stage_layers,
+        layers_flag="num_hidden_layers of the Hugging Face config",
+    )
 
 
 def transformer_config(
@@ -157,14 +170,23 @@ def transformer_config(
     init_weights: bool = False,
     **overrides: Any,
 ) -> Any:
-    """Megatron TransformerConfig for `arch` at TP/PP (fusions off: they need CUDA kernels)."""
+    """Megatron TransformerConfig for `arch` at TP/PP; `overrides` set any other field.
+
+    Fusions are off unless an override turns them on (they need CUDA kernels); the trainer's
+    flags reach this through `tether.train.megatron_args.transformer_config_kwargs`.
+    """
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_parallel(arch, tp_size, pp_size)
+    check_parallel(
+        arch,
+        tp_size,
+        pp_size,
+        overrides.get("num_layers_in_first_pipeline_stage"),
+        overrides.get("num_layers_in_last_pipeline_stage"),
+    )
     cuda = torch.cuda.is_available()
-    bf16 = params_dtype == torch.bfloat16
-    return TransformerConfig(
+    fields = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -185,7 +207,8 @@ def transformer_config(
         sequence_parallel=sequence_parallel and tp_size > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
-        bf16=bf16,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         use_cpu_initialization=not cuda,
         perform_initialization=init_weights,
         bias_activation_fusion=False,
@@ -194,8 +217,11 @@ def transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        **overrides,
+        # Megatron's default "full" means [] and warns on every config it builds.
+        cuda_graph_scope=[],
     )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
 
 
 def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
@@ -219,7 +245,16 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         "untie_embeddings_and_output_weights": not arch.tie_word_embeddings,
         "position_embedding_type": "rope",
         "use_rotary_position_embeddings": True,
+        "disable_bias_linear": True,
+        "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
     }
+    seq_length = flags.get("seq_length")
+    if isinstance(seq_length, int) and seq_length > arch.max_position_embeddings:
+        raise ConfigError(
+            "--seq-length",
+            seq_length,
+            f"exceeds max_position_embeddings={arch.max_position_embeddings} of the Hugging Face config",
+        )
     for name, value in flags.items():
         if name not in expected:
             continue  # sequence length, vocab padding, kernels: not properties of the checkpoint

@@ -1,8 +1,10 @@
 """Build the actor (trainable, DDP-wrapped, with optimizer) and the frozen reference model.
 
-Models are Megatron GPTModel chunks built from a Hugging Face checkpoint's config and weights
-with the local (non-TransformerEngine) layer spec on CPU, TE's spec on GPU when installed.
-One chunk per rank (no virtual pipeline stages).
+Models are Megatron GPTModel chunks built from a Hugging Face checkpoint's config and weights,
+with TransformerEngine's layer spec when the rank has TE (and --attention-backend is not local),
+Megatron's local spec otherwise (always on CPU). One chunk per rank (no virtual pipeline stages).
+Every Megatron flag reaches its config through the pure builders of `tether.train.megatron_args`;
+flags this rank cannot run are refused first (`tether.train.capabilities`).
 """
 
 from __future__ import annotations
@@ -13,37 +15,26 @@ from typing import Any
 
 import torch
 
-from tether.train import hf_convert
-from tether.train.hf_config import ModelArch, load_arch, transformer_config
+from tether.train import hf_convert, megatron_args
+from tether.train.capabilities import Capabilities, check_capabilities, uses_transformer_engine_spec
+from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.hf_config import ModelArch, load_arch
 from tether.train.megatron_cpu import quiet_megatron_imports
 from tether.train.parallel import Topology
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """What the builder needs beyond the HF checkpoint (mapped from the Megatron/algorithm slices)."""
+    """What the builder needs: the HF checkpoint and the two trainer config slices."""
 
     hf_checkpoint: str
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None
-    lr_decay_style: str = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
-    bf16: bool = False
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    max_sequence_length: int | None = None
-    transformer_overrides: dict[str, Any] = field(default_factory=dict)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    capabilities: Capabilities | None = None
+    """What this rank can run; detected when None."""
 
-    @property
-    def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 and torch.cuda.is_available() else torch.float32
+    def resolved_capabilities(self) -> Capabilities:
+        return self.capabilities if self.capabilities is not None else Capabilities.detect()
 
 
 @dataclass
@@ -66,27 +57,34 @@ class Reference:
     chunks: list[Any]
 
 
-def _layer_spec(arch: ModelArch) -> Any:
+def _layer_spec(arch: ModelArch, transformer_engine: bool) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if torch.cuda.is_available():
-        try:
-            import transformer_engine  # noqa: F401
-
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-        except ImportError:
-            pass
+    if transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
 
 
-def build_chunk(arch: ModelArch, config: Any, topo: Topology, max_sequence_length: int | None = None) -> Any:
-    """This PP stage's GPTModel (embedding on the first stage, norm + output on the last)."""
+def build_chunk(
+    arch: ModelArch,
+    config: Any,
+    topo: Topology,
+    max_sequence_length: int | None = None,
+    *,
+    transformer_engine: bool | None = None,
+) -> Any:
+    """This PP stage's GPTModel (embedding on the first stage, norm + output on the last).
+
+    `transformer_engine`: build with TE's layers (default: when CUDA and TE are available).
+    """
     with quiet_megatron_imports():
         from megatron.core.models.gpt import GPTModel
 
+    if transformer_engine is None:
+        transformer_engine = Capabilities.detect().transformer_engine
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(arch),
+        transformer_layer_spec=_layer_spec(arch, transformer_engine),
         vocab_size=arch.padded_vocab_size(topo.tp_size),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         pre_process=topo.is_first_stage,
@@ -103,16 +101,26 @@ def build_chunk(arch: ModelArch, config: Any, topo: Topology, max_sequence_lengt
     return model
 
 
-def _config(arch: ModelArch, opts: ModelOptions, topo: Topology) -> Any:
-    return transformer_config(
-        arch,
-        tp_size=topo.tp_size,
-        pp_size=topo.pp_size,
-        params_dtype=opts.params_dtype,
-        hidden_dropout=opts.hidden_dropout,
-        attention_dropout=opts.attention_dropout,
-        **opts.transformer_overrides,
+def _prepare(opts: ModelOptions, topo: Topology) -> tuple[ModelArch, Any, Any]:
+    """Refuse what this rank cannot run, then the resolved architecture, its TransformerConfig and
+    the first chunk (weights not loaded)."""
+    caps = opts.resolved_capabilities()
+    check_capabilities(opts.megatron, caps)
+    megatron_args.scheduler_kwargs(opts.megatron, opts.algorithm)  # a schedule without horizon fails now
+    arch = megatron_args.resolve_arch(
+        load_arch(opts.hf_checkpoint), opts.megatron, tp_size=topo.tp_size, pp_size=topo.pp_size
     )
+    config = megatron_args.transformer_config(
+        arch, opts.megatron, caps, tp_size=topo.tp_size, pp_size=topo.pp_size
+    )
+    chunk = build_chunk(
+        arch,
+        config,
+        topo,
+        megatron_args.max_sequence_length(arch, opts.megatron),
+        transformer_engine=uses_transformer_engine_spec(opts.megatron, caps),
+    )
+    return arch, config, chunk
 
 
 def load_hf_weights(chunks: list[Any], arch: ModelArch, hf_dir: str | Path, topo: Topology) -> None:
@@ -128,73 +136,49 @@ def build_actor(opts: ModelOptions, topo: Topology, *, load_weights: bool = True
     `load_weights=False` skips reading HF weights (a checkpoint load follows).
     """
     with quiet_megatron_imports():
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
 
-    arch = load_arch(opts.hf_checkpoint)
-    config = _config(arch, opts, topo)
-    chunk = build_chunk(arch, config, topo, opts.max_sequence_length)
+    megatron = opts.megatron
+    arch, config, chunk = _prepare(opts, topo)
     if load_weights:
         load_hf_weights([chunk], arch, opts.hf_checkpoint, topo)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=opts.use_distributed_optimizer,
-        bucket_size=None,
-    )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+    ddp = DistributedDataParallel(config=config, ddp_config=megatron_args.ddp_config(megatron), module=chunk)
     # DDP copies params into its contiguous buffers; broadcast keeps DP replicas identical.
     ddp.broadcast_params()
+    # The hooks Megatron-LM's training loop installs: per-micro-batch sync off until the last one,
+    # the reduction started by the schedule when it overlaps the backward pass.
     config.no_sync_func = ddp.no_sync
+    if megatron.overlap_grad_reduce:
+        config.grad_sync_func = ddp.start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=opts.lr,
-        min_lr=opts.min_lr,
-        weight_decay=opts.weight_decay,
-        adam_beta1=opts.adam_beta1,
-        adam_beta2=opts.adam_beta2,
-        adam_eps=opts.adam_eps,
-        clip_grad=opts.clip_grad,
-        bf16=opts.params_dtype == torch.bfloat16,
-        params_dtype=opts.params_dtype,
-        use_distributed_optimizer=opts.use_distributed_optimizer,
-    )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(megatron_args.optimizer_config(megatron, opts.algorithm), [ddp])
+    # Loss scaling (--fp16, --loss-scale) multiplies the loss before backward; 1 in float32.
+    config.grad_scale_func = optimizer.scale_loss
     # Megatron's scheduler counts in samples/steps; tether steps it once per optimizer step.
-    decay = opts.lr_decay_iters or 10**9
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if opts.lr_warmup_iters else opts.lr,
-        max_lr=opts.lr,
-        min_lr=opts.min_lr,
-        lr_warmup_steps=opts.lr_warmup_iters,
-        lr_decay_steps=max(decay, opts.lr_warmup_iters + 1),
-        lr_decay_style=opts.lr_decay_style,
-        start_wd=opts.weight_decay,
-        end_wd=opts.weight_decay,
-        wd_incr_steps=max(decay, 1),
-        wd_incr_style="constant",
-    )
+    scheduler = megatron_args.build_scheduler(optimizer, megatron, opts.algorithm)
     return Actor(arch=arch, config=config, chunks=[ddp], optimizer=optimizer, scheduler=scheduler)
 
 
 def build_reference(opts: ModelOptions, topo: Topology, *, load_weights: bool = True) -> Reference:
     """A frozen model with the actor's shape, for KL; weights from HF unless a checkpoint follows."""
-    arch = load_arch(opts.hf_checkpoint)
-    config = _config(arch, opts, topo)
-    chunk = build_chunk(arch, config, topo, opts.max_sequence_length)
+    arch, config, chunk = _prepare(opts, topo)
     if load_weights:
         load_hf_weights([chunk], arch, opts.hf_checkpoint, topo)
     for p in chunk.parameters():
         p.requires_grad_(False)
     chunk.eval()
     return Reference(arch=arch, config=config, chunks=[chunk])
+
+
+def sync_params(chunks: list[Any]) -> None:
+    """Finish a pending parameter all-gather (--overlap-param-gather) before weights are read
+    outside a forward pass (export, checkpoint): the distributed optimizer's step leaves it to the
+    next forward's hooks, as Megatron-LM does around its checkpoint saves."""
+    for chunk in chunks:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.disable_forward_pre_hook(param_sync=True)
+            chunk.enable_forward_pre_hook()
 
 
 def unwrap(chunk: Any) -> Any:

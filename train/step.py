@@ -14,6 +14,7 @@ plan length, and every rank returns the same result (broadcast from the last PP 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tether.runtime.errors import ConfigError
-from tether.train import losses
+from tether.train import losses, megatron_args
 from tether.train.batching import MicroBatchTensors, TrainBatch, micro_batch_tensors
 from tether.train.config import AlgorithmConfig
 from tether.train.logprobs import log_probs_and_entropy
@@ -55,7 +56,13 @@ class MicroBatch:
     attention_mask: torch.Tensor | None = None
 
 
-def _forward_step(loss_fn: LossFn, scale: float, device: torch.device) -> Callable[[Any, Any], Any]:
+def _forward_step(
+    loss_fn: LossFn, scale: float, device: torch.device, *, per_token: bool
+) -> Callable[[Any, Any], Any]:
+    """Megatron's forward-step callback. `per_token` (--calculate-per-token-loss): the loss is a plain
+    sum over the micro-batch's trainable tokens, returned with their count, and Megatron divides
+    the gradients by the count over the whole step (all micro-batches and DP ranks)."""
+
     def forward_step(data_iterator: Any, model: Any) -> Any:
         mb = next(data_iterator)
         mask = getattr(mb, "attention_mask", None)
@@ -65,8 +72,10 @@ def _forward_step(loss_fn: LossFn, scale: float, device: torch.device) -> Callab
             None if mask is None else mask.to(device),
         )
 
-        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def loss_func(output: torch.Tensor) -> tuple[Any, ...]:
             loss, metrics = loss_fn(output, mb)
+            if per_token:
+                return loss, mb.loss_mask.sum().to(torch.int), metrics
             return loss * scale, metrics
 
         return logits, loss_func
@@ -101,9 +110,10 @@ def run_schedule(
     config.variable_seq_lengths = ps.get_pipeline_model_parallel_world_size() > 1
     seq_length = max(int(mb.tokens.shape[1]) for mb in microbatches)
     micro_batch_size = max(int(mb.tokens.shape[0]) for mb in microbatches)
+    per_token = bool(config.calculate_per_token_loss) and not forward_only
     fb = get_forward_backward_func()
     out = fb(
-        forward_step_func=_forward_step(loss_fn, scale, device()),
+        forward_step_func=_forward_step(loss_fn, scale, device(), per_token=per_token),
         data_iterator=iter(list(microbatches)),
         model=chunks,
         num_microbatches=n,
@@ -174,10 +184,14 @@ def _load_custom_loss(path: str | None) -> Callable[..., losses.LossOutput]:
     return fn  # type: ignore[no-any-return]
 
 
-def rl_loss_fn(algo: AlgorithmConfig, vocab_size: int, opts: StepOptions) -> LossFn:
+def rl_loss_fn(
+    algo: AlgorithmConfig, vocab_size: int, opts: StepOptions, *, unit_token_weights: bool = False
+) -> LossFn:
     """The loss for a micro-batch: policy (PPO/GSPO + KL/entropy/TIS), SFT, or a custom function.
 
     A custom function takes `(algo, **columns)` like `losses.policy_loss` and returns a LossOutput.
+    `unit_token_weights` (--calculate-per-token-loss): every trainable token weighs 1 and Megatron
+    divides by the step's token count, instead of the step weights the batch carries.
     """
     with quiet_megatron_imports():
         from megatron.core import parallel_state as ps
@@ -198,6 +212,8 @@ def rl_loss_fn(algo: AlgorithmConfig, vocab_size: int, opts: StepOptions) -> Los
             with_entropy=opts.with_entropy,
         )
         mbd = mb.to(logits.device)
+        if unit_token_weights:
+            mbd = dataclasses.replace(mbd, token_weight=mbd.loss_mask.float())
         if algo.loss_type == "sft_loss":
             out = losses.sft_loss(log_probs=log_probs, token_weight=mbd.token_weight)
             if entropy is not None:
@@ -246,9 +262,37 @@ def _dp_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def build_micro_batches(shard: TrainBatch, plan: Sequence[Sequence[int]]) -> list[MicroBatchTensors]:
-    """This rank's micro-batch tensors from its DP shard and its row of the plan."""
-    return [micro_batch_tensors(shard, list(idx)) for idx in plan]
+def build_micro_batches(
+    shard: TrainBatch,
+    plan: Sequence[Sequence[int]],
+    *,
+    config: Any = None,
+    max_length: int | None = None,
+) -> list[MicroBatchTensors]:
+    """This rank's micro-batch tensors from its DP shard and its row of the plan.
+
+    `config` (the model's TransformerConfig): under sequence parallelism each micro-batch is padded
+    to a multiple of TP. `max_length` (--seq-length, default the model's max positions): a longer
+    sample is refused.
+    """
+    if max_length is not None and shard.num_samples:
+        longest = int(shard.total_lengths.max())
+        if longest > max_length:
+            raise ConfigError(
+                "--seq-length",
+                max_length,
+                f"a sample of {longest} tokens (prompt + response) is longer than the trainer accepts "
+                "(--seq-length, default: max_position_embeddings of the model)",
+            )
+    multiple = 1 if config is None else megatron_args.sequence_multiple(config)
+    return [micro_batch_tensors(shard, list(idx), pad_to_multiple_of=multiple) for idx in plan]
+
+
+def _max_length(chunks: list[Any]) -> int | None:
+    from tether.train.model import unwrap
+
+    value = getattr(unwrap(chunks[0]), "max_sequence_length", None) if chunks else None
+    return int(value) if value else None
 
 
 def train_step(
@@ -268,9 +312,14 @@ def train_step(
         chunk.train()
         chunk.zero_grad_buffer()
     actor.optimizer.zero_grad()
-    mbs = build_micro_batches(shard, plan)
+    mbs = build_micro_batches(shard, plan, config=actor.config, max_length=_max_length(actor.chunks))
+    per_token = bool(actor.config.calculate_per_token_loss)
     per_mb = run_schedule(
-        actor.chunks, actor.config, mbs, rl_loss_fn(algo, actor.arch.vocab_size, opts), forward_only=False
+        actor.chunks,
+        actor.config,
+        mbs,
+        rl_loss_fn(algo, actor.arch.vocab_size, opts, unit_token_weights=per_token),
+        forward_only=False,
     )
     ok, grad_norm, _ = actor.optimizer.step()
     lr = float(actor.optimizer.param_groups[0]["lr"])
@@ -281,6 +330,10 @@ def train_step(
         # Token-weighted terms are shares of step means: summing over micro-batches and DP ranks
         # gives the step value. The trainable-token count sums the same way.
         metrics = losses.sum_metrics(per_mb, all_reduce=_dp_sum)
+        if per_token:
+            # Unit token weights: the sums are over the step's tokens; their mean is the step value.
+            denominator = max(metrics["trainable_tokens"], 1.0)
+            metrics = {k: v if k == "trainable_tokens" else v / denominator for k, v in metrics.items()}
     metrics = _broadcast_from_last_stage(metrics) or {}
     tokens = torch.tensor([float(sum(mb.num_tokens for mb in mbs))])
     tokens = _dp_sum(tokens)
@@ -329,7 +382,7 @@ def compute_log_probs(
 
     for chunk in chunks:
         chunk.eval()
-    mbs = build_micro_batches(shard, plan)
+    mbs = build_micro_batches(shard, plan, config=config, max_length=_max_length(chunks))
     with torch.no_grad():
         per_mb = run_schedule(chunks, config, mbs, keep, forward_only=True)
     result: tuple[np.ndarray, np.ndarray | None] | None = None

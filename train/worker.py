@@ -15,11 +15,10 @@ not exited within its grace period. A rank that raises (outside an RPC call, who
 the caller) leaves its traceback in torchrun's error file (TORCHELASTIC_ERROR_FILE), which
 `main` records.
 
-Ordering contract: Megatron's collectives must run in the same order on every rank, so the
-head calls every rank with the same method and awaits all of them before the next collective
-call (`init`, `train`, `compute_log_probs`, `save`, `load`, `export_hf`). Each rank runs
-these on one dedicated thread, in arrival order, so the event loop keeps answering `health`
-and pings while a step runs. Ranks of one data-parallel group receive the same shard.
+The RPC surface is `tether.train.protocol.RankApi` (one request Struct in, one result Struct
+out), which `TrainerWorker` implements and the head's `RankClient` calls; its ordering contract
+is there. Each rank runs the collective calls on one dedicated thread, in arrival order, so the
+event loop keeps answering `health` and pings while a step runs.
 """
 
 from __future__ import annotations
@@ -35,63 +34,45 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
-import numpy as np
-
 from tether.runtime.errors import ConfigError
 from tether.sync.config import WeightSyncConfig
-from tether.train.batching import TrainBatch
+from tether.sync.ledger import LedgerEntry
 from tether.train.config import AlgorithmConfig, MegatronConfig
+
+# Imported at run time, not only for mypy: the RPC server reads these annotations of the
+# served methods to decode each request as its Struct.
+from tether.train.protocol import (
+    DamagedCheckpoint,
+    ExportRequest,
+    ExportResult,
+    InitRequest,
+    LoadedState,
+    LoadRequest,
+    LogProbsRequest,
+    LogProbsResult,
+    RankApi,
+    SaveRequest,
+    SaveResult,
+    TrainRequest,
+    TrainResult,
+    UpdateWeightsRequest,
+    WeightUpdateResult,
+    WorkerInfo,
+)
 
 T = TypeVar("T")
 
 
-class WorkerInfo(msgspec.Struct, kw_only=True):
-    """What `init` and `health` report about a rank."""
-
-    rank: int
-    world_size: int
-    initialized: bool
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-    is_sync_source: bool = False
-    steps: int = 0
-    busy: bool = False
-
-
 def model_options(hf_checkpoint: str, algorithm: AlgorithmConfig, megatron: MegatronConfig) -> Any:
-    """The model builder's options from the two trainer config slices."""
+    """The model builder's options from the two trainer config slices (each Megatron flag reaches
+    its Megatron config in `tether.train.megatron_args`)."""
     from tether.train.model import ModelOptions
 
-    if megatron.optimizer != "adam":
-        raise ConfigError("--optimizer", megatron.optimizer, "tether's trainer supports adam")
-    if megatron.context_parallel_size != 1:
-        raise ConfigError("--context-parallel-size", megatron.context_parallel_size, "only 1 is supported")
-    return ModelOptions(
-        hf_checkpoint=hf_checkpoint,
-        lr=algorithm.lr,
-        min_lr=megatron.min_lr,
-        lr_warmup_iters=megatron.lr_warmup_iters,
-        lr_decay_iters=megatron.lr_decay_iters,
-        lr_decay_style=megatron.lr_decay_style,
-        weight_decay=megatron.weight_decay,
-        adam_beta1=megatron.adam_beta1,
-        adam_beta2=megatron.adam_beta2,
-        adam_eps=megatron.adam_eps,
-        clip_grad=megatron.clip_grad,
-        use_distributed_optimizer=megatron.use_distributed_optimizer,
-        bf16=megatron.bf16,
-        hidden_dropout=megatron.hidden_dropout,
-        attention_dropout=megatron.attention_dropout,
-    )
+    return ModelOptions(hf_checkpoint=hf_checkpoint, algorithm=algorithm, megatron=megatron)
 
 
-class TrainerWorker:
-    """The RPC target of one rank. Public async methods are the RPC surface."""
+class TrainerWorker(RankApi):
+    """The RPC target of one rank. Public async methods are the RPC surface (`RankApi`)."""
 
     def __init__(self, executor: ThreadPoolExecutor, node_address: str = "") -> None:
         self._executor = executor
@@ -107,12 +88,24 @@ class TrainerWorker:
         self._busy = False
         self._transport: Any = None
         self._engines: list[Any] = []
+        self._offload_train = False
+        self._offloaded: Any = None  # what offload_trainer moved to host, until the next work
 
     async def _run(self, fn: Callable[[], T]) -> T:
-        """Run torch/Megatron work on this rank's single worker thread, in call order."""
+        """Run torch/Megatron work on this rank's single worker thread, in call order; the trainer's
+        memory comes back to the device first when --offload-train moved it out."""
+
+        def resident() -> T:
+            if self._offloaded is not None:
+                from tether.train.offload import onload_trainer
+
+                onload_trainer(self._offloaded)
+                self._offloaded = None
+            return fn()
+
         self._busy = True
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, resident)
         finally:
             self._busy = False
 
@@ -121,14 +114,7 @@ class TrainerWorker:
             raise RuntimeError("call init(...) on every rank first")
         return self._actor
 
-    async def init(
-        self,
-        hf_checkpoint: str,
-        algorithm: AlgorithmConfig,
-        megatron: MegatronConfig,
-        temperature: float = 1.0,
-        with_reference: bool = False,
-    ) -> WorkerInfo:
+    async def init(self, request: InitRequest) -> WorkerInfo:
         """Join the job's process groups and build the actor (and the reference model for KL).
 
         The reference comes from --ref-load when set, else from the HF checkpoint. With --load
@@ -136,6 +122,8 @@ class TrainerWorker:
         """
         if self._actor is not None:
             raise RuntimeError("init was already called on this rank")
+        hf_checkpoint, algorithm, megatron = request.hf_checkpoint, request.algorithm, request.megatron
+        temperature = request.temperature
         if temperature <= 0:
             raise ConfigError("--rollout-temperature", temperature, "must be > 0 for log-probs")
 
@@ -152,7 +140,7 @@ class TrainerWorker:
             )
             opts = model_options(hf_checkpoint, algorithm, megatron)
             self._actor = model.build_actor(opts, topo)
-            needs_ref = with_reference or algorithm.use_kl_loss or algorithm.kl_coef > 0
+            needs_ref = request.with_reference or algorithm.use_kl_loss or algorithm.kl_coef > 0
             if needs_ref:
                 self._ref = model.build_reference(opts, topo, load_weights=algorithm.ref_load is None)
                 if algorithm.ref_load is not None:
@@ -161,6 +149,7 @@ class TrainerWorker:
             self._algorithm = algorithm
             self._hf_checkpoint = hf_checkpoint
             self._temperature = temperature
+            self._offload_train = request.offload_train
             return self._info()
 
         return await self._run(work)
@@ -186,30 +175,30 @@ class TrainerWorker:
             busy=self._busy,
         )
 
-    async def train(self, rollout_id: int, shard: TrainBatch, plan: list[list[int]]) -> dict[str, float]:
-        """One optimizer step on this rank's DP shard, micro-batched by `plan`; the step's metrics."""
+    async def train(self, request: TrainRequest) -> TrainResult:
+        """One optimizer step on this rank's DP shard, micro-batched by its plan; the step's metrics."""
         actor = self._require_init()
+        shard, plan = request.shard, request.plan
         shard.validate()
         algorithm = self._algorithm
         assert algorithm is not None
 
-        def work() -> dict[str, float]:
+        def work() -> TrainResult:
             from tether.train import step
 
             metrics = step.train_step(
                 actor, shard, plan, algorithm, step.StepOptions(temperature=self._temperature)
             )
             self._steps += 1
-            metrics["rollout_id"] = float(rollout_id)
-            return metrics
+            metrics["rollout_id"] = float(request.rollout_id)
+            return TrainResult(metrics=metrics)
 
         return await self._run(work)
 
-    async def compute_log_probs(
-        self, shard: TrainBatch, plan: list[list[int]], model: str = "actor", with_entropy: bool = False
-    ) -> dict[str, np.ndarray | None]:
-        """Per-response-token log-probs of `model` ("actor" for old, "ref" for reference)."""
+    async def compute_log_probs(self, request: LogProbsRequest) -> LogProbsResult:
+        """Per-response-token log-probs of the request's model ("actor" for old, "ref" for reference)."""
         actor = self._require_init()
+        shard, plan, model = request.shard, request.plan, request.model
         if model == "actor":
             chunks, config = actor.chunks, actor.config
         elif model == "ref":
@@ -222,106 +211,111 @@ class TrainerWorker:
             raise ValueError(f"model={model!r}: expected 'actor' or 'ref'")
         shard.validate()
 
-        def work() -> dict[str, np.ndarray | None]:
+        def work() -> LogProbsResult:
             from tether.train import step
 
-            opts = step.StepOptions(temperature=self._temperature, with_entropy=with_entropy)
+            opts = step.StepOptions(temperature=self._temperature, with_entropy=request.with_entropy)
             lp, ent = step.compute_log_probs(chunks, config, actor.arch.vocab_size, shard, plan, opts)
-            return {"log_probs": lp, "entropy": ent}
+            return LogProbsResult(log_probs=lp, entropy=ent)
 
         return await self._run(work)
 
-    async def save(
-        self,
-        save_dir: str,
-        step: int,
-        rollout_id: int,
-        weight_version: int = 0,
-        data_position: dict[str, Any] | None = None,
-    ) -> str:
+    async def save(self, request: SaveRequest) -> SaveResult:
         """Write checkpoint iter_{step} under save_dir (atomic); returns its path."""
         actor = self._require_init()
 
-        def work() -> str:
+        def work() -> SaveResult:
             from tether.train import checkpoint
 
             state = checkpoint.RunState(
-                step=step,
-                rollout_id=rollout_id,
-                weight_version=weight_version,
-                data_position=data_position or {},
+                step=request.step,
+                rollout_id=request.rollout_id,
+                weight_version=request.weight_version,
+                data_position=request.data_position,
             )
-            return str(checkpoint.save(actor, save_dir, state))
+            return SaveResult(path=str(checkpoint.save(actor, request.save_dir, state)))
 
         return await self._run(work)
 
-    async def load(self, load_dir: str, finetune: bool = False) -> dict[str, Any] | None:
+    async def load(self, request: LoadRequest) -> LoadedState | None:
         """Resume from the newest loadable complete checkpoint in load_dir, or None if none.
 
         Returns its run state, its `path`, and the damaged checkpoints `skipped` on the way
-        (`[{"path", "error"}]`, newest first) so that the head can say which one it resumed from.
-        A checkpoint without tether's digests loads only when load_dir is what --load names (the
-        user named it), not the --save directory --auto-resume scans.
+        (newest first) so that the head can say which one it resumed from. A checkpoint without
+        tether's digests loads only when load_dir is what --load names (the user named it), not
+        the --save directory --auto-resume scans.
         """
         actor = self._require_init()
+        load_dir = request.load_dir
         chosen = self._algorithm.load if self._algorithm is not None else None
         named = chosen is not None and Path(load_dir) == Path(chosen)
 
-        def work() -> dict[str, Any] | None:
+        def work() -> LoadedState | None:
             from tether.train import checkpoint
 
-            loaded = checkpoint.load_checkpoint(actor, load_dir, finetune=finetune, named=named)
+            loaded = checkpoint.load_checkpoint(actor, load_dir, finetune=request.finetune, named=named)
             if loaded is None:
                 return None
             state = loaded.state
-            return {
-                "step": state.step,
-                "rollout_id": state.rollout_id,
-                "weight_version": state.weight_version,
-                "data_position": state.data_position,
-                "path": loaded.path,
-                "skipped": msgspec.to_builtins(loaded.skipped),
-            }
+            return LoadedState(
+                step=state.step,
+                rollout_id=state.rollout_id,
+                weight_version=state.weight_version,
+                data_position=state.data_position,
+                path=loaded.path,
+                skipped=[DamagedCheckpoint(s.path, s.error) for s in loaded.skipped],
+            )
 
         return await self._run(work)
 
-    async def export_hf(self, out_dir: str, version: int = 0) -> str | None:
+    async def export_hf(self, request: ExportRequest) -> ExportResult:
         """Write the actor as an HF checkpoint directory (rank 0 writes; returns the path there)."""
         actor = self._require_init()
 
-        def work() -> str | None:
+        def work() -> ExportResult:
             from tether.train import export
 
             path = export.save_hf(
-                actor.chunks, actor.arch, self._topo, out_dir, base_dir=self._hf_checkpoint, version=version
+                actor.chunks,
+                actor.arch,
+                self._topo,
+                request.out_dir,
+                base_dir=self._hf_checkpoint,
+                version=request.version,
             )
-            return None if path is None else str(path)
+            return ExportResult(path=None if path is None else str(path))
 
         return await self._run(work)
 
-    async def update_weights(
-        self,
-        version: int,
-        engine_urls: list[str],
-        weight_sync: WeightSyncConfig,
-        colocate: bool = False,
-        engine_ranks: list[int] | None = None,
-        master_address: str = "127.0.0.1",
-        master_port: int = 0,
-        engines_restarted: bool = False,
-    ) -> dict[str, Any] | None:
+    async def update_weights(self, request: UpdateWeightsRequest) -> WeightUpdateResult:
         """Publish the actor's weights as `version` to every engine; collective over all ranks.
 
         Every rank takes part in gathering the HF tensors (TP gathers, PP stages streamed to
         rank 0); rank 0 is the sync source and runs the transport the flags chose, keeping it
         (the update group, the delta baseline) across syncs. Returns the ledger entry on rank 0.
         """
+        result = WeightUpdateResult(entry=await self._update_weights(request))
+        if self._offload_train:
+            # The engines generate next and may take the device memory; `_run` brings it back.
+            await self._run(self._offload)
+        return result
+
+    def _offload(self) -> None:
+        from tether.train.offload import offload_trainer
+
+        self._offloaded = offload_trainer(self._actor, self._ref)
+
+    async def _update_weights(self, request: UpdateWeightsRequest) -> LedgerEntry | None:
         actor = self._require_init()
         import torch
 
         from tether.sync.factory import is_distributed
         from tether.train import export
 
+        version, engine_urls, weight_sync = request.version, request.engine_urls, request.weight_sync
+        colocate, engine_ranks = request.colocate, request.engine_ranks
+        master_address, master_port = request.master_address, request.master_port
+        engines_restarted = request.engines_restarted
         if self._topo.pp_size > 1 and is_distributed(weight_sync, colocate):
             return await self._update_weights_by_stage(
                 version,
@@ -364,7 +358,7 @@ class TrainerWorker:
             # After a failure the rest still flows, so the ranks feeding the stream (TP peers'
             # gathers, later stages' sends) finish too instead of blocking until their timeout.
             await self._run(lambda: _drain(stream))
-        return msgspec.to_builtins(entry)
+        return entry
 
     async def _update_weights_by_stage(
         self,
@@ -375,7 +369,7 @@ class TrainerWorker:
         master_address: str,
         master_port: int,
         engines_restarted: bool,
-    ) -> dict[str, Any] | None:
+    ) -> LedgerEntry | None:
         """PP > 1 over the distributed transport: each stage's sync source (TP 0, DP 0)
         broadcasts its own stage's tensors over its own group with the engines, as slime does;
         stage 0's source controls the engines. The other ranks take part in their stage's TP
@@ -422,7 +416,7 @@ class TrainerWorker:
             entry = await self._transport.sync_stage(version, stream, agree)
         finally:
             self._busy = False
-        return None if entry is None else msgspec.to_builtins(entry)
+        return entry
 
     async def health(self) -> WorkerInfo:
         """Answered from the event loop, even while a step runs on the worker thread."""

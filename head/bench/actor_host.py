@@ -1,8 +1,9 @@
-"""`python -m tether.bench.actor_host`: the process behind `Supervisor.start_actor`.
+"""`python -m tether.bench.actor_host`: the process behind `tether.bench.actors.start_actor`.
 
-It fetches its constructor arguments from the head (so they never sit on a command line),
-builds the target object, serves it with `RpcServer`, tells the head its address, and runs
-until SIGTERM/SIGINT or until the head stops answering heartbeats (exit code 3).
+It fetches its constructor arguments from the head (`process_setup`, so they never sit on a
+command line), builds the target object, serves it with `RpcServer`, tells the head its address
+(`process_ready`), and runs until SIGTERM/SIGINT or until the head stops answering heartbeats
+(exit code 3).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ async def serve(args: argparse.Namespace) -> int:
     bind = args.bind or f"tcp://{os.environ.get('TETHER_BIND_HOST', '127.0.0.1')}:0"
     head = await connect(args.head, secret, name="head", timeout=30.0)
     async with head:
-        setup = await head.call("actor_setup", args.name, timeout=30.0)
-        target = import_target(args.target)(**setup["args"])
+        setup = await head.call("process_setup", args.name, timeout=30.0)
+        target = import_target(args.target)(**setup["data"])
         async with RpcServer(target, bind, secret, name=args.name) as server:
-            await head.call("actor_ready", args.name, server.address, timeout=30.0)
+            await head.call("process_ready", args.name, server.address, timeout=30.0)
             monitor = LivenessMonitor(
                 head.ping,
                 interval=setup["interval"],

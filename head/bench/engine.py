@@ -12,8 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +20,8 @@ from typing import Any
 
 import aiohttp
 
-from tether.rollout.engine_api.auth import bearer_header, engine_env, new_engine_key
+from tether.bench.engines import cpu_engines
+from tether.rollout.engine_api.auth import bearer_header, new_engine_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,28 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reloads", type=int, default=5, help="update_weights_from_disk calls to time.")
     parser.add_argument("--threads", type=int, default=1, help="Engine torch threads.")
     parser.add_argument("--model-path", default=None, help="Model to serve (default: a fresh init-model).")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _wait_ready(
-    session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], log: Path
-) -> None:
-    async with asyncio.timeout(120):
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {proc.returncode}; see its log {log}")
-            try:
-                async with session.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
 
 
 async def _level(
@@ -80,23 +57,13 @@ async def _level(
     }
 
 
-def _start_engine(model_path: str, threads: int, log: Path, key: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tether.rollout.cpu_engine", "--model-path", model_path, "--port", str(port)]
-    cmd += ["--threads", str(threads)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=engine_env(key))
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def _bench(args: argparse.Namespace, model_path: str, log: Path) -> dict[str, Any]:
+async def _bench(args: argparse.Namespace, model_path: str, log_dir: Path) -> dict[str, Any]:
     key = new_engine_key()
-    proc, url = await asyncio.to_thread(_start_engine, model_path, args.threads, log, key)
-    try:
+    threads = lambda i: ["--threads", str(args.threads)]  # noqa: E731
+    async with cpu_engines(model_path, key, extra=threads, log_dir=log_dir) as (url,):
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=600), headers=bearer_header(key)
         ) as session:
-            await _wait_ready(session, url, proc, log)
             await _level(session, url, 4, 8)  # warm-up: first-call allocations and code paths
             levels = [await _level(session, url, int(c), args.new_tokens) for c in args.levels.split(",")]
             reloads = []
@@ -109,9 +76,6 @@ async def _bench(args: argparse.Namespace, model_path: str, log: Path) -> dict[s
                     if r.status != 200:
                         raise RuntimeError(f"reload failed: {await r.text()}")
                 reloads.append(time.perf_counter() - start)
-    finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 30)
     by_c = {lv["concurrency"]: lv["tokens_per_s"] for lv in levels}
     result: dict[str, Any] = {
         "bench": "engine",
@@ -137,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
             from tether.rollout.cpu_engine.tiny_model import write_tiny_model
 
             model_path = os.fspath(write_tiny_model(Path(tmp) / "model"))
-        result = uvloop.run(_bench(args, model_path, Path(tmp) / "engine.log"))
+        result = uvloop.run(_bench(args, model_path, Path(tmp)))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 

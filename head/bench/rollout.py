@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tether.bench.engines import cpu_engines
 from tether.bench.slow_engine import delay_argv
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
-from tether.rollout.engine_api.auth import engine_env, new_engine_key
+from tether.rollout.engine_api.auth import new_engine_key
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.rollout_fn import RolloutContext, run_rollout, using_context
@@ -102,33 +103,13 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="tether-bench-rollout-") as tmp:
         model = args.model_path or str(write_tiny_model(Path(tmp) / "model"))
-        procs: list[asyncio.subprocess.Process] = []
-        urls: list[str] = []
         key = new_engine_key()
-        try:
-            for i in range(args.engines):
-                port = _free_port()
-                procs.append(
-                    await asyncio.create_subprocess_exec(
-                        *_engine_cmd(model, port, args, seed=i),
-                        stdout=asyncio.subprocess.DEVNULL,
-                        stderr=asyncio.subprocess.DEVNULL,
-                        start_new_session=True,
-                        env=engine_env(key),
-                    )
-                )
-                urls.append(f"http://127.0.0.1:{port}")
-            for url in urls:
-                async with EngineClient(url, api_key=key) as c:
-                    await c.wait_ready(120)
+        slow = lambda i: delay_argv("lognormal", args.delay_mean_ms, args.delay_sigma, seed=i)  # noqa: E731
+        async with cpu_engines(
+            model, key, args.engines, module="tether.bench.slow_engine", extra=slow
+        ) as urls:
             sync = await _measure("sync", args, urls, model, key)
             fully = await _measure("fully_async", args, urls, model, key)
-        finally:
-            for p in procs:
-                if p.returncode is None:
-                    p.terminate()
-            for p in procs:
-                await p.wait()
     return {
         "benchmark": "rollout",
         "engines": args.engines,
@@ -139,24 +120,6 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "throughput_ratio": round(fully["samples_per_s"] / sync["samples_per_s"], 3),
         "targets": {"throughput_ratio": 2.0, "fully_async_engine_busy_fraction": 0.9},
     }
-
-
-def _engine_cmd(model: str, port: int, args: argparse.Namespace, seed: int) -> list[str]:
-    import sys
-
-    return [
-        sys.executable, "-m", "tether.bench.slow_engine", "--model-path", model, "--host", "127.0.0.1",
-        "--port", str(port), "--weight-version", "0",
-        *delay_argv("lognormal", args.delay_mean_ms, args.delay_sigma, seed),
-    ]  # fmt: skip
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(args: argparse.Namespace) -> int:

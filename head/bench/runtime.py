@@ -160,6 +160,7 @@ def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
 
 
 async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[int, Any]) -> dict[str, Any]:
+    from tether.bench.actors import start_actor
     from tether.bench.sample_codec import encode_batch
     from tether.runtime.secret import new_secret
     from tether.runtime.supervisor import Supervisor
@@ -169,7 +170,8 @@ async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[in
     async with Supervisor(run_dir, new_secret(), grace=2.0) as sup:
         handles = await asyncio.gather(
             *(
-                sup.start_actor(
+                start_actor(
+                    sup,
                     f"bench{i}",
                     "tether.bench.runtime:BenchActor",
                     heartbeat=False,

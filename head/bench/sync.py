@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from typing import Any
 import msgspec
 import torch
 
+from tether.bench.engines import cpu_engines, free_port
 from tether.runtime.atomic_file import staged_dir
 from tether.sync.checkpoint_files import TORCH_TO_ST, open_checkpoint, tensor_bytes
 from tether.sync.config import WeightSyncConfig
@@ -184,12 +184,6 @@ def delta_figures(
     return rows
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 _RECEIVER = """
 import sys, torch
 from datetime import timedelta
@@ -210,7 +204,7 @@ class RawBroadcaster:
     def __init__(self, nbytes: int, count: int) -> None:
         from tether.runtime.weight_group import init_weight_group
 
-        method = f"tcp://127.0.0.1:{_port()}"
+        method = f"tcp://127.0.0.1:{free_port()}"
         name = f"bench-raw-{uuid.uuid4().hex[:8]}"
         cmd = [sys.executable, "-c", _RECEIVER, method, str(nbytes), name, str(count)]
         self.proc = subprocess.Popen(cmd)
@@ -251,7 +245,7 @@ async def engine_figures(
     work: Path, hidden: int, layers: int, bucket_mib: list[int], syncs: int
 ) -> dict[str, Any]:
     from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
-    from tether.rollout.engine_api.auth import engine_env, new_engine_key
+    from tether.rollout.engine_api.auth import new_engine_key
     from tether.rollout.engine_api.client import EngineClient
     from tether.sync.transport_delta import DeltaDiskTransport
     from tether.sync.transport_disk import FullDiskTransport
@@ -262,17 +256,10 @@ async def engine_figures(
     with open_checkpoint(model) as view:
         state = {n: view.tensor(n) for n in view.slots}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    port = _port()
-    cmd = [sys.executable, "-m", "tether.rollout.cpu_engine", "--model-path", str(model), "--port", str(port)]
-    cmd += ["--weight-version", "0"]
     key = new_engine_key()
-    proc = await asyncio.to_thread(
-        subprocess.Popen, cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=engine_env(key)
-    )
     out: dict[str, Any] = {"engine_model_bytes": nbytes}
-    try:
-        async with EngineClient(f"http://127.0.0.1:{port}", name="bench", api_key=key) as client:
-            await client.wait_ready(120)
+    async with cpu_engines(model, key) as (url,):
+        async with EngineClient(url, name="bench", api_key=key) as client:
             base: dict[str, Any] = {
                 "update_weight_request_timeout": 600.0,
                 "update_weight_disk_dir": str(work / "pub"),
@@ -287,7 +274,7 @@ async def engine_figures(
                     cfg = WeightSyncConfig(
                         update_weight_buffer_size=mib * 1024**2, update_weight_flattened_bucket=flat, **base
                     )  # type: ignore[arg-type]
-                    dist = DistributedTransport([client], cfg, master_port=_port())
+                    dist = DistributedTransport([client], cfg, master_port=free_port())
                     times, raw_times = [], []
                     try:
                         await dist.connect()
@@ -335,13 +322,6 @@ async def engine_figures(
             entry = await delta.sync(syncs + 2, iter(_step(state, 0.01, 8).items()))
             out["delta_sync_s"] = entry.total_seconds
             out["delta_sync_bytes"] = entry.bytes_moved
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     return out
 
 

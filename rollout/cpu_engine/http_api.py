@@ -1,7 +1,8 @@
 """The CPU engine's HTTP surface: SGLang's native API over aiohttp.
 
 Request and response shapes follow SGLang 0.5.23 (`/generate`, health and info endpoints,
-abort/pause/continue, the weight-update family, memory release). Errors come back as SGLang
+abort/pause/continue, the weight-update family, memory release; the OpenAI-compatible `/v1/*`
+endpoints live in openai_api.py). Errors come back as SGLang
 sends them: `/generate` and validation errors answer 400 with `{"error": {"message": ...}}`
 (plus SGLang's flat `object/message/type/code` fields); the weight endpoints answer
 `{"success": false, "message": ...}` with 400. A bad request never stops the server.
@@ -45,7 +46,8 @@ from tether.rollout.cpu_engine.model import (
 )
 from tether.rollout.cpu_engine.receive import BucketReceiver
 from tether.rollout.cpu_engine.sampling import SamplingParams, parse_sampling_params
-from tether.rollout.cpu_engine.scheduler import EngineUnavailable, Request, Scheduler
+from tether.rollout.cpu_engine.scheduler import EngineUnavailable, Request, Scheduler, progress
+from tether.rollout.cpu_engine.sse import send_events
 from tether.rollout.engine_api.auth import authorized
 from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors
 from tether.runtime.weight_group import WeightGroup, destroy_weight_group, init_weight_group
@@ -169,10 +171,11 @@ def error_response(message: str, status: int = 400) -> web.Response:
     except ValueError:
         phrase = "Error"
     body = {
-        "error": {"message": message},
+        "error": {"message": message, "type": phrase, "param": None, "code": status},
         "object": "error",
         "message": message,
         "type": phrase,
+        "param": None,
         "code": status,
     }
     return web.json_response(body, status=status)
@@ -247,6 +250,10 @@ class EngineState:
     limits: EngineLimits = field(default_factory=EngineLimits)
     on_fatal: Callable[[BaseException], None] | None = None
     """Called once if the scheduler task fails: the process must end (cpu_engine exits non-zero)."""
+    served_model_name: str | None = None
+    """The model's name in /v1/models (--served-model-name; default: the model path)."""
+    tool_call_parser: str | None = None
+    """--tool-call-parser: the tool-call format /v1/chat/completions parses and constrains."""
 
 
 def _texts(req: GenerateReq, max_prompts: int) -> list[str] | None:
@@ -269,9 +276,9 @@ def _texts(req: GenerateReq, max_prompts: int) -> list[str] | None:
 
 def _normalise(
     req: GenerateReq, sched: Scheduler, encoded: list[list[int]] | None
-) -> list[tuple[list[int], SamplingParams, str, bool]]:
-    """Split a single or batched request into (prompt ids, params, rid, return_logprob) items;
-    `encoded`: the text prompts' token ids (tokenized off the event loop)."""
+) -> list[tuple[list[int], SamplingParams, str, bool, int]]:
+    """Split a single or batched request into (prompt ids, params, rid, return_logprob,
+    top_logprobs_num) items; `encoded`: the text prompts' token ids (tokenized off the event loop)."""
     prompts: list[list[int]]
     if req.text is not None:
         assert encoded is not None
@@ -301,13 +308,13 @@ def _normalise(
 
     sps = [parse_sampling_params(sp) for sp in per_item(req.sampling_params, "sampling_params")]
     lps = [bool(x) for x in per_item(req.return_logprob, "return_logprob")]
-    for name, value in (
-        ("top_logprobs_num", req.top_logprobs_num),
-        ("logprob_start_len", req.logprob_start_len),
-    ):
-        allowed = (None, 0) if name == "top_logprobs_num" else (None, -1)
-        if any(v not in allowed for v in per_item(value, name)):
-            raise BadRequest(f"{name}={value!r}: only the default is supported by the CPU engine")
+    if any(v not in (None, -1) for v in per_item(req.logprob_start_len, "logprob_start_len")):
+        raise BadRequest(
+            f"logprob_start_len={req.logprob_start_len!r}: only the default is supported by the CPU engine"
+        )
+    tops = [v or 0 for v in per_item(req.top_logprobs_num, "top_logprobs_num")]
+    if any(v < 0 for v in tops):
+        raise BadRequest(f"top_logprobs_num={req.top_logprobs_num!r}: must be >= 0")
     if req.rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     elif isinstance(req.rid, str):
@@ -332,7 +339,7 @@ def _normalise(
                 f"the input messages and {sp.max_new_tokens} tokens for the completion. Please reduce the "
                 "number of tokens in the input messages or the completion to fit within the limit."
             )
-    return [(p, sp, rid, lp) for p, sp, rid, lp in zip(prompts, sps, rids, lps, strict=True)]
+    return list(zip(prompts, sps, rids, lps, tops, strict=True))
 
 
 class EngineApp:
@@ -353,6 +360,11 @@ class EngineApp:
     @property
     def sched(self) -> Scheduler:
         return self.s.scheduler
+
+    @property
+    def tokenize_threads(self) -> ThreadPoolExecutor:
+        """Threads for tokenizing and chat templates (never the event loop)."""
+        return self._tokenize_threads
 
     async def _on_group_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -388,6 +400,9 @@ class EngineApp:
         r.add_route("*", "/get_weights_by_name", self.weights_by_name)
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
+        from tether.rollout.cpu_engine.openai_api import OpenAIRoutes
+
+        OpenAIRoutes(self).add_to(r)
         return app
 
     async def _scheduler_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -545,7 +560,7 @@ class EngineApp:
         if texts is not None:
             # Tokenizing megabytes of text takes seconds: never on the event loop.
             loop = asyncio.get_running_loop()
-            encoded = await loop.run_in_executor(self._tokenize_threads, self._encode, texts)
+            encoded = await loop.run_in_executor(self._tokenize_threads, self.encode, texts)
         items = _normalise(body, self.sched, encoded)
         now = time.monotonic()
         reqs = [
@@ -556,9 +571,21 @@ class EngineApp:
                 return_logprob=lp,
                 generator=self.sched.new_generator(sp.sampling_seed),
                 ready_at=now + self.s.delay(),
+                top_logprobs_num=top,
             )
-            for prompt, sp, rid, lp in items
+            for prompt, sp, rid, lp, top in items
         ]
+        self.submit_all(reqs)
+        single = len(reqs) == 1 and isinstance(body.text, str | None) and not _is_batched_ids(body.input_ids)
+        if body.stream:
+            return await self._stream(request, reqs, single)
+        await self.wait_all(reqs)
+        out = [self.sched.response(req) for req in reqs]
+        return web.json_response(out[0] if single else out)
+
+    def submit_all(self, reqs: list[Request]) -> None:
+        """Submit every request (one with max_new_tokens 0 finishes at once); if one is refused,
+        those already submitted are aborted and the refusal propagates."""
         submitted: list[Request] = []
         try:
             for req in reqs:
@@ -571,9 +598,9 @@ class EngineApp:
             for req in submitted:
                 self.sched.abort(req.rid, False)
             raise
-        single = len(reqs) == 1 and isinstance(body.text, str | None) and not _is_batched_ids(body.input_ids)
-        if body.stream:
-            return await self._stream(request, reqs, single)
+
+    async def wait_all(self, reqs: list[Request]) -> None:
+        """Wait until every request has finished; a caller that goes away aborts them."""
         try:
             for req in reqs:
                 await req.done.wait()
@@ -581,46 +608,24 @@ class EngineApp:
             for req in reqs:
                 self.sched.abort(req.rid, False, "client disconnected")
             raise
-        out = [self.sched.response(req) for req in reqs]
-        return web.json_response(out[0] if single else out)
 
-    def _encode(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Worker thread: the token ids of each text."""
         return [encoding.ids for encoding in self.sched.tokenizer.encode_batch(texts)]
 
     async def _stream(self, request: web.Request, reqs: list[Request], single: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        pending = {i: r for i, r in enumerate(reqs)}
-        sent = dict.fromkeys(pending, -1)
-        try:
-            while pending:
-                waits = [asyncio.ensure_future(r.progress.wait()) for r in pending.values()]
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waits:
-                        w.cancel()
-                    await asyncio.gather(*waits, return_exceptions=True)
-                for i, req in list(pending.items()):
-                    if not req.progress.is_set():
-                        continue
-                    req.progress.clear()
-                    if len(req.output) == sent[i] and req.finish is None:
-                        continue
-                    sent[i] = len(req.output)
-                    chunk = self.sched.response(req)
-                    if not single:
-                        chunk["index"] = i
-                    await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-                    if req.finish is not None:
-                        del pending[i]
-            await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionError, asyncio.CancelledError):
-            for req in reqs:
-                self.sched.abort(req.rid, False, "client disconnected")
-            raise
-        await resp.write_eof()
-        return resp
+        async def events() -> AsyncIterator[bytes]:
+            async for i, req in progress(reqs):
+                chunk = self.sched.response(req)
+                if not single:
+                    chunk["index"] = i
+                yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+        return await send_events(request, events(), lambda: self._abort_all(reqs))
+
+    def _abort_all(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.sched.abort(req.rid, False, "client disconnected")
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body: AbortReq = await read_body(request, AbortReq, allow_empty=True)

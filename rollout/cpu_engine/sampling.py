@@ -4,7 +4,10 @@ Log-probs follow SGLang 0.5's sampler: a greedy row (temperature below 1e-6, or 
 log_softmax of the raw logits; a sampled row reports log_softmax of logits / temperature, taken
 before top-k / top-p / min-p filtering. With `original_logprob` (SGLang's
 SGLANG_RETURN_ORIGINAL_LOGPROB) every row reports log_softmax of the raw logits. Each log-prob
-comes from the same logits that chose its token.
+comes from the same logits that chose its token, and so do a row's top log-probs (SGLang's
+`top_logprobs_num`). A row with a vocabulary mask (constrained decoding) has every other token's
+logit set to -inf first, as SGLang's grammar backend does, so its log-probs are of the masked
+distribution.
 """
 
 from __future__ import annotations
@@ -78,39 +81,67 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
         raise ValueError(f"sampling_params: {e}") from e
 
 
+class Choice(msgspec.Struct, kw_only=True):
+    """The tokens picked for a batch, one per row, with what each row asked to be reported."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[float, int]] | None]
+    """Per row: the `top_logprobs_num` most likely (log-prob, token id) pairs, or None."""
+
+
 def choose_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator],
     original_logprob: bool,
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row of logits [B, V] and return (tokens, their log-probs)."""
+    *,
+    masks: list[torch.Tensor | None] | None = None,
+    top_logprobs: list[int] | None = None,
+) -> Choice:
+    """Pick one token per row of logits [B, V].
+
+    `masks`: per row, a bool tensor [V] of the tokens it may take (None: any). `top_logprobs`:
+    per row, how many of the most likely tokens to report beside the chosen one."""
     logits = logits.float()
+    if masks is not None and any(m is not None for m in masks):
+        logits = logits.clone()
+        for row, mask in enumerate(masks):
+            if mask is not None:
+                logits[row].masked_fill_(~mask, float("-inf"))
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     greedy = [p.greedy for p in params]
     tokens = raw_logprobs.argmax(dim=-1).tolist()
     logprobs = raw_logprobs.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()
+    reported = raw_logprobs  # the distribution each row's log-probs are read from
     sampled = [i for i, g in enumerate(greedy) if not g]
-    if not sampled:
-        return tokens, logprobs
-    idx = torch.tensor(sampled)
-    temps = torch.tensor([params[i].temperature for i in sampled]).view(-1, 1)
-    scaled = logits[idx] / temps
-    report = raw_logprobs[idx] if original_logprob else torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(scaled, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1]).view(1, -1)
-    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else probs.shape[-1] for i in sampled])
-    top_p = torch.tensor([params[i].top_p for i in sampled]).view(-1, 1)
-    min_p = torch.tensor([params[i].min_p for i in sampled]).view(-1, 1)
-    # A token survives when it is inside top-k, inside the top-p nucleus (the mass before it
-    # is below top_p) and at least min_p times the most likely token's probability.
-    keep = (ranks < top_k.view(-1, 1)) & ((sorted_probs.cumsum(-1) - sorted_probs) < top_p)
-    keep &= sorted_probs >= min_p * sorted_probs[:, :1]
-    keep[:, 0] = True
-    filtered = torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)
-    for row, i in enumerate(sampled):
-        tok = int(torch.multinomial(filtered[row], 1, generator=generators[i]))
-        tokens[i] = tok
-        logprobs[i] = float(report[row, tok])
-    return tokens, logprobs
+    if sampled:
+        idx = torch.tensor(sampled)
+        temps = torch.tensor([params[i].temperature for i in sampled]).view(-1, 1)
+        scaled = logits[idx] / temps
+        report = raw_logprobs[idx] if original_logprob else torch.log_softmax(scaled, dim=-1)
+        if not original_logprob:
+            reported = raw_logprobs.clone()
+            reported[idx] = report
+        probs = torch.softmax(scaled, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[-1]).view(1, -1)
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else probs.shape[-1] for i in sampled])
+        top_p = torch.tensor([params[i].top_p for i in sampled]).view(-1, 1)
+        min_p = torch.tensor([params[i].min_p for i in sampled]).view(-1, 1)
+        # A token survives when it is inside top-k, inside the top-p nucleus (the mass before it
+        # is below top_p) and at least min_p times the most likely token's probability.
+        keep = (ranks < top_k.view(-1, 1)) & ((sorted_probs.cumsum(-1) - sorted_probs) < top_p)
+        keep &= sorted_probs >= min_p * sorted_probs[:, :1]
+        keep[:, 0] = True
+        filtered = torch.zeros_like(probs).scatter(1, order, sorted_probs * keep)
+        for row, i in enumerate(sampled):
+            tok = int(torch.multinomial(filtered[row], 1, generator=generators[i]))
+            tokens[i] = tok
+            logprobs[i] = float(report[row, tok])
+    top: list[list[tuple[float, int]] | None] = [None] * len(params)
+    for i, k in enumerate(top_logprobs or []):
+        if k > 0:
+            values, ids = reported[i].topk(min(k, reported.shape[-1]))
+            top[i] = list(zip(values.tolist(), ids.tolist(), strict=True))
+    return Choice(tokens=tokens, logprobs=logprobs, top=top)

@@ -19,7 +19,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 import torch
 from tokenizers import Tokenizer
 
+from tether.rollout.cpu_engine.constrained import TokenConstraint
 from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM
-from tether.rollout.cpu_engine.sampling import SamplingParams, choose_tokens
+from tether.rollout.cpu_engine.sampling import Choice, SamplingParams, choose_tokens
 
 T = TypeVar("T")
 
@@ -50,6 +51,11 @@ class Request:
     text_end: int | None = None  # where a matched stop string starts in the decoded text
     weight_version: str = ""
     abort_message: str | None = None
+    top_logprobs_num: int = 0
+    """How many of the most likely tokens to report at each output position (SGLang's name)."""
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    constraint: TokenConstraint | None = None
+    """Constrained decoding: which tokens the output may continue with (None: any)."""
     created: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     progress: asyncio.Event = field(default_factory=asyncio.Event)
@@ -256,18 +262,17 @@ class Scheduler:
         self.running.extend(admit)
         version = self.weight_version
         loop = asyncio.get_running_loop()
-        tokens, logprobs = await loop.run_in_executor(
-            self._forward_thread, self._forward, admit, decoding, cache
-        )
+        choice = await loop.run_in_executor(self._forward_thread, self._forward, admit, decoding, cache)
         self.steps += 1
-        for req, tok, lp in zip([*admit, *decoding], tokens, logprobs, strict=True):
+        rows = [*admit, *decoding]
+        for req, tok, lp, top in zip(rows, choice.tokens, choice.logprobs, choice.top, strict=True):
+            if top is not None:
+                req.top_logprobs.append(top)
             self._append(req, tok, lp, version)
         async with self._stepped:
             self._stepped.notify_all()
 
-    def _forward(
-        self, admit: list[Request], decoding: list[Request], cache: KVCache
-    ) -> tuple[list[int], list[float]]:
+    def _forward(self, admit: list[Request], decoding: list[Request], cache: KVCache) -> Choice:
         """Worker thread: prefill the admitted prompts and advance the running ones, one batch."""
         parts: list[torch.Tensor] = []
         with torch.inference_mode():
@@ -285,8 +290,15 @@ class Scheduler:
                 )
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]
             rows = [*admit, *decoding]
+            # Constrained rows learn which tokens may follow their output here, off the event loop.
+            masks = [r.constraint.allowed(r.output) if r.constraint is not None else None for r in rows]
             return choose_tokens(
-                logits, [r.params for r in rows], [r.generator for r in rows], self.original_logprob
+                logits,
+                [r.params for r in rows],
+                [r.generator for r in rows],
+                self.original_logprob,
+                masks=masks,
+                top_logprobs=[r.top_logprobs_num for r in rows],
             )
 
     def _append(self, req: Request, token: int, logprob: float, version: str) -> None:
@@ -354,4 +366,33 @@ class Scheduler:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.logprobs, req.output, strict=True)
             ]
+            if req.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [
+                    [[lp, tok, None] for lp, tok in row] for row in req.top_logprobs
+                ]
         return {"text": self.output_text(req), "output_ids": list(req.output), "meta_info": meta}
+
+
+async def progress(reqs: list[Request]) -> AsyncIterator[tuple[int, Request]]:
+    """(index, request) each time one of `reqs` has new tokens or has finished, until all have
+    finished (what a streamed response sends)."""
+    pending = dict(enumerate(reqs))
+    sent = dict.fromkeys(pending, -1)
+    while pending:
+        waits = [asyncio.ensure_future(r.progress.wait()) for r in pending.values()]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        for i, req in list(pending.items()):
+            if not req.progress.is_set():
+                continue
+            req.progress.clear()
+            if len(req.output) == sent[i] and req.finish is None:
+                continue
+            sent[i] = len(req.output)
+            yield i, req
+            if req.finish is not None:
+                del pending[i]

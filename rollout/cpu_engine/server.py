@@ -85,6 +85,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Weight-group joins in progress at once; more are refused with 503.",
     )
     parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="The model's name in /v1/models (default: --model-path), as SGLang's flag of that name.",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=["qwen25", "qwen", "hermes"],
+        default=None,
+        help="Tool-call format of the model (SGLang's parser names): /v1/chat/completions parses calls "
+        "into message.tool_calls and constrains tool_choice 'required' or a named function to it.",
+    )
+    parser.add_argument(
         "--allow-nonfinite-weights",
         action="store_true",
         help="Accept weight updates holding NaN or inf (refused by default with 400 naming the tensor).",
@@ -124,7 +136,8 @@ def _check(args: argparse.Namespace) -> None:
 def _api_key(args: argparse.Namespace) -> str:
     """The key from --api-key-file or TETHER_ENGINE_API_KEY; the variable leaves this process's
     environment, so nothing the engine starts inherits it."""
-    from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, key_from_env, read_key_file
+    from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, key_from_env
+    from tether.runtime.secret import read_key_file
 
     from_env = key_from_env()
     os.environ.pop(ENGINE_KEY_ENV, None)
@@ -178,6 +191,8 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
         disk_path=args.model_path,
         disk_version=args.weight_version,
         api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
         limits=EngineLimits(
             max_request_bytes=args.max_request_bytes,
             max_prompts_per_request=args.max_prompts_per_request,

@@ -28,8 +28,30 @@ from tether.runtime.errors import ConfigError
 Arch = Literal["llama", "qwen2", "qwen3"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+# ChatML, with tools and tool calls rendered as Qwen 2.5 does (SGLang's `qwen25` parser reads
+# the calls back): the tools in a system block, an assistant's calls as <tool_call> blocks, tool
+# results as <tool_response> blocks in a user turn. transformers renders with trim_blocks, so a
+# newline right after a block tag is written as {{ '\n' }}.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions. Function signatures, within <tools></tools>:\n"
+    "<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "Return each call as a JSON object within <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and tools and loop.first %}"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for call in m.get('tool_calls') or [] %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": '
+    "{{ call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # A handful of merges learned from this corpus keep common words short; the 256-byte alphabet

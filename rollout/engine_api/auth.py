@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import hmac
 import os
-import re
 import secrets
-import stat
 from collections.abc import Mapping
-from pathlib import Path
 
-from tether.runtime.errors import ConfigError
+from tether.runtime.secret import check_key, read_key_file
 
 ENGINE_KEY_ENV = "TETHER_ENGINE_API_KEY"  # key_shim.py (standard library only) repeats the name
-MIN_KEY_CHARS = 16
-# An HTTP header value holds visible ASCII; a space would split "Bearer <key>" for SGLang.
-_KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")
-_REDACTED = "<redacted>"
 
 
 def new_engine_key() -> str:
@@ -36,36 +29,6 @@ def new_engine_key() -> str:
 def run_key(key_file: str | None) -> str:
     """The engine key of one run: the one in `key_file` (--engine-api-key-file), else a fresh one."""
     return read_key_file(key_file, "--engine-api-key-file") if key_file else new_engine_key()
-
-
-def check_key(key: str, where: str) -> str:
-    """`key` if it can serve as a Bearer token; ConfigError naming `where` (never the key) otherwise."""
-    if len(key) < MIN_KEY_CHARS:
-        raise ConfigError(
-            where, _REDACTED, f"the key has {len(key)} characters; use at least {MIN_KEY_CHARS}"
-        )
-    if not _KEY_CHARS.match(key):
-        raise ConfigError(where, _REDACTED, "the key must be visible ASCII characters without spaces")
-    return key
-
-
-def read_key_file(path: str | Path, where: str) -> str:
-    """The key held in `path` (one line); refuses a file others may read or write."""
-    file = Path(path)
-    try:
-        info = file.stat()
-        text = file.read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(where, str(path), f"cannot read the key file: {e}") from e
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(where, str(path), "is not a regular file")
-    if info.st_mode & 0o077:
-        raise ConfigError(
-            where,
-            str(path),
-            f"is readable or writable by others (mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 it",
-        )
-    return check_key(text.strip(), where)
 
 
 def key_from_env(environ: Mapping[str, str] | None = None) -> str | None:

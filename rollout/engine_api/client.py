@@ -11,8 +11,9 @@ retried here: their owner decides, because a half-applied update must be looked 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
 
 import aiohttp
@@ -272,6 +273,50 @@ class EngineClient:
                 if retry != "always" or attempt > self._retries:
                     raise EngineUnavailable(self.name, path, exc) from exc
             await asyncio.sleep(self._retry_backoff * attempt)
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        request_timeout: float | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One raw request whose answer (any status, JSON or an SSE stream) the caller reads as it
+        arrives: a proxy passing an engine's answer on. Sent again only when the connection was
+        refused (nothing reached the engine); other faults raise EngineUnavailable."""
+        if self._retired:
+            raise EngineUnavailable(
+                self.name, path, ConnectionAbortedError("the engine was taken out of routing")
+            )
+        session = self._ensure_session()
+        client_timeout = aiohttp.ClientTimeout(
+            total=request_timeout or self._request_timeout, sock_connect=self._connect_timeout
+        )
+        hdrs = {"Content-Type": "application/json"} if data is not None else {}
+        hdrs.update(self._auth)
+        if headers:
+            hdrs.update(headers)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                resp = await session.request(
+                    method, self.url + path, data=data, headers=hdrs, timeout=client_timeout
+                )
+                break
+            except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+                if attempt > self._retries:
+                    raise EngineUnavailable(self.name, path, exc) from exc
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise EngineUnavailable(self.name, path, exc) from exc
+            await asyncio.sleep(self._retry_backoff * attempt)
+        try:
+            yield resp
+        finally:
+            resp.release()
 
     # ----- generation -----
     async def generate(

@@ -53,7 +53,7 @@ DeviceKind = Literal["gpu", "cpu"]
 SGLANG_PYTHON_ENV = "TETHER_SGLANG_PYTHON"
 """Environment variable naming the python that runs SGLang (a venv's bin/python)."""
 SGLANG_VENV_ENV = "TETHER_SGLANG_VENV"
-"""Environment variable naming the SGLang venv that tests/sglang_env.sh builds."""
+"""Environment variable naming the SGLang venv that tests/support/sglang_env.sh builds."""
 DEFAULT_SGLANG_VENV = Path.home() / ".cache" / "tether" / "sglang-venv"
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 
@@ -89,7 +89,16 @@ SGLANG_CPU_DEFAULTS: dict[str, list[str]] = {
 }
 
 # SGLang flags the CPU engine understands with the same meaning; other SGLang tuning is dropped.
-CPU_ENGINE_FLAGS = frozenset({"context-length", "max-running-requests", "random-seed", "weight-version"})
+CPU_ENGINE_FLAGS = frozenset(
+    {
+        "context-length",
+        "max-running-requests",
+        "random-seed",
+        "weight-version",
+        "served-model-name",
+        "tool-call-parser",
+    }
+)
 
 # `--sglang-router-<flag>` configures the sglang-router process (SGLang has no --router-* flag).
 ROUTER_PREFIX = "router-"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -104,13 +103,11 @@ RECEIVER = textwrap.dedent(
 
 
 @needs_two
-def test_nccl_weight_group_carries_a_flattened_bucket(tmp_path: Path) -> None:
+def test_nccl_weight_group_carries_a_flattened_bucket(tmp_path: Path, free_port: int) -> None:
     from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
     from tether.sync.transport_distributed import flatten_bucket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port
     torch.cuda.set_device(0)
     bucket = [
         ("x", torch.arange(10, dtype=torch.float32, device="cuda")),

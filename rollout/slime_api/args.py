@@ -1,0 +1,73 @@
+"""slime's flag names on the `args` hooks receive, where tether's configuration says it differently.
+
+Hooks read `args` as slime's flat argparse namespace. tether's `FlatArgs` already answers every
+flag both share (`args.rollout_temperature`, `args.n_samples_per_prompt`, ...); `slime_args` adds
+the rest: the address of the HTTP endpoint that routes to tether's engines
+(`sglang_router_ip` / `sglang_router_port`, tether's router front), values slime resolves at
+start that tether leaves unset (`over_sampling_batch_size`, `global_batch_size`), and slime's
+switches for features tether does not have, set to off, so that a hook branching on them takes
+the path tether runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROUTER_POLICY = {
+    "round_robin": "round_robin",
+    "least_in_flight": "power_of_two",
+    "consistent_hash": "consistent_hashing",
+}
+"""tether's --rollout-routing-policy as sglang-router's policy name (slime's `args.router_policy`)."""
+
+FEATURES_OFF: dict[str, Any] = {
+    "rollout_global_dataset": True,  # tether always serves prompts from one global data source
+    "ci_test": False,
+    "use_rollout_routing_replay": False,
+    "use_routing_replay": False,
+    "use_distributed_post": False,
+    "use_opd": False,
+    "use_rollout_entropy": False,
+    "sglang_enable_deterministic_inference": False,
+    "sglang_speculative_algorithm": None,
+    "sglang_dp_size": None,
+    "sglang_model_routers": None,
+    "multimodal_keys": None,
+    "apply_chat_template_kwargs": None,
+    "tool_key": None,
+    "eval_tool_key": None,
+    "eval_reward_key": None,
+    "eval_max_prompt_len": None,
+    "eval_max_context_len": None,
+    "eval_min_new_tokens": None,
+    "eval_config": None,
+    "rollout_sample_filter_path": None,
+    "rollout_all_samples_process_path": None,
+    "rollout_sample_hook_path": None,
+    "rollout_data_postprocess_path": None,
+    "custom_reward_post_process_path": None,
+    "custom_convert_samples_to_train_data_path": None,
+    "custom_rollout_log_function_path": None,
+    "custom_eval_rollout_log_function_path": None,
+    "data_source_path": None,
+    "rollout_buffer_url": None,
+    "dump_details": None,
+    "loss_mask_type": "qwen",
+}
+"""slime flags for features tether does not run, at the value that means "off"."""
+
+
+def slime_args(config: Any, *, router_ip: str | None, router_port: int | None) -> dict[str, Any]:
+    """What `args` answers for a slime hook beyond tether's own fields (see the module docstring)."""
+    rollout, data = config.rollout, config.data
+    extra: dict[str, Any] = dict(FEATURES_OFF)
+    extra["apply_chat_template_kwargs"] = {}
+    extra["sglang_router_ip"] = router_ip
+    extra["sglang_router_port"] = router_port
+    extra["router_policy"] = ROUTER_POLICY.get(rollout.rollout_routing_policy, rollout.rollout_routing_policy)
+    extra["over_sampling_batch_size"] = rollout.over_sampling_batch_size or data.rollout_batch_size
+    resolved = getattr(data, "resolved_global_batch_size", None)
+    if resolved is not None:
+        extra["global_batch_size"] = resolved
+    extra["eval_function_path"] = rollout.rollout_function_path
+    return extra

@@ -1,0 +1,200 @@
+"""`tether run` end to end on CPU: every loop mode and every weight-sync transport, a few steps each.
+
+Each run starts real processes (a CPU engine, Megatron ranks under torchrun, the supervisor)
+on 127.0.0.1 and checks what the run records: the ledger's versions, the engines' served
+versions, finite losses, weights that change, the receipt, and each sample's version lag;
+and that each ended cleanly: every trainer and engine process exited 0, the trainer ranks
+because they were asked to, so `logs/` holds no error file.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from support.e2e import Workspace, check_clean_exit, jsonl, tether
+
+STEPS = 3
+
+
+def check_run(run: Path, *, transport: str, steps: int = STEPS) -> list[dict]:
+    ledger = jsonl(run / "ledger.jsonl")
+    assert [e["version"] for e in ledger] == list(range(1, steps + 1))
+    for entry in ledger:
+        assert entry["ok"] and entry["transport"] == transport
+        assert set(entry["engine_versions"].values()) == {entry["version"]}
+    metrics = [m for m in jsonl(run / "metrics.jsonl") if m["step"] >= 0]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    for m in metrics:
+        assert math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"])
+        assert m["train/grad_norm"] > 0  # the spread reward gives every step a gradient
+        assert m["rollout/samples"] == 16
+    events = [e["event"] for e in jsonl(run / "events.jsonl")]
+    assert events[0] == "start" and events[-1] == "finished"
+    # On samples made with the trainer's current weights (no version lag) the trainer's
+    # log-probs equal the engine's on the same tokens: the engine serves exactly the weights the
+    # trainer exported, from every shard and stage. Lagging samples (async) differ by design.
+    on_policy = [m for m in metrics if m["rollout/version_lag_max"] == 0]
+    assert on_policy and all(m["train/train_rollout_logprob_abs_diff"] < 1e-4 for m in on_policy)
+    check_clean_exit(run)
+    return metrics
+
+
+def test_sync_loop_disk_tp2_and_receipt(ws: Workspace, tmp_path: Path, run_dir: Path) -> None:
+    run = run_dir
+    weights = tmp_path / "weights"
+    tether(
+        "run",
+        *ws.flags(
+            run,
+            "--num-rollout",
+            str(STEPS),
+            "--tensor-model-parallel-size",
+            "2",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(weights),
+            "--update-weight-disk-keep-files",
+        ),
+    )
+    metrics = check_run(run, transport="disk")
+    assert all(m["rollout/version_lag_max"] == 0 for m in metrics)  # sync: always the newest weights
+    first = load_file(str(weights / "weight_v000001" / "model-00001-of-00001.safetensors"))
+    last = load_file(str(weights / f"weight_v{STEPS:06d}" / "model-00001-of-00001.safetensors"))
+    base = load_file(str(ws.model / "model.safetensors"))
+    assert any(not (first[k] == base[k]).all() for k in base), "the first sync published unchanged weights"
+    assert any(not (last[k] == first[k]).all() for k in base), "training did not change the weights"
+    receipt = __import__("json").loads((run / "receipt.json").read_text())
+    assert receipt["config"]["megatron"]["tensor_model_parallel_size"] == 2
+    assert receipt["plan"]["train_groups"][0]["world_size"] == 2
+    assert receipt["versions"]["torch"].startswith("2.") and "megatron-core" in receipt["versions"]
+    assert receipt["hosts"]["head"] and "git_revision" in receipt
+    assert (run / "logs" / "engine0.log").exists() and (run / "logs" / "trainer-node0.log").exists()
+
+
+@pytest.mark.parametrize(
+    ("transport", "parallel"),
+    [("distributed", "tensor"), ("delta", "tensor"), ("distributed", "pipeline")],
+    ids=["distributed-tp2", "delta-tp2", "distributed-pp2"],
+)
+def test_sync_loop_model_parallel_engine_serves_the_trainers_weights(
+    ws: Workspace, tmp_path: Path, run_dir: Path, transport: str, parallel: str
+) -> None:
+    """After every sync the engine's log-probs of the step's tokens equal the trainer's, with
+    the model split over two ranks (TP: gathered shards; PP: the second stage streamed)."""
+    run = run_dir
+    flags = ["--num-rollout", str(STEPS), f"--{parallel}-model-parallel-size", "2"]
+    if transport == "distributed":
+        flags += ["--update-weight-transport", "nccl"]
+    else:
+        flags += ["--update-weight-mode", "delta", "--update-weight-transport", "disk"]
+        flags += ["--update-weight-disk-dir", str(tmp_path / "w")]
+        flags += ["--update-weight-local-checkpoint-dir", str(tmp_path / "local")]
+    tether("run", *ws.flags(run, *flags))
+    metrics = check_run(run, transport=transport)
+    assert all(m["rollout/version_lag_max"] == 0 for m in metrics)  # so check_run compared every step
+    if transport == "distributed" and parallel == "pipeline":
+        # Each stage's sync source broadcast its own tensors over its own group, as slime does.
+        joined = (run / "logs" / "engine0.log").read_text()
+        assert "group 'tether-weights-pp0-" in joined and "group 'tether-weights-pp1-" in joined
+
+
+def test_async_loop_distributed_dp2(ws: Workspace, run_dir: Path) -> None:
+    run = run_dir
+    tether(
+        "run",
+        *ws.flags(run, "--num-rollout", str(STEPS), "--loop", "async", "--update-weight-transport", "nccl"),
+    )
+    metrics = check_run(run, transport="distributed")
+    # async: rollout N+1 is made while N trains, so from the second step samples lag one version
+    assert [m["rollout/version_lag_max"] for m in metrics] == [0.0] + [1.0] * (STEPS - 1)
+
+
+def test_fully_async_loop_delta(ws: Workspace, tmp_path: Path, run_dir: Path) -> None:
+    run = run_dir
+    tether(
+        "run",
+        *ws.flags(
+            run,
+            "--num-rollout",
+            str(STEPS),
+            "--loop",
+            "fully-async",
+            "--update-weight-mode",
+            "delta",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "w"),
+            "--update-weight-local-checkpoint-dir",
+            str(tmp_path / "local"),
+        ),
+    )
+    metrics = check_run(run, transport="delta")
+    assert all("fully_async/queue_length" in m for m in metrics)
+
+
+def test_colocated_tensor_handles_tp2(ws: Workspace, run_dir: Path) -> None:
+    run = run_dir
+    flags = ws.flags(run, "--num-rollout", str(STEPS), "--colocate", "--tensor-model-parallel-size", "2")
+    flags[flags.index("--cpu-devices") + 1] = "2"
+    flags[flags.index("--rollout-num-gpus") + 1] = "2"
+    tether("run", *flags)
+    metrics = check_run(run, transport="tensor")
+    assert all(m["rollout/version_lag_max"] == 0 for m in metrics)
+
+
+def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Path) -> None:
+    dumps = str(tmp_path / "dump_{rollout_id}.msgpack")
+    gen = tmp_path / "gen"
+    tether(
+        "run",
+        *ws.flags(gen, "--num-rollout", "2", "--debug-rollout-only", "--save-debug-rollout-data", dumps),
+    )
+    assert sorted(p.name for p in tmp_path.glob("dump_*.msgpack")) == ["dump_0.msgpack", "dump_1.msgpack"]
+    assert not (gen / "logs" / "trainer-node0.log").exists()  # no trainer was started
+    check_clean_exit(gen)
+    train = tmp_path / "train"
+    tether(
+        "run",
+        *ws.flags(train, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", dumps),
+    )
+    assert not (train / "logs" / "engine0.log").exists()  # no engine was started
+    check_clean_exit(train)
+    metrics = [m for m in jsonl(train / "metrics.jsonl") if m["step"] >= 0]
+    assert len(metrics) == 2 and all(math.isfinite(m["train/loss"]) for m in metrics)
+    done = tether("plot", str(train))
+    for name in ("curves.png", "reward.png"):
+        png = train / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in done.stdout
+
+
+@pytest.mark.sglang
+def test_sglang_router_in_front_of_the_engine(ws: Workspace, tmp_path: Path, run_dir: Path) -> None:
+    """--use-sglang-router: the real sglang-router (from the SGLang venv) routes every rollout."""
+    from support.engines import find_sglang_python
+
+    python, missing = find_sglang_python()
+    if python is None:
+        pytest.skip(f"real SGLang unavailable: {missing}")
+    run = run_dir
+    tether(
+        "run",
+        *ws.flags(
+            run,
+            "--num-rollout",
+            "2",
+            "--use-sglang-router",
+            "--update-weight-transport",
+            "disk",
+            "--update-weight-disk-dir",
+            str(tmp_path / "w"),
+        ),
+    )
+    check_run(run, transport="disk", steps=2)
+    events = [e["event"] for e in jsonl(run / "events.jsonl")]
+    assert "sglang_router_ready" in events
+    assert (run / "logs" / "sglang-router.log").exists()

@@ -1,0 +1,81 @@
+"""What the head checks and records at start, with processes: the heartbeat misses its agents
+are told, and a "failed" line in events.jsonl for every failure, whatever its type (the bind
+address against the plan: tests/unit/test_head_bind_address.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from support.e2e import Workspace, jsonl, tether
+
+from tether.config import resolve
+from tether.job import control_heartbeat
+from tether.run_dir import read_jsonl
+from tether.runtime.errors import ConfigError
+from tether.runtime.loop import run
+from tether.runtime.secret import new_secret
+from tether.runtime.supervisor import Supervisor, _HeadService
+
+
+def test_heartbeat_misses_reach_the_head_and_its_agents(tmp_path: Path) -> None:
+    """--heartbeat-misses sets how many beats the head and each agent (told at its setup) may
+    miss; 0 is refused."""
+    hb = control_heartbeat(resolve(["--heartbeat-misses", "5"]))
+    assert hb.misses == 5 and control_heartbeat(resolve([])).misses == 3
+
+    async def setup() -> dict[str, object]:
+        async with Supervisor(tmp_path, new_secret(), heartbeat=hb) as sup:
+            return await _HeadService(sup).agent_setup()
+
+    assert run(setup())["misses"] == 5
+    with pytest.raises(ConfigError, match="heartbeat-misses"):
+        resolve(["--heartbeat-misses", "0"])
+
+
+def test_any_failure_ends_the_events_with_a_failed_line(ws: Workspace, tmp_path: Path, run_dir: Path) -> None:
+    """A failure of no special type (here: unreadable prompt data, found after the engines
+    started) still ends events.jsonl with "failed", naming where and what."""
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text("{not json\n")
+    run = run_dir
+    done = tether(
+        "run",
+        *ws.flags(run, "--num-rollout", "1", "--debug-rollout-only", "--prompt-data", str(bad)),
+        check=False,
+    )
+    assert done.returncode != 0
+    last = jsonl(run / "events.jsonl")[-1]
+    assert last["event"] == "failed" and last["process"] == "head", last
+    assert str(bad) in last["error"] or "prompts.jsonl" in last["error"], last
+
+
+def test_sigterm_during_start_up_stops_cleanly(ws: Workspace, run_dir: Path) -> None:
+    """A stop signal before the loop (SLURM's USR1 forwarded as TERM while engines start) ends
+    the run with exit 0 and "stopped", so the job script requeues it; no process is left."""
+    run = run_dir
+    flags = ws.flags(run, "--num-rollout", "2", "--debug-rollout-only")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether", "run", *flags], env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "start" for e in read_jsonl(run / "events.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)  # polling a file the run writes; the condition is the sync
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = read_jsonl(run / "events.jsonl")
+    assert events[-1]["event"] == "stopped" and "ready" not in [e["event"] for e in events], events
+    assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)

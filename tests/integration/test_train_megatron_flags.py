@@ -1,0 +1,122 @@
+"""Megatron flags on CPU with real Megatron (one torchrun launch of train_checks/check_flags.py):
+recompute, per-token loss, overlapped reductions, the distributed optimizer and uneven pipeline
+stages leave the numbers unchanged; bf16/fp16 train in their dtype; SGD and the LR schedule change
+the steps as Megatron defines them; --seq-length refuses longer samples; sequence parallelism is
+off at TP = 1 and refused at TP = 2 on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.train_checks.launcher import results, torchrun, value
+
+Runs = list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    work = tmp_path_factory.mktemp("megatron_flags")
+    log = work / "flags.log"
+    rc = torchrun("check_flags.py", str(work), log=log)
+    assert rc == 0, log.read_text()[-5000:]
+    return [results(Path(work) / "results" / f"rank{r}.json") for r in (0, 1)]
+
+
+def losses(run: dict[str, Any]) -> list[float]:
+    return [m["loss"] for m in run["metrics"]]
+
+
+def grad_norms(run: dict[str, Any]) -> list[float]:
+    return [m["grad_norm"] for m in run["metrics"]]
+
+
+@pytest.mark.parametrize(
+    ("variant", "baseline"),
+    [
+        ("recompute_uniform", "base"),
+        ("recompute_block", "base"),
+        ("recompute_selective", "base"),
+        ("tp2_recompute", "tp2_base"),
+    ],
+)
+def test_recompute_leaves_loss_and_weights_unchanged(runs: Runs, variant: str, baseline: str) -> None:
+    for rank in runs:
+        got, want = value(rank, variant), value(rank, baseline)
+        assert got["recompute"] is not None and want["recompute"] is None
+        assert losses(got) == losses(want)  # recomputation repeats the same forward, bit for bit
+        assert grad_norms(got) == grad_norms(want)
+        assert got["digest"] == want["digest"]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["per_token_loss", "overlap_grad_reduce", "distopt", "distopt_overlap", "vocab_padding", "sp_tp1"],
+)
+def test_same_numbers_another_way(runs: Runs, variant: str) -> None:
+    for rank in runs:
+        got, base = value(rank, variant), value(rank, "base")
+        assert losses(got) == pytest.approx(losses(base), abs=2e-6)
+        assert grad_norms(got) == pytest.approx(grad_norms(base), rel=1e-5)
+        # The weights after the last step, read as weight sync reads them: with the overlapped
+        # all-gather they are gathered before the read.
+        for name, v in base["digest"].items():
+            assert got["digest"][name] == pytest.approx(v, rel=1e-5), name
+    rank0 = value(runs[0], variant)
+    assert rank0["per_token"] is (variant == "per_token_loss")
+    assert rank0["padded_vocab"] == (384 if variant == "vocab_padding" else 320)
+    assert rank0["sequence_parallel"] is False  # Megatron turns it off at TP = 1
+
+
+def test_uneven_pipeline_stages(runs: Runs) -> None:
+    assert [value(r, "pp2_uneven")["stage_layers"] for r in runs] == [1, 3]
+    assert [value(r, "pp2_even")["stage_layers"] for r in runs] == [2, 2]
+    for rank in runs:
+        uneven, base = value(rank, "pp2_uneven"), value(rank, "base")
+        assert losses(uneven) == pytest.approx(losses(base), abs=2e-6)
+
+
+@pytest.mark.parametrize(("variant", "dtype"), [("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
+def test_mixed_precision_trains_in_its_dtype(runs: Runs, variant: str, dtype: str) -> None:
+    for rank in runs:
+        got, base = value(rank, variant), value(rank, "base")
+        assert got["dtype"] == dtype
+        assert losses(got) != losses(base)  # really another precision
+        assert losses(got) == pytest.approx(losses(base), rel=2e-3)
+        # fp16's loss scale (2^16) is divided out again: the norm is the true gradient's.
+        assert grad_norms(got) == pytest.approx(grad_norms(base), rel=2e-2)
+        assert all(m["step_applied"] == 1.0 for m in got["metrics"])
+
+
+def test_sgd_steps_differ_from_adam(runs: Runs) -> None:
+    for rank in runs:
+        sgd, base = value(rank, "sgd"), value(rank, "base")
+        assert losses(sgd)[0] == losses(base)[0]
+        assert losses(sgd)[1] != pytest.approx(losses(base)[1], abs=1e-5)
+
+
+def test_lr_schedule_warms_up_then_decays(runs: Runs) -> None:
+    # --lr-warmup-iters 1 from --lr-warmup-init 0, then linear to --min-lr over --train-iters 4.
+    lrs = [m["lr"] for m in value(runs[0], "schedule")["metrics"]]
+    assert lrs == pytest.approx([0.0, 3e-3, 1e-4 + (2 / 3) * (3e-3 - 1e-4)])
+    assert [m["lr"] for m in value(runs[0], "base")["metrics"]] == pytest.approx([3e-3] * 3)
+
+
+def test_refusals_name_flag_and_value(runs: Runs) -> None:
+    too_long = value(runs[0], "too_long")
+    assert too_long.startswith("ConfigError: --seq-length=8:") and "12 tokens" in too_long
+    sp = value(runs[0], "tp2_sequence_parallel")
+    assert sp.startswith("ConfigError: --sequence-parallel=True:") and "TransformerEngine" in sp
+
+
+def test_offload_round_trip_between_steps_changes_nothing(runs: Runs) -> None:
+    # The storages --offload-train moves (weights, DDP buffers, main grads, optimizer state) go
+    # out and come back between steps; training continues exactly as without.
+    for rank in runs:
+        for variant, baseline in (("round_trip", "base"), ("round_trip_distopt_bf16", "distopt_bf16")):
+            got, want = value(rank, variant), value(rank, baseline)
+            assert all(moved > 2 * got["param_bytes"] for moved in got["moved_bytes"])  # + grads, state
+            assert losses(got) == losses(want)
+            assert got["digest"] == want["digest"]

@@ -1,0 +1,147 @@
+"""torchrun --nproc-per-node 2 check_train.py WORK_DIR PHASE: train steps, log-probs, checkpoints.
+
+PHASE "train": SFT steps at TP=2, PP=2 and DP=2 (distributed optimizer) on a fixed batch (the
+loss must fall); log-probs of one batch in every layout; at DP=2 a checkpoint after step 1 of 3,
+the final weights recorded, then a half-written save left behind (a crash).
+PHASE "resume": a fresh job loads that checkpoint (skipping the broken one), trains steps 2-3,
+and records its final weights for comparison with the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import common
+import torch.distributed as dist
+
+from tether.train import checkpoint, model, parallel, step
+from tether.train.config import AlgorithmConfig, MegatronConfig
+
+SFT = AlgorithmConfig(loss_type="sft_loss")
+STEPS = 5
+
+
+def options(hf_dir: Path, **megatron: object) -> model.ModelOptions:
+    """lr 3e-3, no weight decay, beta2 0.98, a constant LR: the settings these checks were tuned on."""
+    flags: dict[str, object] = {"weight_decay": 0.0, "adam_beta2": 0.98, "lr_decay_style": "constant"}
+    return model.ModelOptions(
+        hf_checkpoint=str(hf_dir),
+        algorithm=AlgorithmConfig(lr=3e-3),
+        megatron=MegatronConfig(**{**flags, **megatron}),  # type: ignore[arg-type]
+    )
+
+
+def reinit(tp: int, pp: int) -> parallel.Topology:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    return parallel.init_distributed(tp, pp, seed=1234)
+
+
+def sft_run(
+    hf_dir: Path, topo: parallel.Topology, results: common.Results, layout: str, distopt: bool
+) -> None:
+    opts = options(hf_dir, use_distributed_optimizer=distopt, clip_grad=1.0)
+    actor = model.build_actor(opts, topo)
+    batch = common.make_batch(8, seed=5)
+    shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+    lp, ent = step.compute_log_probs(
+        actor.chunks, actor.config, actor.arch.vocab_size, batch.select(range(4)), [[0, 1], [2, 3]]
+    )
+    results.set(f"{layout}/log_probs", [float(x) for x in lp])
+    results.set(f"{layout}/entropy", [float(x) for x in ent] if ent is not None else None)
+    losses = []
+    for _ in range(STEPS):
+        metrics = step.train_step(actor, shard, plan, SFT)
+        losses.append(metrics)
+    results.set(f"{layout}/sft_metrics", losses)
+
+
+def checkpoint_run(
+    hf_dir: Path, topo: parallel.Topology, results: common.Results, work: Path, phase: str
+) -> None:
+    opts = options(hf_dir, use_distributed_optimizer=True)
+    ckpt = work / "ckpt"
+    if phase == "train":
+        actor = model.build_actor(opts, topo)
+        first = 1
+    else:
+        actor = model.build_actor(opts, topo, load_weights=False)
+        state = checkpoint.load(actor, ckpt)
+        assert state is not None, "no checkpoint found"
+        results.set(
+            "resume/state",
+            {
+                "step": state.step,
+                "rollout_id": state.rollout_id,
+                "data": state.data_position,
+                "weight_version": state.weight_version,
+            },
+        )
+        first = int(state.data_position["next_step"])
+        # A frozen reference from --ref-load: the same checkpoint's weights, no optimizer.
+        ref = model.build_reference(opts, topo, load_weights=False)
+        checkpoint.load_weights_only(ref.chunks, ckpt)
+        results.set(
+            "resume/ref_equals_actor",
+            common.params_digest(ref.chunks, ref.arch) == common.params_digest(actor.chunks, actor.arch),
+        )
+        results.set("resume/ref_frozen", all(not p.requires_grad for p in ref.chunks[0].parameters()))
+    for k in range(first, 4):
+        batch = common.make_batch(8, seed=100 + k)
+        shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+        step.train_step(actor, shard, plan, SFT)
+        if phase == "train" and k == 1:
+            checkpoint.save(
+                actor,
+                ckpt,
+                checkpoint.RunState(step=1, rollout_id=1, weight_version=1, data_position={"next_step": 2}),
+            )
+    results.set(f"{phase}/digest", common.params_digest(actor.chunks, actor.arch))
+    if phase == "train":
+        dist.barrier()
+        if topo.rank == 0:
+            # A crash mid-save of step 2: a partial temp dir; and a directory missing its run state.
+            (ckpt / "iter_0000002.tmp" / "model_optim").mkdir(parents=True)
+            (ckpt / "iter_0000003" / "model_optim").mkdir(parents=True)
+            (ckpt / "latest").write_text("3")
+        dist.barrier()
+
+
+def main() -> None:
+    work, phase = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    results = common.Results(work / "results", rank)
+    results.path = work / "results" / f"{phase}-rank{rank}.json"
+    if rank == 0:
+        common.make_models(work / "models")
+    dist_ready = False
+    if phase == "train":
+        for layout, (tp, pp, distopt) in {
+            "tp2": (2, 1, False),
+            "pp2": (1, 2, False),
+            "dp2": (1, 1, True),
+        }.items():
+            topo = reinit(tp, pp)
+            if not dist_ready:
+                dist.barrier()
+                dist_ready = True
+            hf = common.make_models(work / "models")["llama"]
+            results.record(
+                f"{layout}/run", lambda h=hf, t=topo, lay=layout, d=distopt: sft_run(h, t, results, lay, d)
+            )
+            dist.barrier()
+    topo = reinit(1, 1)
+    dist.barrier()
+    hf = common.make_models(work / "models")["llama"]
+    results.record(f"{phase}/checkpoint", lambda: checkpoint_run(hf, topo, results, work, phase))
+    results.set("done", True)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,740 @@
+"""The Megatron flags reach Megatron: from the parsed command line, the TransformerConfig, DDP
+config, OptimizerConfig and LR scheduler a trainer rank would build (pure builders, no
+torch.distributed), per flag group; flags a run cannot honour are refused at parse time with the
+flag, the value and what is missing. The last test walks every flag of the Megatron section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from tether.config import Config, flag_specs, resolve
+from tether.runtime.errors import ConfigError
+from tether.train import megatron_args
+from tether.train.capabilities import Capabilities, check_capabilities
+from tether.train.config import AlgorithmConfig, MegatronConfig, stage_layers
+from tether.train.hf_config import ModelArch, check_architecture_flags
+
+with warnings.catch_warnings():
+    # torch.compile machinery imported by megatron.core warns about torch's own deprecations.
+    warnings.simplefilter("ignore")
+    import megatron.core.distributed
+    import megatron.core.optimizer
+    import megatron.core.optimizer_param_scheduler  # noqa: F401
+    from megatron.core.transformer.enums import AttnBackend
+
+# A tiny Llama shape (what `tether init-model` writes, with 4 layers), built without files.
+ARCH = ModelArch(
+    model_type="llama",
+    vocab_size=320,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    norm_epsilon=1e-6,
+    rope_theta=10000.0,
+    rope_scaling_factor=None,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    qk_layernorm=False,
+)
+MHA = dataclasses.replace(ARCH, num_query_groups=4)
+TIED = dataclasses.replace(ARCH, tie_word_embeddings=True)
+CPU = Capabilities.cpu()
+GPU = Capabilities.full_gpu()
+# Steps are known (--train-iters derives from --num-rollout), so the default linear schedule builds.
+RUN = ["--num-rollout", "10", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
+
+
+def parse(*argv: str) -> Config:
+    return resolve([*RUN, *argv])
+
+
+def transformer(cfg: Config, caps: Capabilities = CPU) -> Any:
+    """The TransformerConfig a rank builds (real Megatron object; CPU capabilities)."""
+    m = cfg.megatron
+    arch = megatron_args.resolve_arch(
+        ARCH, m, tp_size=m.tensor_model_parallel_size, pp_size=m.pipeline_model_parallel_size
+    )
+    return megatron_args.transformer_config(
+        arch, m, caps, tp_size=m.tensor_model_parallel_size, pp_size=m.pipeline_model_parallel_size
+    )
+
+
+def lrs(cfg: Config, steps: int) -> list[float]:
+    """The learning rate of each of `steps` optimizer steps under the scheduler a rank builds."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = megatron_args.build_scheduler(opt, cfg.megatron, cfg.algorithm)
+    out = []
+    for _ in range(steps):
+        out.append(float(opt.param_groups[0]["lr"]))
+        scheduler.step(increment=1)
+    return out
+
+
+def refused(argv: list[str], flag: str, *words: str) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        parse(*argv)
+    assert err.value.key == flag, err.value
+    for word in words:
+        assert word in str(err.value), err.value
+    return err.value
+
+
+# --- recompute --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "fields"),
+    [
+        ([], (None, None, None)),
+        (
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+            ("full", "uniform", 1),
+        ),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+            ("full", "block", 3),
+        ),
+        (["--recompute-granularity", "selective"], ("selective", None, None)),
+    ],
+)
+# Megatron warns, for selective recompute, that TE's fused attention needs none: its own advice.
+@pytest.mark.filterwarnings("ignore:If you are using transformer_engine:UserWarning")
+def test_recompute_reaches_the_transformer_config(argv: list[str], fields: tuple[object, ...]) -> None:
+    tc = transformer(parse(*argv))
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == fields
+    if fields[0] == "selective":
+        assert tc.recompute_modules == ["core_attn"]  # Megatron's default for selective
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--recompute-granularity", "full"], "--recompute-granularity"),
+        (["--recompute-method", "block"], "--recompute-method"),
+        (["--recompute-num-layers", "2"], "--recompute-num-layers"),
+        (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], "--recompute-num-layers"),
+    ],
+)
+def test_recompute_combinations_megatron_refuses(argv: list[str], flag: str) -> None:
+    refused(argv, flag)
+
+
+# --- sequence parallelism -----------------------------------------------------------------
+
+
+def test_sequence_parallel_reaches_the_config_at_tp2_and_is_off_at_tp1() -> None:
+    assert transformer(parse("--tensor-model-parallel-size", "2", "--sequence-parallel")).sequence_parallel
+    # Megatron-LM turns it off at TP = 1 (nothing to split over); slime scripts pass it there.
+    assert not transformer(parse("--sequence-parallel")).sequence_parallel
+    micro = megatron_args.sequence_multiple
+    assert micro(transformer(parse("--tensor-model-parallel-size", "2", "--sequence-parallel"))) == 2
+    assert micro(transformer(parse("--tensor-model-parallel-size", "2"))) == 1
+
+
+def test_sequence_parallel_needs_transformer_engine() -> None:
+    refused(
+        ["--cpu-devices", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "--sequence-parallel",
+        "needs CUDA and TransformerEngine",
+        "--cpu-devices",
+    )
+    parse("--cpu-devices", "2", "--sequence-parallel")  # TP = 1: off, nothing to refuse
+    gpu_without_te = dataclasses.replace(GPU, transformer_engine=False)
+    m = parse("--tensor-model-parallel-size", "2", "--sequence-parallel").megatron
+    with pytest.raises(ConfigError, match="transformer_engine is not installed"):
+        check_capabilities(m, gpu_without_te)
+    check_capabilities(m, GPU)
+
+
+# --- precision and loss scaling ---------------------------------------------------------
+
+
+def test_bf16_and_fp16_reach_transformer_optimizer_and_ddp_configs() -> None:
+    algo = AlgorithmConfig()
+    for flag, dtype in (("--bf16", torch.bfloat16), ("--fp16", torch.float16)):
+        cfg = parse(flag)
+        tc = transformer(cfg)
+        assert (tc.params_dtype, tc.pipeline_dtype, tc.bf16, tc.fp16) == (
+            dtype,
+            dtype,
+            flag == "--bf16",
+            flag == "--fp16",
+        )
+        oc = megatron_args.optimizer_config(cfg.megatron, algo)
+        assert (oc.params_dtype, oc.bf16, oc.fp16) == (dtype, flag == "--bf16", flag == "--fp16")
+    assert transformer(parse()).params_dtype == torch.float32
+    # Megatron-LM reduces bf16 gradients in fp32 always, fp16 ones when asked.
+    assert megatron_args.ddp_config(parse("--bf16").megatron).grad_reduce_in_fp32
+    assert not megatron_args.ddp_config(parse("--fp16").megatron).grad_reduce_in_fp32
+    assert not megatron_args.ddp_config(parse().megatron).grad_reduce_in_fp32
+    assert megatron_args.ddp_config(
+        parse("--accumulate-allreduce-grads-in-fp32").megatron
+    ).grad_reduce_in_fp32
+
+
+def test_loss_scaling_reaches_the_optimizer_config() -> None:
+    argv = ["--fp16", "--initial-loss-scale", "65536", "--min-loss-scale", "4"]
+    argv += ["--loss-scale-window", "50", "--hysteresis", "3"]
+    oc = megatron_args.optimizer_config(parse(*argv).megatron, AlgorithmConfig())
+    assert (oc.loss_scale, oc.initial_loss_scale, oc.min_loss_scale) == (None, 65536.0, 4.0)
+    assert (oc.loss_scale_window, oc.hysteresis) == (50.0, 3)
+    oc = megatron_args.optimizer_config(parse("--bf16", "--loss-scale", "128").megatron, AlgorithmConfig())
+    assert oc.loss_scale == 128.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--bf16", "--fp16"], "--fp16"),
+        (["--loss-scale", "128"], "--loss-scale"),
+        (["--initial-loss-scale", "1024"], "--initial-loss-scale"),
+        (["--bf16", "--hysteresis", "4"], "--hysteresis"),
+        (["--fp16", "--loss-scale", "8", "--min-loss-scale", "2"], "--min-loss-scale"),
+    ],
+)
+def test_loss_scaling_without_its_precision_is_refused(argv: list[str], flag: str) -> None:
+    refused(argv, flag)
+
+
+def test_mixed_precision_runs_on_cpu() -> None:
+    # Measured: Megatron trains in bf16 and fp16 (dynamic loss scaling) on CPU over gloo
+    # (tests/integration/test_train_megatron_flags.py), so a CPU plan accepts them.
+    assert parse("--cpu-devices", "2", "--bf16").megatron.bf16
+    assert parse("--cpu-devices", "2", "--fp16").megatron.fp16
+
+
+# --- attention, dropout, fusions ----------------------------------------------------------
+
+
+def test_attention_backend_dropout_and_softmax() -> None:
+    assert transformer(parse()).attention_backend == AttnBackend.auto
+    assert transformer(parse("--attention-backend", "local")).attention_backend == AttnBackend.local
+    tc = transformer(parse("--attention-dropout", "0.1", "--hidden-dropout", "0.2"))
+    assert (tc.attention_dropout, tc.hidden_dropout) == (0.1, 0.2)
+    assert transformer(parse("--attention-softmax-in-fp32")).attention_softmax_in_fp32
+    assert not transformer(parse()).attention_softmax_in_fp32  # Megatron-LM's flag default
+    kwargs = megatron_args.transformer_config_kwargs(parse("--use-flash-attn").megatron, GPU, tp_size=1)
+    assert kwargs["attention_backend"] == AttnBackend.flash
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--attention-backend", "flash"], "--attention-backend"),
+        (["--attention-backend", "fused"], "--attention-backend"),
+        (["--use-flash-attn"], "--use-flash-attn"),
+    ],
+)
+def test_te_attention_refused_on_cpu(argv: list[str], flag: str) -> None:
+    refused(["--cpu-devices", "2", *argv], flag, "TransformerEngine")
+    parse(*argv)  # a GPU plan: the ranks check TE when they start
+
+
+def test_flash_flag_contradicting_the_backend_is_refused() -> None:
+    refused(["--use-flash-attn", "--attention-backend", "local"], "--use-flash-attn")
+
+
+@pytest.mark.parametrize(
+    ("flag", "field"),
+    [
+        ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+        ("--no-rope-fusion", "apply_rope_fusion"),
+        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+    ],
+)
+def test_fusion_flags(flag: str, field: str) -> None:
+    def fused(argv: list[str], caps: Capabilities) -> bool:
+        return bool(megatron_args.transformer_config_kwargs(parse(*argv).megatron, caps, tp_size=1)[field])
+
+    assert fused([], GPU) and not fused([flag], GPU)  # Megatron's default on, the flag turns it off
+    assert not fused([], CPU) and not fused([flag], CPU)  # no kernel on CPU: off either way, no crash
+    assert getattr(transformer(parse(flag)), field) is False
+
+
+# --- DDP and optimizer --------------------------------------------------------------------
+
+
+def test_ddp_config() -> None:
+    ddp = megatron_args.ddp_config(
+        parse("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather").megatron
+    )
+    assert (ddp.use_distributed_optimizer, ddp.overlap_grad_reduce, ddp.overlap_param_gather) == (
+        True,
+        True,
+        True,
+    )
+    default = megatron_args.ddp_config(parse().megatron)
+    assert (default.use_distributed_optimizer, default.overlap_grad_reduce, default.overlap_param_gather) == (
+        False,
+        False,
+        False,
+    )
+    refused(["--overlap-param-gather"], "--overlap-param-gather", "--use-distributed-optimizer")
+    refused(["--use-distributed-optimizer", "--overlap-param-gather"], "--overlap-param-gather")
+
+
+def test_optimizer_config() -> None:
+    algo = AlgorithmConfig(lr=3e-4)
+    cfg = parse("--optimizer", "sgd", "--sgd-momentum", "0.5", "--weight-decay", "0.1", "--clip-grad", "0.5")
+    oc = megatron_args.optimizer_config(cfg.megatron, algo)
+    assert (oc.optimizer, oc.sgd_momentum, oc.lr, oc.weight_decay, oc.clip_grad) == (
+        "sgd",
+        0.5,
+        3e-4,
+        0.1,
+        0.5,
+    )
+    cfg = parse(
+        "--adam-beta1", "0.8", "--adam-beta2", "0.98", "--adam-eps", "1e-6", "--use-distributed-optimizer"
+    )
+    oc = megatron_args.optimizer_config(cfg.megatron, algo)
+    assert (oc.optimizer, oc.adam_beta1, oc.adam_beta2, oc.adam_eps) == ("adam", 0.8, 0.98, 1e-6)
+    assert oc.use_distributed_optimizer
+    refused(["--optimizer", "sgd", "--adam-beta2", "0.98"], "--adam-beta2", "adam")
+    refused(["--sgd-momentum", "0.5"], "--sgd-momentum", "sgd")
+    refused(["--optimizer", "rmsprop"], "--optimizer")
+
+
+def test_cpu_offload_and_precision_aware_optimizer() -> None:
+    argv = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--optimizer-cpu-offload"]
+    argv += ["--optimizer-offload-fraction", "0.5", "--overlap-cpu-optimizer-d2h-h2d"]
+    kwargs = megatron_args.optimizer_config_kwargs(parse(*argv).megatron, AlgorithmConfig())
+    assert kwargs["use_precision_aware_optimizer"] and kwargs["optimizer_cpu_offload"]
+    assert kwargs["optimizer_offload_fraction"] == 0.5 and kwargs["overlap_cpu_optimizer_d2h_h2d"]
+    check_capabilities(parse(*argv).megatron, GPU)
+    refused(["--cpu-devices", "2", *argv], "--optimizer-cpu-offload", "needs CUDA")
+    refused(["--cpu-devices", "2", *argv[:2]], "--use-precision-aware-optimizer", "TransformerEngine")
+    refused(
+        ["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer", "--use-distributed-optimizer"
+    )
+    refused(
+        ["--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload", "precision"
+    )
+    refused(["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d")
+    refused(["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction")
+
+
+# --- learning-rate schedule ---------------------------------------------------------------
+
+
+def test_train_iters_derive_from_num_rollout() -> None:
+    assert parse().megatron.train_iters == 10
+    two_steps = parse("--global-batch-size", "4").megatron.train_iters
+    assert two_steps == 20  # 8 samples a rollout, 4 a step
+    assert parse("--train-iters", "7").megatron.train_iters == 7
+    assert resolve([]).megatron.train_iters is None
+
+
+def test_lr_schedules_follow_megatron() -> None:
+    lr = ["--lr", "1e-3"]
+    # Linear over --train-iters (10 here) to --min-lr, Megatron's default style.
+    assert lrs(parse(*lr, "--min-lr", "1e-4"), 3) == pytest.approx([1e-3, 1e-3 - 0.9e-4, 1e-3 - 1.8e-4])
+    assert lrs(parse(*lr, "--lr-decay-style", "constant"), 3) == pytest.approx([1e-3] * 3)
+    # Warm-up from --lr-warmup-init over --lr-warmup-iters, then decay over --lr-decay-iters.
+    got = lrs(parse(*lr, "--lr-warmup-iters", "2", "--lr-warmup-init", "1e-4", "--lr-decay-iters", "4"), 6)
+    assert got == pytest.approx([1e-4, 5.5e-4, 1e-3, 5e-4, 0.0, 0.0])
+    # --lr-warmup-fraction of the decay horizon (10 steps x 0.2 = 2).
+    assert lrs(parse(*lr, "--lr-warmup-fraction", "0.2"), 3) == pytest.approx([0.0, 5e-4, 1e-3])
+    cosine = lrs(parse(*lr, "--lr-decay-style", "cosine", "--lr-decay-iters", "2"), 3)
+    assert cosine == pytest.approx([1e-3, 5e-4, 0.0])
+    wsd = parse(*lr, "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "linear")
+    assert lrs(wsd, 11)[-4:] == pytest.approx([1e-3, 1e-3, 5e-4, 0.0])
+    isr = lrs(parse(*lr, "--lr-decay-style", "inverse-square-root", "--lr-warmup-iters", "1"), 5)
+    assert isr == pytest.approx([0.0, 1e-3, 1e-3 / 2**0.5, 1e-3 / 3**0.5, 5e-4])
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction"),
+        (["--lr-warmup-init", "1e-7"], "--lr-warmup-init"),
+        (["--lr-decay-style", "constant", "--min-lr", "1e-7"], "--min-lr"),
+        (["--lr-decay-style", "constant", "--lr-decay-iters", "5"], "--lr-decay-iters"),
+        (["--lr-decay-style", "WSD"], "--lr-decay-style"),
+        (["--lr-wsd-decay-iters", "3"], "--lr-wsd-decay-iters"),
+        (["--lr-wsd-decay-style", "cosine"], "--lr-wsd-decay-style"),
+        (["--lr-warmup-iters", "10"], "--lr-warmup-iters"),
+        (["--min-lr", "1e-3", "--lr", "1e-4"], "--min-lr"),
+    ],
+)
+def test_schedule_contradictions(argv: list[str], flag: str) -> None:
+    refused(argv, flag)
+
+
+def test_a_decaying_schedule_needs_its_horizon_before_the_data_is_read() -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve(["--num-epoch", "2"])
+    assert err.value.key == "--lr-decay-style" and "--num-rollout" in str(err.value)
+    assert resolve(["--num-epoch", "2", "--lr-decay-style", "constant"]).megatron.train_iters is None
+    assert resolve(["--num-epoch", "2", "--lr-decay-iters", "50"]).megatron.lr_decay_horizon == 50
+    with pytest.raises(ConfigError, match="--lr-decay-style"):  # a rank given no horizon refuses too
+        megatron_args.scheduler_kwargs(MegatronConfig(), AlgorithmConfig())
+
+
+# --- pipeline stages, sequence length, vocabulary, architecture -------------------------------
+
+
+def test_uneven_pipeline_stages_reach_the_config() -> None:
+    cfg = parse(
+        "--pipeline-model-parallel-size",
+        "2",
+        "--decoder-first-pipeline-num-layers",
+        "1",
+        "--decoder-last-pipeline-num-layers",
+        "3",
+    )
+    tc = transformer(cfg)
+    assert (tc.num_layers_in_first_pipeline_stage, tc.num_layers_in_last_pipeline_stage) == (1, 3)
+    assert stage_layers(4, 2, 1, 3, layers_flag="--num-layers") == [1, 3]
+    assert stage_layers(7, 3, 1, None, layers_flag="--num-layers") == [1, 3, 3]
+    assert stage_layers(8, 4, None, None, layers_flag="--num-layers") == [2, 2, 2, 2]
+    refused(["--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers", "> 1")
+    refused(
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers",
+            "4",
+            "--decoder-last-pipeline-num-layers",
+            "4",
+        ],
+        "--decoder-last-pipeline-num-layers",
+    )
+    m = parse("--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1").megatron
+    with pytest.raises(ConfigError) as err:  # 3 layers left for 2 stages of the 4-layer model
+        megatron_args.resolve_arch(ARCH, m, tp_size=1, pp_size=3)
+    assert err.value.key == "--decoder-first-pipeline-num-layers"
+
+
+def test_seq_length_and_max_positions() -> None:
+    m = parse("--seq-length", "512").megatron
+    assert megatron_args.max_sequence_length(ARCH, m) == 512
+    assert megatron_args.max_sequence_length(ARCH, parse().megatron) == 2048
+    with pytest.raises(ConfigError) as err:
+        megatron_args.resolve_arch(ARCH, parse("--seq-length", "4096").megatron, tp_size=1, pp_size=1)
+    assert err.value.key == "--seq-length" and "max_position_embeddings=2048" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        megatron_args.resolve_arch(
+            ARCH, parse("--max-position-embeddings", "4096").megatron, tp_size=1, pp_size=1
+        )
+    assert err.value.key == "--max-position-embeddings"
+    refused(["--seq-length", "64", "--rollout-max-context-len", "128"], "--seq-length", "128 tokens")
+    refused(["--seq-length", "256", "--max-position-embeddings", "128"], "--seq-length")
+
+
+def test_vocab_padding() -> None:
+    arch = megatron_args.resolve_arch(
+        ARCH, parse("--make-vocab-size-divisible-by", "128").megatron, tp_size=2, pp_size=1
+    )
+    assert arch.padded_vocab_size(2) == 512 and arch.padded_vocab_size(1) == 384
+    assert (
+        megatron_args.resolve_arch(ARCH, parse().megatron, tp_size=2, pp_size=1).padded_vocab_size(2) == 320
+    )
+
+
+def test_architecture_flags_are_checked_against_the_hf_config() -> None:
+    ok = parse("--num-layers", "4", "--group-query-attention", "--num-query-groups", "2", "--swiglu")
+    megatron_args.resolve_arch(ARCH, ok.megatron, tp_size=1, pp_size=1)
+    with pytest.raises(ConfigError) as err:
+        megatron_args.resolve_arch(
+            TIED, parse("--untie-embeddings-and-output-weights").megatron, tp_size=1, pp_size=1
+        )
+    assert err.value.key == "--untie-embeddings-and-output-weights"
+    for argv, flag in (
+        (["--hidden-size", "128"], "--hidden-size"),
+        (["--group-query-attention", "--num-query-groups", "4"], "--num-query-groups"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            megatron_args.resolve_arch(ARCH, parse(*argv).megatron, tp_size=1, pp_size=1)
+        assert err.value.key == flag
+    with pytest.raises(ConfigError) as err:
+        megatron_args.resolve_arch(MHA, parse("--group-query-attention").megatron, tp_size=1, pp_size=1)
+    assert err.value.key == "--group-query-attention"
+    refused(["--num-query-groups", "2"], "--num-query-groups", "--group-query-attention")
+
+
+# --- parallel sizes, per-token loss, and flags of other slices ------------------------------
+
+
+def test_context_and_expert_parallelism_are_refused() -> None:
+    refused(["--context-parallel-size", "2"], "--context-parallel-size", "not supported")
+    refused(["--expert-model-parallel-size", "2"], "--expert-model-parallel-size", "dense")
+
+
+def test_per_token_loss_reaches_megatron() -> None:
+    assert transformer(parse("--calculate-per-token-loss")).calculate_per_token_loss
+    assert not transformer(parse()).calculate_per_token_loss
+    refused(["--calculate-per-token-loss", "--per-rollout-loss-mean"], "--calculate-per-token-loss")
+
+
+def test_lambd_is_refused_unless_one() -> None:
+    refused(["--lambd", "0.95"], "--lambd", "critic")
+    assert parse("--lambd", "1.0").algorithm.lambd == 1.0
+
+
+def test_offload_train_needs_cuda() -> None:
+    refused(["--cpu-devices", "2", "--offload-train"], "--offload-train", "needs CUDA")
+    refused(["--cpu-devices", "2", "--offload"], "--offload", "needs CUDA")
+    parse("--cpu-devices", "2", "--offload", "--no-offload-train")
+    assert parse("--cpu-devices", "2", "--colocate").cluster.colocate  # implied: moot on CPU
+    assert parse("--offload-train").cluster.offloads_train  # a GPU plan
+
+
+def test_micro_batch_size_plans_the_micro_batches() -> None:
+    # --micro-batch-size (the data slice) sizes the micro-batches each rank runs; the head passes
+    # it to the ranks' micro-batch plan (WorkOptions.micro_batch_size → plan_micro_batches).
+    from support.train_checks.launcher import make_batch
+
+    from tether.train.batching import plan_micro_batches
+
+    size = parse("--micro-batch-size", "3").data.micro_batch_size
+    plan = plan_micro_batches([make_batch(8, seed=1)], micro_batch_size=size)
+    assert [len(mb) for mb in plan[0]] == [3, 3, 2]
+
+
+# --- every flag of the Megatron section -----------------------------------------------------
+
+Outcome = str  # "consumed": a built config differs from the baseline's; "refused": a ConfigError names it
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    argv: list[str]
+    expect: Outcome
+    base: list[str] = dataclasses.field(default_factory=list)
+    arch: ModelArch = ARCH
+
+
+def flag(
+    name: str, *values: str, expect: Outcome = "consumed", base: tuple[str, ...] = (), arch: ModelArch = ARCH
+) -> Probe:
+    return Probe([*base, name, *values], expect, list(base), arch)
+
+
+FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+PP2 = ("--pipeline-model-parallel-size", "2")
+CPU_PLAN = ("--cpu-devices", "2")
+# Architecture flags that every model tether builds satisfies (SwiGLU, RoPE, no linear biases): set,
+# they are checked against the HF config; their opposite is refused (asserted below).
+ALWAYS_TRUE = {
+    "--swiglu": "swiglu",
+    "--use-rotary-position-embeddings": "use_rotary_position_embeddings",
+    "--disable-bias-linear": "disable_bias_linear",
+}
+
+PROBES: dict[str, list[Probe]] = {
+    "--tensor-model-parallel-size": [flag("--tensor-model-parallel-size", "2")],
+    "--pipeline-model-parallel-size": [flag("--pipeline-model-parallel-size", "2")],
+    "--decoder-first-pipeline-num-layers": [flag("--decoder-first-pipeline-num-layers", "1", base=PP2)],
+    "--decoder-last-pipeline-num-layers": [flag("--decoder-last-pipeline-num-layers", "1", base=PP2)],
+    "--context-parallel-size": [flag("--context-parallel-size", "2", expect="refused")],
+    "--expert-model-parallel-size": [flag("--expert-model-parallel-size", "2", expect="refused")],
+    "--expert-tensor-parallel-size": [flag("--expert-tensor-parallel-size", "2", expect="refused")],
+    "--sequence-parallel": [
+        flag("--sequence-parallel", base=("--tensor-model-parallel-size", "2")),
+        flag("--sequence-parallel", base=(*CPU_PLAN, "--tensor-model-parallel-size", "2"), expect="refused"),
+    ],
+    "--use-distributed-optimizer": [flag("--use-distributed-optimizer")],
+    "--overlap-grad-reduce": [flag("--overlap-grad-reduce")],
+    "--overlap-param-gather": [
+        flag("--overlap-param-gather", base=("--use-distributed-optimizer", "--overlap-grad-reduce")),
+        flag("--overlap-param-gather", expect="refused"),
+    ],
+    "--optimizer": [flag("--optimizer", "sgd")],
+    "--weight-decay": [flag("--weight-decay", "0.1")],
+    "--adam-beta1": [
+        flag("--adam-beta1", "0.8"),
+        flag("--adam-beta1", "0.8", base=("--optimizer", "sgd"), expect="refused"),
+    ],
+    "--adam-beta2": [flag("--adam-beta2", "0.98")],
+    "--adam-eps": [flag("--adam-eps", "1e-6")],
+    "--sgd-momentum": [
+        flag("--sgd-momentum", "0.5", base=("--optimizer", "sgd")),
+        flag("--sgd-momentum", "0.5", expect="refused"),
+    ],
+    "--clip-grad": [flag("--clip-grad", "0.5")],
+    "--optimizer-cpu-offload": [
+        flag(
+            "--optimizer-cpu-offload", base=("--use-distributed-optimizer", "--use-precision-aware-optimizer")
+        ),
+        flag("--optimizer-cpu-offload", base=(*CPU_PLAN, "--use-distributed-optimizer"), expect="refused"),
+    ],
+    "--optimizer-offload-fraction": [
+        flag(
+            "--optimizer-offload-fraction",
+            "0.5",
+            base=(
+                "--use-distributed-optimizer",
+                "--use-precision-aware-optimizer",
+                "--optimizer-cpu-offload",
+            ),
+        ),
+        flag("--optimizer-offload-fraction", "0.5", expect="refused"),
+    ],
+    "--overlap-cpu-optimizer-d2h-h2d": [
+        flag(
+            "--overlap-cpu-optimizer-d2h-h2d",
+            base=(
+                "--use-distributed-optimizer",
+                "--use-precision-aware-optimizer",
+                "--optimizer-cpu-offload",
+            ),
+        ),
+        flag("--overlap-cpu-optimizer-d2h-h2d", expect="refused"),
+    ],
+    "--use-precision-aware-optimizer": [
+        flag("--use-precision-aware-optimizer", base=("--use-distributed-optimizer",)),
+        flag(
+            "--use-precision-aware-optimizer",
+            base=(*CPU_PLAN, "--use-distributed-optimizer"),
+            expect="refused",
+        ),
+    ],
+    "--train-iters": [flag("--train-iters", "5")],
+    "--lr-decay-style": [flag("--lr-decay-style", "cosine")],
+    "--lr-decay-iters": [flag("--lr-decay-iters", "5")],
+    "--min-lr": [flag("--min-lr", "1e-7")],
+    "--lr-warmup-iters": [flag("--lr-warmup-iters", "2")],
+    "--lr-warmup-fraction": [flag("--lr-warmup-fraction", "0.1")],
+    "--lr-warmup-init": [flag("--lr-warmup-init", "1e-7", base=("--lr-warmup-iters", "2"))],
+    "--lr-wsd-decay-iters": [
+        flag("--lr-wsd-decay-iters", "3", base=("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"))
+    ],
+    "--lr-wsd-decay-style": [
+        flag("--lr-wsd-decay-style", "linear", base=("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"))
+    ],
+    "--bf16": [flag("--bf16")],
+    "--fp16": [flag("--fp16")],
+    "--loss-scale": [
+        flag("--loss-scale", "128", base=("--fp16",)),
+        flag("--loss-scale", "128", expect="refused"),
+    ],
+    "--initial-loss-scale": [flag("--initial-loss-scale", "1024", base=("--fp16",))],
+    "--min-loss-scale": [flag("--min-loss-scale", "2", base=("--fp16",))],
+    "--loss-scale-window": [flag("--loss-scale-window", "10", base=("--fp16",))],
+    "--hysteresis": [flag("--hysteresis", "3", base=("--fp16",))],
+    "--accumulate-allreduce-grads-in-fp32": [flag("--accumulate-allreduce-grads-in-fp32")],
+    "--attention-dropout": [flag("--attention-dropout", "0.1")],
+    "--hidden-dropout": [flag("--hidden-dropout", "0.1")],
+    "--recompute-granularity": [flag("--recompute-granularity", "selective")],
+    "--recompute-method": [flag("--recompute-method", "block", base=FULL)],
+    "--recompute-num-layers": [flag("--recompute-num-layers", "2", base=FULL)],
+    "--calculate-per-token-loss": [flag("--calculate-per-token-loss")],
+    "--num-layers": [flag("--num-layers", "3", expect="refused")],
+    "--hidden-size": [flag("--hidden-size", "128", expect="refused")],
+    "--ffn-hidden-size": [flag("--ffn-hidden-size", "256", expect="refused")],
+    "--num-attention-heads": [flag("--num-attention-heads", "8", expect="refused")],
+    "--num-query-groups": [
+        flag("--num-query-groups", "4", base=("--group-query-attention",), expect="refused")
+    ],
+    "--group-query-attention": [flag("--group-query-attention", expect="refused", arch=MHA)],
+    "--kv-channels": [flag("--kv-channels", "32", expect="refused")],
+    "--vocab-size": [flag("--vocab-size", "1000", expect="refused")],
+    "--make-vocab-size-divisible-by": [flag("--make-vocab-size-divisible-by", "128")],
+    "--max-position-embeddings": [flag("--max-position-embeddings", "4096", expect="refused")],
+    "--seq-length": [flag("--seq-length", "512")],
+    "--rotary-base": [flag("--rotary-base", "500000", expect="refused")],
+    "--rotary-percent": [flag("--rotary-percent", "0.5", expect="refused")],
+    "--norm-epsilon": [flag("--norm-epsilon", "1e-5", expect="refused")],
+    "--normalization": [flag("--normalization", "LayerNorm", expect="refused")],
+    "--swiglu": [flag("--swiglu", expect="asserted")],
+    "--disable-bias-linear": [flag("--disable-bias-linear", expect="asserted")],
+    "--add-qkv-bias": [flag("--add-qkv-bias", expect="refused")],
+    "--qk-layernorm": [flag("--qk-layernorm", expect="refused")],
+    "--untie-embeddings-and-output-weights": [
+        flag("--untie-embeddings-and-output-weights", expect="refused", arch=TIED)
+    ],
+    "--use-rotary-position-embeddings": [flag("--use-rotary-position-embeddings", expect="asserted")],
+    "--position-embedding-type": [flag("--position-embedding-type", "learned_absolute", expect="refused")],
+    "--attention-backend": [
+        flag("--attention-backend", "local"),
+        flag("--attention-backend", "flash", base=CPU_PLAN, expect="refused"),
+    ],
+    "--use-flash-attn": [flag("--use-flash-attn"), flag("--use-flash-attn", base=CPU_PLAN, expect="refused")],
+    "--attention-softmax-in-fp32": [flag("--attention-softmax-in-fp32")],
+    "--no-rope-fusion": [flag("--no-rope-fusion")],
+    "--no-masked-softmax-fusion": [flag("--no-masked-softmax-fusion")],
+    "--no-gradient-accumulation-fusion": [flag("--no-gradient-accumulation-fusion")],
+}
+
+
+def produced(cfg: Config, arch: ModelArch) -> dict[str, Any]:
+    """Everything a rank builds from the flags (GPU capabilities: no kernel hides a field)."""
+    m, algo = cfg.megatron, cfg.algorithm
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    check_capabilities(m, GPU)
+    resolved = megatron_args.resolve_arch(arch, m, tp_size=tp, pp_size=pp)
+    return {
+        "layout": (tp, pp, m.data_parallel_size(8)),
+        "arch": resolved,
+        "max_sequence_length": megatron_args.max_sequence_length(resolved, m),
+        "transformer": megatron_args.transformer_config_kwargs(m, GPU, tp_size=tp),
+        "ddp": megatron_args.ddp_config_kwargs(m),
+        "optimizer": megatron_args.optimizer_config_kwargs(m, algo),
+        "scheduler": megatron_args.scheduler_kwargs(m, algo),
+    }
+
+
+def outcome(probe: Probe, name: str) -> tuple[Outcome, str]:
+    def attempt(argv: list[str]) -> dict[str, Any]:
+        return produced(parse(*argv), probe.arch)
+
+    try:
+        got = attempt(probe.argv)
+    except ConfigError as exc:
+        return ("refused" if exc.key == name else f"refused as {exc.key}"), str(exc)
+    if probe.expect == "asserted":
+        field = ALWAYS_TRUE[name]
+        with pytest.raises(ConfigError) as err:
+            check_architecture_flags(probe.arch, {field: False})
+        return "asserted", str(err.value)
+    base = attempt(probe.base)
+    return ("consumed" if got != base else "ignored"), ""
+
+
+def test_every_megatron_flag_reaches_megatron_or_is_refused() -> None:
+    flags = [s.flag for s in flag_specs() if s.slice == "megatron"]
+    assert sorted(PROBES) == sorted(flags), "add a probe for each new Megatron flag"
+    wrong = {}
+    for name in flags:
+        for probe in PROBES[name]:
+            got, why = outcome(probe, name)
+            if got != probe.expect:
+                wrong[" ".join(probe.argv)] = f"expected {probe.expect}, got {got} {why}"
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--context-parallel-size", "2"], "--context-parallel-size=2:"),
+        (["--cpu-devices", "2", "--bf16", "--attention-backend", "fused"], "--attention-backend='fused':"),
+        (["--cpu-devices", "2", "--offload-train"], "--offload-train=True:"),
+        (["--lambd", "0.9"], "--lambd=0.9:"),
+    ],
+)
+def test_plan_and_run_refuse_alike(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tether import plan_command, run_command
+
+    for prog, main in (("tether plan", plan_command.main_argv), ("tether run", run_command.main_argv)):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)  # refused while parsing: nothing is planned or started
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.startswith(f"{prog}: {message}")

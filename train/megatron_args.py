@@ -1,0 +1,224 @@
+"""The Megatron configs a trainer rank builds from the parsed flags, as pure functions.
+
+Each builder maps the `MegatronConfig` slice (and the `--lr` of the algorithm slice) onto the
+fields of one Megatron object, with Megatron's meaning for each flag:
+
+- `transformer_config_kwargs` → `TransformerConfig` (precision, dropout, recompute, sequence
+  parallelism, uneven pipeline stages, attention backend, fusions, per-token loss);
+- `ddp_config_kwargs` → `DistributedDataParallelConfig` (fp32 gradient reduction, overlap,
+  distributed optimizer);
+- `optimizer_config_kwargs` → `OptimizerConfig` (adam/sgd, loss scaling, CPU offload, precision-aware
+  optimizer, parameter all-gather overlap);
+- `scheduler_kwargs` → `OptimizerParamScheduler` (warm-up, decay style and horizon, WSD).
+
+They return keyword dicts, so tests can check every field without CUDA or an initialised
+torch.distributed (some GPU-only fields cannot be constructed on CPU); `build_*` turn them into
+the Megatron objects. `tether.train.model` builds the actor and the reference with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from tether.runtime.errors import ConfigError
+from tether.train.capabilities import Capabilities, uses_transformer_engine_spec
+from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.hf_config import ModelArch, check_architecture_flags, check_parallel
+from tether.train.megatron_cpu import quiet_megatron_imports
+
+
+def params_dtype(megatron: MegatronConfig) -> torch.dtype:
+    """The model's parameter dtype: --bf16, --fp16, else float32 (all three run on CPU too)."""
+    if megatron.bf16:
+        return torch.bfloat16
+    if megatron.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def resolve_arch(arch: ModelArch, megatron: MegatronConfig, *, tp_size: int, pp_size: int) -> ModelArch:
+    """The HF architecture as this run builds it: architecture flags checked against it, the layout
+    checked against its shape, the vocabulary padding of --make-vocab-size-divisible-by applied."""
+    check_architecture_flags(arch, megatron.architecture())
+    check_parallel(
+        arch,
+        tp_size,
+        pp_size,
+        megatron.decoder_first_pipeline_num_layers,
+        megatron.decoder_last_pipeline_num_layers,
+    )
+    return dataclasses.replace(arch, vocab_multiple=megatron.make_vocab_size_divisible_by or 1)
+
+
+def max_sequence_length(arch: ModelArch, megatron: MegatronConfig) -> int:
+    """The longest sample the trainer accepts: --seq-length, else the model's max positions."""
+    return megatron.seq_length or arch.max_position_embeddings
+
+
+def transformer_config_kwargs(
+    megatron: MegatronConfig, caps: Capabilities, *, tp_size: int
+) -> dict[str, Any]:
+    """`tether.train.hf_config.transformer_config` arguments (beyond the HF shape) for these flags."""
+    with quiet_megatron_imports():
+        from megatron.core.transformer.enums import AttnBackend
+
+    te_spec = uses_transformer_engine_spec(megatron, caps)
+    kwargs: dict[str, Any] = {
+        "params_dtype": params_dtype(megatron),
+        "hidden_dropout": megatron.hidden_dropout,
+        "attention_dropout": megatron.attention_dropout,
+        # Megatron-LM turns sequence parallelism off at TP = 1 (nothing to split over).
+        "sequence_parallel": megatron.sequence_parallel and tp_size > 1,
+        "recompute_granularity": megatron.recompute_granularity,
+        "recompute_method": megatron.recompute_method,
+        "recompute_num_layers": megatron.recompute_num_layers,
+        "num_layers_in_first_pipeline_stage": megatron.decoder_first_pipeline_num_layers,
+        "num_layers_in_last_pipeline_stage": megatron.decoder_last_pipeline_num_layers,
+        "attention_softmax_in_fp32": megatron.attention_softmax_in_fp32,
+        "calculate_per_token_loss": megatron.calculate_per_token_loss,
+        # Megatron's fusions default on; each --no-*-fusion turns one off. A fusion whose kernel
+        # this rank lacks stays off (Megatron would fail to build or run it).
+        "masked_softmax_fusion": not megatron.no_masked_softmax_fusion
+        and caps.cuda
+        and (te_spec or caps.fused_softmax_kernels),
+        "apply_rope_fusion": not megatron.no_rope_fusion and caps.transformer_engine,
+        "gradient_accumulation_fusion": not megatron.no_gradient_accumulation_fusion
+        and caps.cuda
+        and (te_spec or caps.fused_wgrad_kernels),
+    }
+    backend = megatron.resolved_attention_backend
+    if backend is not None:
+        kwargs["attention_backend"] = AttnBackend[backend]
+    return kwargs
+
+
+def transformer_config(
+    arch: ModelArch, megatron: MegatronConfig, caps: Capabilities, *, tp_size: int, pp_size: int
+) -> Any:
+    """The TransformerConfig of one model chunk (actor and reference share it)."""
+    from tether.train.hf_config import transformer_config as from_arch
+
+    return from_arch(
+        arch, tp_size=tp_size, pp_size=pp_size, **transformer_config_kwargs(megatron, caps, tp_size=tp_size)
+    )
+
+
+def ddp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
+    """`DistributedDataParallelConfig` fields: Megatron-LM reduces gradients in fp32 when asked, and
+    always with --bf16."""
+    return {
+        "grad_reduce_in_fp32": megatron.accumulate_allreduce_grads_in_fp32 or megatron.bf16,
+        "overlap_grad_reduce": megatron.overlap_grad_reduce,
+        "overlap_param_gather": megatron.overlap_param_gather,
+        "use_distributed_optimizer": megatron.use_distributed_optimizer,
+        "bucket_size": None,
+    }
+
+
+def ddp_config(megatron: MegatronConfig) -> Any:
+    with quiet_megatron_imports():
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(**ddp_config_kwargs(megatron))
+
+
+def optimizer_config_kwargs(megatron: MegatronConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:
+    """`OptimizerConfig` fields (Megatron's defaults for the flags that were not set)."""
+    return {
+        "optimizer": megatron.optimizer,
+        "lr": algorithm.lr,
+        "min_lr": megatron.min_lr,
+        "weight_decay": megatron.weight_decay,
+        "adam_beta1": megatron.adam_beta1,
+        "adam_beta2": megatron.adam_beta2,
+        "adam_eps": megatron.adam_eps,
+        "sgd_momentum": megatron.sgd_momentum,
+        "clip_grad": megatron.clip_grad,
+        "bf16": megatron.bf16,
+        "fp16": megatron.fp16,
+        "params_dtype": params_dtype(megatron),
+        "loss_scale": megatron.loss_scale,
+        "initial_loss_scale": megatron.initial_loss_scale,
+        "min_loss_scale": megatron.min_loss_scale,
+        "loss_scale_window": megatron.loss_scale_window,
+        "hysteresis": megatron.hysteresis,
+        "use_distributed_optimizer": megatron.use_distributed_optimizer,
+        "overlap_param_gather": megatron.overlap_param_gather,
+        "optimizer_cpu_offload": megatron.optimizer_cpu_offload,
+        "optimizer_offload_fraction": megatron.optimizer_offload_fraction,
+        "overlap_cpu_optimizer_d2h_h2d": megatron.overlap_cpu_optimizer_d2h_h2d,
+        "use_precision_aware_optimizer": megatron.use_precision_aware_optimizer,
+    }
+
+
+def optimizer_config(megatron: MegatronConfig, algorithm: AlgorithmConfig) -> Any:
+    with quiet_megatron_imports():
+        from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(**optimizer_config_kwargs(megatron, algorithm))
+
+
+def scheduler_kwargs(megatron: MegatronConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:
+    """`OptimizerParamScheduler` arguments, counted in optimizer steps (tether steps it once per step).
+
+    Megatron's meaning: the LR warms up from --lr-warmup-init over --lr-warmup-iters (or
+    --lr-warmup-fraction of the decay horizon), then decays to --min-lr over --lr-decay-iters,
+    which defaults to --train-iters (tether derives that from --num-rollout).
+    """
+    horizon = megatron.lr_decay_horizon
+    if horizon is None and (megatron.lr_decay_style != "constant" or megatron.lr_warmup_fraction):
+        flag, value = (
+            ("--lr-warmup-fraction", megatron.lr_warmup_fraction)
+            if megatron.lr_decay_style == "constant"
+            else ("--lr-decay-style", megatron.lr_decay_style)
+        )
+        raise ConfigError(
+            flag,
+            value,
+            "needs the schedule's horizon: --lr-decay-iters, --train-iters, or --num-rollout "
+            "(from which --train-iters is derived)",
+        )
+    if megatron.lr_warmup_fraction is not None:
+        assert horizon is not None
+        warmup: float = megatron.lr_warmup_fraction * horizon
+    else:
+        warmup = megatron.lr_warmup_iters
+    if megatron.lr_decay_style == "constant":
+        # A constant schedule never reads the decay horizon; Megatron only asks it to exceed the warm-up.
+        decay = max(horizon or 1, int(warmup) + 1)
+    else:
+        assert horizon is not None
+        decay = horizon
+    out: dict[str, Any] = {
+        "init_lr": megatron.lr_warmup_init,
+        "max_lr": algorithm.lr,
+        "min_lr": megatron.min_lr,
+        "lr_warmup_steps": warmup,
+        "lr_decay_steps": decay,
+        "lr_decay_style": megatron.lr_decay_style,
+        "start_wd": megatron.weight_decay,
+        "end_wd": megatron.weight_decay,
+        "wd_incr_steps": megatron.train_iters or decay,
+        "wd_incr_style": "constant",
+    }
+    if megatron.lr_decay_style == "WSD":
+        out["wsd_decay_steps"] = megatron.lr_wsd_decay_iters
+        out["lr_wsd_decay_style"] = megatron.lr_wsd_decay_style
+    return out
+
+
+def build_scheduler(optimizer: Any, megatron: MegatronConfig, algorithm: AlgorithmConfig) -> Any:
+    """Megatron's LR/WD scheduler over `optimizer` (anything with `param_groups`)."""
+    with quiet_megatron_imports():
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(optimizer, **scheduler_kwargs(megatron, algorithm))
+
+
+def sequence_multiple(config: Any) -> int:
+    """Micro-batch sequence lengths must be a multiple of this: TP under sequence parallelism
+    (the sequence is split over the TP ranks between the layers), else 1."""
+    return int(config.tensor_model_parallel_size) if config.sequence_parallel else 1
