@@ -11,6 +11,7 @@ the result serialises to JSON for the run's receipt and loads back equal.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import types
 import typing
@@ -263,7 +264,7 @@ class FlagSpec:
     slice: str
     field: str
     flag: str
-    kind: Literal["bool", "optbool", "list", "scalar"]
+    kind: Literal["bool", "optbool", "list", "json", "scalar"]
     help: str
     choices: tuple[str, ...] | None
 
@@ -280,7 +281,7 @@ def _unwrap(hint: Any) -> tuple[Any, str]:
     return hint, description
 
 
-def _kind(hint: Any) -> tuple[Literal["bool", "optbool", "list", "scalar"], tuple[str, ...] | None]:
+def _kind(hint: Any) -> tuple[Literal["bool", "optbool", "list", "json", "scalar"], tuple[str, ...] | None]:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     origin = typing.get_origin(hint)
     optional = False
@@ -293,6 +294,8 @@ def _kind(hint: Any) -> tuple[Literal["bool", "optbool", "list", "scalar"], tupl
         return ("optbool" if optional else "bool"), None
     if origin is list:
         return "list", None
+    if origin is dict:  # a JSON object on the command line, a mapping in YAML
+        return "json", None
     if origin is Literal:
         return "scalar", tuple(str(a) for a in typing.get_args(hint))
     return "scalar", None
@@ -344,6 +347,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             )
         elif spec.kind == "list":
             group.add_argument(spec.flag, dest=dest, nargs="*", default=argparse.SUPPRESS, help=spec.help)
+        elif spec.kind == "json":
+            group.add_argument(
+                spec.flag,
+                dest=dest,
+                type=_json_object,
+                default=argparse.SUPPRESS,
+                help=spec.help,
+                metavar="JSON",
+            )
         else:
             # Choices are checked by msgspec with the slice, so the error names the flag and the value.
             metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else spec.field.upper()
@@ -351,6 +363,17 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 spec.flag, dest=dest, default=argparse.SUPPRESS, help=spec.help, metavar=metavar
             )
     parser.add_argument_group("sglang", "Any --sglang-<flag> [values] goes to SGLang as --<flag> [values].")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value (argparse reports the ValueError with the flag's name)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object")
+    return value
 
 
 _SGLANG_PREFIX = "--sglang-"

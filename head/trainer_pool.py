@@ -311,6 +311,7 @@ class TrainerPool:
             micro_batch_size=data.micro_batch_size,
             max_tokens_per_gpu=data.max_tokens_per_gpu if data.use_dynamic_batch_size else None,
             reward_key=self.cfg.rollout.reward_key,
+            balance_data=data.balance_data,
         )
 
     async def train(self, rollout_id: int, groups: Groups, *, weight_version: int) -> dict[str, float]:

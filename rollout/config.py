@@ -6,11 +6,12 @@ so a slime launch script parses unchanged. tether's own additions have self-expl
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
+from tether.rollout.rule_rewards import BASE_TYPES, missing_requirement, split_rm_type
 from tether.runtime.errors import ConfigError
 from tether.runtime.secret import read_key_file
 
@@ -22,7 +23,7 @@ NonNegativeFloat = Annotated[float, Meta(ge=0)]
 Probability = Annotated[float, Meta(gt=0, le=1)]
 
 RoutingPolicy = Literal["round_robin", "least_in_flight", "consistent_hash"]
-RewardType = Literal["exact_match", "math", "remote_rm"]
+LossMaskType = Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"]
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -38,6 +39,35 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     metadata_key: Annotated[str, Meta(description="Key of the per-record metadata dict.")] = "metadata"
     apply_chat_template: Annotated[
         bool, Meta(description="Render prompts (chat messages or text) with the tokenizer's chat template.")
+    ] = False
+    apply_chat_template_kwargs: Annotated[
+        dict[str, Any],
+        Meta(description="JSON object of extra keyword arguments for the tokenizer's apply_chat_template."),
+    ] = msgspec.field(default_factory=dict)
+    tool_key: Annotated[
+        str | None,
+        Meta(
+            description="Key of the tools list (a list or its JSON text) in each record, passed to the chat "
+            "template as `tools` and kept in the sample's metadata as `tools`."
+        ),
+    ] = "tools"
+    loss_mask_type: Annotated[
+        LossMaskType,
+        Meta(
+            description="Chat format whose assistant turns train in multi-turn samples (slime's "
+            "MultiTurnLossMaskGenerator type; what hooks read as `args.loss_mask_type`)."
+        ),
+    ] = "qwen"
+    start_rollout_id: Annotated[
+        NonNegativeInt | None,
+        Meta(description="First rollout id; tether takes it from the loaded checkpoint (else 0), so unset."),
+    ] = None
+    balance_data: Annotated[
+        bool,
+        Meta(
+            description="Split each step's samples over the data-parallel ranks so their token counts "
+            "balance (default: round-robin, sample i to rank i mod DP)."
+        ),
     ] = False
     rollout_shuffle: Annotated[bool, Meta(description="Shuffle the prompts each epoch.")] = False
     rollout_seed: Annotated[int, Meta(description="Seed for prompt shuffling and rollout randomness.")] = 42
@@ -97,6 +127,13 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     ] = None
 
     def __post_init__(self) -> None:
+        if self.start_rollout_id is not None:
+            raise ConfigError(
+                "--start-rollout-id",
+                self.start_rollout_id,
+                "is not supported: tether starts at the rollout after the checkpoint it loads (--load, "
+                "--auto-resume) and at 0 otherwise, and has no way to start elsewhere",
+            )
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ConfigError("--max-tokens-per-gpu", None, "must be set when --use-dynamic-batch-size is on")
         if len(self.eval_prompt_data) > 1 and len(self.eval_prompt_data) % 2:
@@ -208,7 +245,12 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         Meta(description="Reward function `async reward(args, sample)` (or over a group with --group-rm)."),
     ] = None
     rm_type: Annotated[
-        RewardType | None, Meta(description="Built-in reward: exact_match, math (boxed/numeric), remote_rm.")
+        str | None,
+        Meta(
+            description="Built-in reward (slime's rm_hub): math, deepscaler, dapo, f1, gpqa, ifbench, random, "
+            "remote_rm, exact_match, or boxed_<type> (scores the last \\boxed{} of the response); a sample's "
+            "metadata `rm_type` overrides it."
+        ),
     ] = None
     rm_url: Annotated[str | None, Meta(description="Reward-model service URL for --rm-type remote_rm.")] = (
         None
@@ -262,6 +304,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             raise ConfigError("--rollout-top-k", 0, "must be -1 (off) or at least 1")
         if self.engine_api_key_file is not None:
             read_key_file(self.engine_api_key_file, "--engine-api-key-file")  # refused now, not at start
+        if self.rm_type is not None:
+            check_rm_type("--rm-type", self.rm_type)
         if self.rm_type == "remote_rm" and not self.rm_url:
             raise ConfigError("--rm-url", self.rm_url, "must be set for --rm-type remote_rm")
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
@@ -286,3 +330,15 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
                     self.rollout_max_response_len,
                     f"leaves no room for a prompt within --rollout-max-context-len={self.rollout_max_context_len}",
                 )
+
+
+def check_rm_type(flag: str, rm_type: str) -> None:
+    """Refuse a reward type tether does not know, or one whose scorer needs a missing package."""
+    base, _ = split_rm_type(rm_type)
+    if base not in BASE_TYPES:
+        raise ConfigError(
+            flag, rm_type, f"is not a reward type; known: {', '.join(BASE_TYPES)} (each also as boxed_<type>)"
+        )
+    missing = missing_requirement(rm_type)
+    if missing is not None:
+        raise ConfigError(flag, rm_type, missing)

@@ -88,16 +88,27 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def render_prompt(
-    raw: Any, tokenizer: Tokenizer, *, apply_chat_template: bool, where: str
+    raw: Any,
+    tokenizer: Tokenizer,
+    *,
+    apply_chat_template: bool,
+    where: str,
+    tools: list[Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str | list[dict[str, Any]], list[int]]:
-    """Prompt text (or messages) and its token ids, with the chat template when asked."""
+    """Prompt text (or messages) and its token ids, with the chat template when asked.
+
+    `tools` and `chat_template_kwargs` (--apply-chat-template-kwargs) go to the chat template.
+    """
     if apply_chat_template:
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise DataError(
                 f"{where}: with --apply-chat-template the prompt must be text or a list of messages"
             )
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
         return str(text), list(tokenizer.encode(str(text), add_special_tokens=False))
     if not isinstance(raw, str):
         raise DataError(
@@ -115,16 +126,28 @@ def load_prompts(
     metadata_key: str,
     apply_chat_template: bool,
     max_prompt_len: int | None,
+    tool_key: str | None = None,
+    apply_chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[PromptRecord], int]:
-    """Usable prompts from a file and the number dropped for exceeding `max_prompt_len` tokens."""
+    """Usable prompts from a file and the number dropped for exceeding `max_prompt_len` tokens.
+
+    A record's tools (under `tool_key`: a list, or its JSON text) go to the chat template and into the
+    sample's metadata as `tools`.
+    """
     records: list[PromptRecord] = []
     dropped = 0
     for lineno, raw in enumerate(read_records(path), start=1):
         where = f"{path}: record {lineno}"
         if input_key not in raw:
             raise DataError(f"{where}: has no key {input_key!r} (--input-key); keys: {sorted(raw)}")
+        tools = record_tools(raw, tool_key, where)
         prompt, tokens = render_prompt(
-            raw[input_key], tokenizer, apply_chat_template=apply_chat_template, where=where
+            raw[input_key],
+            tokenizer,
+            apply_chat_template=apply_chat_template,
+            where=where,
+            tools=tools,
+            chat_template_kwargs=apply_chat_template_kwargs,
         )
         if max_prompt_len is not None and len(tokens) > max_prompt_len:
             dropped += 1
@@ -137,8 +160,27 @@ def load_prompts(
             raise DataError(
                 f"{where}: {metadata_key!r} (--metadata-key) must be an object, got {metadata!r:.80}"
             )
+        if tools is not None:
+            metadata = {**metadata, "tools": tools}
         records.append(PromptRecord(prompt=prompt, tokens=tokens, label=label, metadata=metadata))
     return records, dropped
+
+
+def record_tools(raw: dict[str, Any], tool_key: str | None, where: str) -> list[Any] | None:
+    """A record's tools list under `tool_key` (--tool-key), decoded when given as JSON text."""
+    if tool_key is None or tool_key not in raw:
+        return None
+    tools = raw[tool_key]
+    if isinstance(tools, str):
+        try:
+            tools = msgspec.json.decode(tools)
+        except msgspec.DecodeError as exc:
+            raise DataError(f"{where}: {tool_key!r} (--tool-key) is text but not JSON: {exc}") from exc
+    elif isinstance(tools, np.ndarray):
+        tools = tools.tolist()
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: {tool_key!r} (--tool-key) must be a list of tools, got {tools!r:.80}")
+    return tools
 
 
 def load_tokenizer(path: str) -> Any:
@@ -202,6 +244,8 @@ class DataSource:
             metadata_key=data.metadata_key,
             apply_chat_template=data.apply_chat_template,
             max_prompt_len=rollout.rollout_max_prompt_len,
+            tool_key=data.tool_key,
+            apply_chat_template_kwargs=data.apply_chat_template_kwargs,
         )
         return cls(
             prompts,

@@ -35,6 +35,8 @@ def eval_source(ctx: RolloutContext, path: str) -> DataSource:
         metadata_key=data.metadata_key,
         apply_chat_template=data.apply_chat_template,
         max_prompt_len=cfg.rollout_max_prompt_len,
+        tool_key=data.tool_key,
+        apply_chat_template_kwargs=data.apply_chat_template_kwargs,
     )
     return DataSource(
         prompts, n_samples_per_prompt=data.n_samples_per_eval_prompt, dropped_long_prompts=dropped

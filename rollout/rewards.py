@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from tether.rollout.config import RolloutConfig
+from tether.rollout.config import RolloutConfig, check_rm_type
 from tether.rollout.hooks import (
     HookError,
     flat_args,
@@ -22,8 +22,10 @@ from tether.rollout.hooks import (
     maybe_await,
     slime_samples,
 )
+from tether.rollout.rule_rewards import BASE_TYPES, RULE_TYPES, boxed_content, rule_reward, split_rm_type
 from tether.rollout.sample import Reward, Sample
 from tether.rollout.slime_api.convert import reward_value, uses_slime_api
+from tether.runtime.errors import ConfigError
 
 
 class DynamicFilterOutput(msgspec.Struct):
@@ -165,15 +167,24 @@ class RewardModel:
     def configured(self) -> bool:
         return self._custom is not None or self._cfg.rm_type is not None
 
+    def _scores(self, sample: Sample) -> bool:
+        """Whether this model gives the sample a reward (configured, or its metadata names an rm_type)."""
+        return self.configured or sample_rm_type(sample) is not None
+
     async def score_group(self, samples: Sequence[Sample]) -> None:
         """Set `reward` on every sample of a group (samples that already hold one are kept)."""
         if not self.configured:
-            missing = [s.index for s in samples if s.reward is None]
+            missing = [s.index for s in samples if s.reward is None and not self._scores(s)]
             if missing:
                 raise HookError(
                     "--rm-type/--custom-rm-path",
                     f"no reward function is configured and samples {missing} have none",
                 )
+            for sample in samples:
+                if self._scores(sample):  # the sample's metadata `rm_type` (slime's per-sample reward)
+                    sample.reward = _check_reward(
+                        f"rm_type {sample_rm_type(sample)}", await self._builtin(sample)
+                    )
             return
         if self._cfg.group_rm:
             rewards = await self._group_rewards(samples)
@@ -218,19 +229,27 @@ class RewardModel:
         return [await self._builtin(s) for s in samples]
 
     async def _builtin(self, sample: Sample) -> Reward:
-        kind = self._cfg.rm_type
-        if kind == "exact_match":
-            return exact_match(sample.response, sample.label)
-        if kind == "math":
-            return math_reward(sample.response, sample.label)
-        if kind == "remote_rm":
+        """slime's order: the sample's metadata `rm_type`, else --rm-type."""
+        kind = sample_rm_type(sample) or self._cfg.rm_type or ""
+        base, boxed = split_rm_type(kind)
+        if base == "remote_rm":
             return await self._remote(sample)
-        raise HookError("--rm-type", f"unknown reward type {kind!r}")
+        if base == "exact_match":
+            return exact_match(
+                (boxed_content(sample.response) or "") if boxed else sample.response, sample.label
+            )
+        if base not in RULE_TYPES:
+            raise HookError("--rm-type", f"unknown reward type {kind!r}; known: {', '.join(BASE_TYPES)}")
+        return rule_reward(kind, sample.response, sample.label, sample.metadata)  # type: ignore[no-any-return]
 
     async def _remote(self, sample: Sample) -> Reward:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
-        url = str(self._cfg.rm_url)
+        if self._cfg.rm_url is None:
+            raise HookError(
+                "--rm-url", f"sample {sample.index} asks for rm_type remote_rm and --rm-url is unset"
+            )
+        url = self._cfg.rm_url
         body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
         async with self._session.post(url, data=msgspec.json.encode(body), headers=_JSON) as resp:
             payload = await resp.read()
@@ -244,6 +263,18 @@ class RewardModel:
 
 
 _JSON = {"Content-Type": "application/json"}
+
+
+def sample_rm_type(sample: Sample) -> str | None:
+    """The reward type a sample's metadata names (`rm_type`), checked like --rm-type; None without one."""
+    kind = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
+    if not kind:
+        return None
+    try:
+        check_rm_type(f"sample {sample.index} metadata rm_type", str(kind))
+    except ConfigError as exc:
+        raise HookError(f"sample {sample.index} metadata", str(exc), field="rm_type") from exc
+    return str(kind).strip()
 
 
 def _check_reward(path: str, value: object) -> Reward:

@@ -184,7 +184,7 @@ def _latex_to_plain(expr: str) -> str:
 
 def _integral(value: float) -> bool:
     try:
-        return abs(value - int(round(value))) <= 1e-7
+        return abs(value - round(value)) <= 1e-7
     except (OverflowError, ValueError):
         return False
 
@@ -228,11 +228,11 @@ def sympy_normalize(expr: str | None) -> str | None:
         pass
     else:
         if _integral(as_float):
-            expr = str(int(round(as_float)))
+            expr = str(round(as_float))
     if "\\" in expr:
         try:
             expr = _latex_to_plain(expr)
-        except Exception:  # noqa: BLE001 - LaTeX the converter cannot read stays as written
+        except Exception:  # LaTeX the converter cannot read stays as written
             pass
     expr = re.sub(r"- *", "-", expr)
     expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)  # mixed numbers: "7 3/4" -> "7+3/4"
@@ -268,7 +268,7 @@ def _sympy_zero(expr: str) -> bool:
             transformations=transformations,
         )
         return bool(sympy.simplify(parsed) == 0)
-    except Exception:  # noqa: BLE001 - anything sympy cannot parse or simplify is "not equal"
+    except Exception:  # what sympy cannot parse or simplify is "not equal"
         return False
 
 
@@ -318,9 +318,8 @@ def grade_boxed_math(response: str, label: Any) -> bool:
     """The last \\boxed{} answer of the response against the label (itself boxed or plain)."""
     if not label:
         return False
-    truth: str | None = str(label)
-    if "\\boxed" in truth:
-        truth = boxed_content(truth)
+    text = str(label)
+    truth = boxed_content(text) if "\\boxed" in text else text
     given = boxed_content(response)
     if given is None:
         return False
@@ -345,11 +344,10 @@ def deepscaler_score(response: str, label: Any) -> int:
         return 0
     if not isinstance(label, str | int | float):
         raise ValueError(f"rm_type deepscaler needs a text or number label, got {type(label).__name__}")
-    truth: str | None = str(label)
-    if truth is not None and "\\boxed" in truth:
-        truth = boxed_content(truth)
-        if truth is None:
-            return 0
+    text = str(label)
+    truth = boxed_content(text) if "\\boxed" in text else text
+    if truth is None:
+        return 0
     return 1 if grade_mathd(given, truth) or grade_sympy(given, truth) else 0
 
 
@@ -554,5 +552,7 @@ def rule_reward(rm_type: str, response: str, label: Any, metadata: dict[str, Any
         response = boxed_content(response) or ""
     scorer = _SCORERS.get(base)
     if scorer is None:
-        raise ValueError(f"rm_type {rm_type!r} is not a rule-based reward; rule-based: {', '.join(RULE_TYPES)}")
+        raise ValueError(
+            f"rm_type {rm_type!r} is not a rule-based reward; rule-based: {', '.join(RULE_TYPES)}"
+        )
     return scorer(response, label, metadata if metadata is not None else {})

@@ -350,9 +350,11 @@ def balanced_partition(
     return [sorted(g) for g in groups]
 
 
-def shard_for_data_parallel(batch: TrainBatch, dp_size: int) -> list[TrainBatch]:
-    """DP shards balanced by token count, with equal sample counts (filler copies where they differ).
+def shard_for_data_parallel(batch: TrainBatch, dp_size: int, *, balance: bool = True) -> list[TrainBatch]:
+    """DP shards with equal sample counts (filler copies where they differ).
 
+    With `balance` (--balance-data) the shards' token counts are balanced (greedy LPT); without it
+    the samples go round-robin, sample i to rank i mod dp_size (slime's default).
     Every shard gets the same number of samples so that, with a fixed micro-batch size, every rank runs
     the same number of micro-batches; a shard short by one gets a zero-weight copy of its shortest sample.
     The loss weights are the step's (computed before), so the shards' loss sums add to the step mean.
@@ -361,7 +363,10 @@ def shard_for_data_parallel(batch: TrainBatch, dp_size: int) -> list[TrainBatch]
         raise ValueError(f"dp_size={dp_size} must be >= 1")
     if batch.num_samples < dp_size:
         raise ValueError(f"{batch.num_samples} samples cannot fill {dp_size} data-parallel ranks")
-    groups = balanced_partition(batch.total_lengths, dp_size, equal_size=True)
+    if balance:
+        groups = balanced_partition(batch.total_lengths, dp_size, equal_size=True)
+    else:
+        groups = [list(range(rank, batch.num_samples, dp_size)) for rank in range(dp_size)]
     size = max(len(g) for g in groups)
     shards = []
     for g in groups:

@@ -47,6 +47,7 @@ class WorkOptions(msgspec.Struct, frozen=True, kw_only=True):
     micro_batch_size: int = 1
     max_tokens_per_gpu: int | None = None  # dynamic micro-batches of at most this many tokens when set
     reward_key: str | None = None  # selects the reward from a dict reward
+    balance_data: bool = False  # --balance-data: balance DP shards' token counts (else round-robin)
 
 
 def rollout_batch(
@@ -163,7 +164,7 @@ def rollout_steps(
         if rl and not shaped:
             # Over the whole step before sharding: whitening sees every token of the step.
             step_batch.advantages = batch_advantages(algorithm, step_batch)
-        shards = shard_for_data_parallel(step_batch, dp_size)
+        shards = shard_for_data_parallel(step_batch, dp_size, balance=options.balance_data)
         plans = plan_micro_batches(
             shards, micro_batch_size=options.micro_batch_size, max_tokens_per_gpu=options.max_tokens_per_gpu
         )

@@ -33,8 +33,6 @@ FEATURES_OFF: dict[str, Any] = {
     "sglang_dp_size": None,
     "sglang_model_routers": None,
     "multimodal_keys": None,
-    "apply_chat_template_kwargs": None,
-    "tool_key": None,
     "eval_tool_key": None,
     "eval_reward_key": None,
     "eval_max_prompt_len": None,
@@ -52,7 +50,6 @@ FEATURES_OFF: dict[str, Any] = {
     "data_source_path": None,
     "rollout_buffer_url": None,
     "dump_details": None,
-    "loss_mask_type": "qwen",
 }
 """slime flags for features tether does not run, at the value that means "off"."""
 
@@ -61,7 +58,6 @@ def slime_args(config: Any, *, router_ip: str | None, router_port: int | None) -
     """What `args` answers for a slime hook beyond tether's own fields (see the module docstring)."""
     rollout, data = config.rollout, config.data
     extra: dict[str, Any] = dict(FEATURES_OFF)
-    extra["apply_chat_template_kwargs"] = {}
     extra["sglang_router_ip"] = router_ip
     extra["sglang_router_port"] = router_port
     extra["router_policy"] = ROUTER_POLICY.get(rollout.rollout_routing_policy, rollout.rollout_routing_policy)
