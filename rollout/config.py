@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from tether.rollout.rule_rewards import BASE_TYPES, missing_requirement, split_rm_type
+from tether.rollout.reward_types import BASE_TYPES, missing_requirement, split_rm_type
 from tether.runtime.errors import ConfigError
 from tether.runtime.secret import read_key_file
 

@@ -22,7 +22,8 @@ from tether.rollout.hooks import (
     maybe_await,
     slime_samples,
 )
-from tether.rollout.rule_rewards import BASE_TYPES, RULE_TYPES, boxed_content, rule_reward, split_rm_type
+from tether.rollout.reward_types import BASE_TYPES, RULE_TYPES, split_rm_type
+from tether.rollout.rule_rewards import boxed_content, rule_reward
 from tether.rollout.sample import Reward, Sample
 from tether.rollout.slime_api.convert import reward_value, uses_slime_api
 from tether.runtime.errors import ConfigError

@@ -17,6 +17,7 @@ SUBCOMPONENTS = {
     "tether.rollout.cpu_engine": "cpu_engine",  # a server we run, reached only over HTTP
     "tether.rollout.sample": "contract",  # the Sample contract train and sync may use
     "tether.rollout.config": "contract",
+    "tether.rollout.reward_types": "contract",
     "tether.bench": "bench",
 }
 ALLOWED: dict[str, set[str]] = {

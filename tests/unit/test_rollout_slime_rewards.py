@@ -13,6 +13,7 @@ from support.rollout import make_config
 from tether.config import resolve
 from tether.rollout.data_source import DataError, load_prompts
 from tether.rollout.hooks import FlatArgs, HookError
+from tether.rollout.reward_types import missing_requirement
 from tether.rollout.rewards import RewardModel
 from tether.rollout.rule_rewards import (
     boxed_content,
@@ -21,7 +22,6 @@ from tether.rollout.rule_rewards import (
     f1_score,
     gpqa_score,
     math_score,
-    missing_requirement,
     rule_reward,
 )
 from tether.rollout.sample import Sample

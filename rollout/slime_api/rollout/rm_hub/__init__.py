@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tether.rollout.hooks import load_function, maybe_await
+from tether.rollout.reward_types import BASE_TYPES, RULE_TYPES, split_rm_type
 from tether.rollout.rewards import exact_match
-from tether.rollout.rule_rewards import BASE_TYPES, RULE_TYPES, rule_reward, split_rm_type
+from tether.rollout.rule_rewards import rule_reward
 from tether.rollout.slime_api.rollout.rm_hub.math_utils import extract_answer as extract_boxed_answer
 from tether.rollout.slime_api.rollout.rm_hub.math_utils import grade_answer_verl
 from tether.rollout.slime_api.utils.http_utils import post
