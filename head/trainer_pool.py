@@ -193,7 +193,8 @@ class TrainerPool:
                 algorithm=cfg.algorithm,
                 megatron=cfg.megatron,
                 temperature=cfg.rollout.rollout_temperature,
-                offload_train=self.plan.offload_train,
+                # --colocate implies the offload; on CPU devices there is no device memory to free.
+                offload_train=self.plan.offload_train and cfg.cluster.cpu_devices is None,
             )
             infos = await self._all(lambda rank: rank.init(init))
         except BaseException:

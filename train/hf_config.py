@@ -210,6 +210,8 @@ def transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not cuda,
+        # Off: HF weights overwrite every parameter. Megatron then leaves its TP layers' weights
+        # without TP attributes; tether.train.model.mark_tensor_parallel_params sets them.
         perform_initialization=init_weights,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

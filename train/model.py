@@ -96,9 +96,59 @@ def build_chunk(
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
+    mark_tensor_parallel_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def mark_tensor_parallel_params(model: Any) -> int:
+    """Give the weights of Megatron's own tensor-parallel layers their TP attributes
+    (`tensor_model_parallel`, `partition_dim`, `partition_stride`) where the layer left them unset;
+    returns how many weights were marked.
+
+    Why: megatron-core 0.16 sets these attributes only inside its weight initializers
+    (tensor_parallel/layers.py `_initialize_affine_weight_cpu/_gpu`), which ColumnParallelLinear,
+    RowParallelLinear and VocabParallelEmbedding call only when `config.perform_initialization` is
+    on. tether builds with it off (HF weights overwrite every parameter), so those sharded weights
+    looked replicated: the optimizer's grad-norm filter (`param_is_not_tensor_parallel_duplicate`)
+    kept them on TP rank 0 only and dropped the other ranks' shards from the model-parallel sum.
+    The reported grad norm was too low at TP > 1 and --clip-grad clipped too little. (The same
+    holds on GPU for the embedding and output layer, which are Megatron layers under TE's spec too;
+    TE's own linear layers set the attributes themselves and are left as they are.) Megatron-LM
+    initializes by default, so it rarely meets this; Megatron-Bridge (PR #992) worked around the
+    same gap by keeping initialization on, which here would build every full weight on every rank.
+    """
+    with quiet_megatron_imports():
+        from megatron.core.tensor_parallel.layers import (
+            ColumnParallelLinear,
+            RowParallelLinear,
+            VocabParallelEmbedding,
+            set_tensor_model_parallel_attributes,
+        )
+        from megatron.core.transformer.mlp import MLP
+
+    # MLP builds a gated linear_fc1 with stride 2 ([gate, up] interleaved per rank) and does not keep
+    # the stride on the layer; mirror its rule.
+    strides: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, MLP) and module.config.gated_linear_unit and not module.config.use_kitchen:
+            strides[id(module.linear_fc1)] = 2
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        # Tied output layers hold no weight of their own (skip_weight_param_allocation).
+        if not isinstance(weight, torch.nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
+            continue
+        set_tensor_model_parallel_attributes(weight, True, dim, strides.get(id(module), 1))
+        marked += 1
+    return marked
 
 
 def _prepare(opts: ModelOptions, topo: Topology) -> tuple[ModelArch, Any, Any]:

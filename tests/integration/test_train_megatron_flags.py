@@ -70,6 +70,26 @@ def test_same_numbers_another_way(runs: Runs, variant: str) -> None:
     assert rank0["sequence_parallel"] is False  # Megatron turns it off at TP = 1
 
 
+def test_grad_norm_and_clipping_at_tp2_equal_tp1(runs: Runs) -> None:
+    # Megatron's grad norm is the L2 norm over the full model's unique parameters: each TP shard
+    # counted once, replicated weights (norms) once. Every sharded weight carries its TP attributes
+    # (4 layers x qkv, proj, fc1, fc2 + embedding + output layer), at TP = 1 as at TP = 2.
+    for rank in runs:
+        for variant in ("base", "tp2_base", "sgd_clip", "tp2_sgd_clip"):
+            assert value(rank, variant)["tp_params"] == 4 * 4 + 2, variant
+        for tp2, tp1 in (("tp2_base", "base"), ("tp2_sgd_clip", "sgd_clip")):
+            got, want = value(rank, tp2), value(rank, tp1)
+            assert grad_norms(got) == pytest.approx(grad_norms(want), rel=1e-4), tp2
+            assert losses(got) == pytest.approx(losses(want), abs=2e-6), tp2
+        clipped, tp1 = value(rank, "tp2_sgd_clip"), value(rank, "sgd_clip")
+        assert all(norm > 2 * 0.5 for norm in grad_norms(clipped))  # --clip-grad 0.5 really clips
+        # Clipping scales the SGD step by 0.5 / norm: with the TP = 1 norm, the same weights.
+        for name, v in tp1["digest"].items():
+            assert clipped["digest"][name] == pytest.approx(v, rel=1e-5), name
+        # ... and not those of the run clipped at 1.0 (the default), so the digest sees the clip.
+        assert tp1["digest"] != value(rank, "sgd")["digest"]
+
+
 def test_uneven_pipeline_stages(runs: Runs) -> None:
     assert [value(r, "pp2_uneven")["stage_layers"] for r in runs] == [1, 3]
     assert [value(r, "pp2_even")["stage_layers"] for r in runs] == [2, 2]

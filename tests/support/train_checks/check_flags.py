@@ -9,7 +9,9 @@ and a digest of the weights after the last step (read back the way weight sync r
   and without the overlapped parameter all-gather; bf16; fp16 with dynamic loss scaling; SGD; a
   linearly decaying LR with warm-up; vocabulary padding; a sample longer than --seq-length.
 - DP=2: the storage round trip --offload-train makes on a GPU (host to host here) between steps.
-- TP=2: baseline and full recompute.  PP=2: even stages, and uneven ones (1 + 3 layers).
+- TP=2: baseline, full recompute, and SGD with --clip-grad below the gradient norm (its DP=2 twin
+  is `sgd_clip`): the grad norm and the clipped step must equal TP=1's.
+  PP=2: even stages, and uneven ones (1 + 3 layers).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ DP2: dict[str, dict[str, object]] = {
     "distopt_bf16": {"use_distributed_optimizer": True, "bf16": True},
     "fp16": {"fp16": True, "initial_loss_scale": 65536.0},
     "sgd": {"optimizer": "sgd", "adam_beta2": 0.999},
+    # The first step's grad norm is ~3.2: clipped to 0.5. SGD's update scales with the clip factor
+    # (Adam's would not), so a wrong norm shows in the weights.
+    "sgd_clip": {"optimizer": "sgd", "adam_beta2": 0.999, "clip_grad": 0.5},
     "schedule": {"lr_decay_style": "linear", "train_iters": 4, "lr_warmup_iters": 1, "min_lr": 1e-4},
     "vocab_padding": {"make_vocab_size_divisible_by": 128},
 }
@@ -69,6 +74,12 @@ TP2: dict[str, dict[str, object]] = {
         "recompute_granularity": "full",
         "recompute_method": "uniform",
         "recompute_num_layers": 1,
+    },
+    "tp2_sgd_clip": {
+        "tensor_model_parallel_size": 2,
+        "optimizer": "sgd",
+        "adam_beta2": 0.999,
+        "clip_grad": 0.5,
     },
 }
 PP2: dict[str, dict[str, object]] = {
@@ -128,6 +139,8 @@ def run(
         "stage_layers": len(inner.decoder.layers),
         "moved_bytes": moved,
         "param_bytes": sum(p.numel() * p.element_size() for p in inner.parameters()),
+        # Weights Megatron's grad norm counts on every TP rank (the others: on TP rank 0 only).
+        "tp_params": sum(bool(getattr(p, "tensor_model_parallel", False)) for p in inner.parameters()),
     }
 
 
