@@ -79,9 +79,38 @@ class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     ] = False
     wandb_project: Annotated[str | None, Meta(description="W&B project name.")] = None
     wandb_group: Annotated[str | None, Meta(description="W&B group name.")] = None
+    wandb_team: Annotated[str | None, Meta(description="W&B team (entity) the run is logged under.")] = None
+    wandb_host: Annotated[
+        str | None, Meta(description="W&B server URL to log in to (default: the client's, wandb.ai).")
+    ] = None
+    wandb_key: Annotated[
+        str | None,
+        Meta(description="W&B API key to log in with (kept out of the run's receipt; WANDB_API_KEY works)."),
+    ] = None
+    wandb_mode: Annotated[
+        Literal["online", "offline", "disabled"] | None,
+        Meta(description="W&B mode: online, offline (local files only) or disabled; overrides WANDB_MODE."),
+    ] = None
+    wandb_dir: Annotated[
+        str | None, Meta(description="Directory for W&B's local files (default: the run directory).")
+    ] = None
+    wandb_run_id: Annotated[
+        str | None, Meta(description="W&B run id: log into (resume) this run instead of a new one.")
+    ] = None
     use_tensorboard: Annotated[bool, Meta(description="Also write TensorBoard events (when installed).")] = (
         False
     )
+    tb_project_name: Annotated[
+        str | None,
+        Meta(
+            description="TensorBoard events go to tensorboard_log/<this>/<--tb-experiment-name> (relative to "
+            "the working directory, as in slime) instead of the run directory's tensorboard/."
+        ),
+    ] = None
+    tb_experiment_name: Annotated[
+        str | None,
+        Meta(description="Experiment directory under --tb-project-name (default: the run directory's name)."),
+    ] = None
     progress: Annotated[
         Literal["auto", "rich", "plain"],
         Meta(description="Progress display: rich bars, plain lines, or auto."),

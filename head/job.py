@@ -34,7 +34,7 @@ from tether.rollout.engine_api.auth import run_key
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.router import Router
 from tether.rollout_manager import RolloutManager, version_lags
-from tether.run_dir import RunDir, default_run_dir
+from tether.run_dir import RunDir, default_run_dir, redact_argv
 from tether.runtime import task_dump
 from tether.runtime.atomic_file import write_bytes_atomic
 from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError
@@ -326,16 +326,24 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
     await asyncio.to_thread(run_dir.write_receipt, cfg, plan, argv=argv)
     names = node_names(plan)
     bind_host = head_bind_host(cfg, plan, names)  # refused here, before anything starts
-    run_dir.event("start", argv=argv)
+    run_dir.event("start", argv=redact_argv(argv))
     notifier = Notifier.from_env()
     task_dump.install(run_dir.logs)
     sink = MetricsSink(
         run_dir,
         metrics_port=cfg.run.metrics_port,
         use_tensorboard=cfg.run.use_tensorboard,
+        tb_project_name=cfg.run.tb_project_name,
+        tb_experiment_name=cfg.run.tb_experiment_name,
         use_wandb=cfg.run.use_wandb,
         wandb_project=cfg.run.wandb_project,
         wandb_group=cfg.run.wandb_group,
+        wandb_team=cfg.run.wandb_team,
+        wandb_host=cfg.run.wandb_host,
+        wandb_key=cfg.run.wandb_key,
+        wandb_mode=cfg.run.wandb_mode,
+        wandb_dir=cfg.run.wandb_dir,
+        wandb_run_id=cfg.run.wandb_run_id,
     )
     progress = RunProgress(cfg.data.num_rollout or 0, 0, cfg.run.progress)
     progress.message(f"run directory: {run_path}")

@@ -7,7 +7,8 @@ import importlib.util
 import logging
 import math
 import re
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from tether.run_dir import RunDir
 
@@ -16,6 +17,14 @@ log = logging.getLogger(__name__)
 
 def _prom_name(key: str) -> str:
     return "tether_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def tensorboard_dir(run_dir: Path, project: str | None = None, experiment: str | None = None) -> Path:
+    """Where TensorBoard events go: <run dir>/tensorboard, or with slime's --tb-project-name
+    tensorboard_log/<project>/<experiment> (experiment default: the run directory's name)."""
+    if project is None:
+        return run_dir / "tensorboard"
+    return Path("tensorboard_log") / project / (experiment or run_dir.name)
 
 
 class MetricsSink:
@@ -27,9 +36,17 @@ class MetricsSink:
         *,
         metrics_port: int | None = None,
         use_tensorboard: bool = False,
+        tb_project_name: str | None = None,
+        tb_experiment_name: str | None = None,
         use_wandb: bool = False,
         wandb_project: str | None = None,
         wandb_group: str | None = None,
+        wandb_team: str | None = None,
+        wandb_host: str | None = None,
+        wandb_key: str | None = None,
+        wandb_mode: Literal["online", "offline", "disabled"] | None = None,
+        wandb_dir: str | None = None,
+        wandb_run_id: str | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir = run_dir
@@ -51,14 +68,21 @@ class MetricsSink:
             else:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(run_dir.path / "tensorboard"))
+                log_dir = tensorboard_dir(run_dir.path, tb_project_name, tb_experiment_name)
+                self._tb = SummaryWriter(log_dir=str(log_dir))
         if use_wandb:
             import wandb  # an optional dependency: installed by users who ask for it
 
+            if wandb_key is not None or wandb_host is not None:
+                wandb.login(key=wandb_key, host=wandb_host, relogin=wandb_key is not None)
             self._wandb = wandb.init(
                 project=wandb_project or "tether",
                 group=wandb_group,
-                dir=str(run_dir.path),
+                entity=wandb_team,
+                mode=wandb_mode,
+                dir=wandb_dir or str(run_dir.path),
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id is not None else None,
                 config=config,
                 name=run_dir.path.name,
             )

@@ -61,6 +61,38 @@ def git_revision() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+# Flags whose values are credentials: the receipt keeps that they were given, not the value.
+SECRET_FLAGS = ("--wandb-key",)
+REDACTED = "<redacted>"
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """The command line with the values of SECRET_FLAGS replaced."""
+    out: list[str] = []
+    hide_next = False
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if hide_next and not token.startswith("--"):
+            out.append(REDACTED)
+        elif name in SECRET_FLAGS and "=" in token:
+            out.append(f"{name}={REDACTED}")
+        else:
+            out.append(token)
+        hide_next = name in SECRET_FLAGS and "=" not in token
+    return out
+
+
+def redact_config(config: Any) -> Any:
+    """The config's builtins with the values of SECRET_FLAGS replaced."""
+    if isinstance(config, dict):
+        for flag in SECRET_FLAGS:
+            field = flag[2:].replace("-", "_")
+            for section in config.values():
+                if isinstance(section, dict) and section.get(field) is not None:
+                    section[field] = REDACTED
+    return config
+
+
 class RunDir:
     """Owns the files of one run; every write is atomic or an append of whole lines."""
 
@@ -79,8 +111,8 @@ class RunDir:
     ) -> None:
         receipt = {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "argv": argv,
-            "config": msgspec.to_builtins(config),
+            "argv": redact_argv(argv),
+            "config": redact_config(msgspec.to_builtins(config)),
             "plan": msgspec.to_builtins(plan),
             "versions": {"python": platform.python_version(), **package_versions()},
             "git_revision": git_revision(),

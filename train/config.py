@@ -491,6 +491,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     no_gradient_accumulation_fusion: Annotated[
         bool, Meta(description="Disable fused gradient accumulation into the weight gradients.")
     ] = False
+    deterministic_mode: Annotated[
+        bool,
+        Meta(
+            description="Deterministic kernels only: Megatron's deterministic mode, and torch's deterministic "
+            "algorithms (cuDNN benchmarking off) on every trainer rank, so a rerun trains bit-identically."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         _check_optional_ranges(self)
@@ -585,12 +592,6 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                     "--use-precision-aware-optimizer",
                     True,
                     f"supports --optimizer adam only, not {self.optimizer}",
-                )
-            if not self.use_distributed_optimizer:
-                raise ConfigError(
-                    "--use-precision-aware-optimizer",
-                    True,
-                    "needs --use-distributed-optimizer (as Megatron requires)",
                 )
         if self.optimizer_cpu_offload and not self.use_precision_aware_optimizer:
             raise ConfigError(
@@ -725,6 +726,12 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             raise ConfigError(
                 "--use-flash-attn", True, f"contradicts --attention-backend {self.attention_backend}"
             )
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the optimizer state is sharded over DP: --use-distributed-optimizer, and also
+        --use-precision-aware-optimizer, which Megatron runs only sharded (slime always shards)."""
+        return self.use_distributed_optimizer or self.use_precision_aware_optimizer
 
     @property
     def resolved_attention_backend(self) -> str | None:

@@ -79,6 +79,7 @@ def transformer_config_kwargs(
         "num_layers_in_last_pipeline_stage": megatron.decoder_last_pipeline_num_layers,
         "attention_softmax_in_fp32": megatron.attention_softmax_in_fp32,
         "calculate_per_token_loss": megatron.calculate_per_token_loss,
+        "deterministic_mode": megatron.deterministic_mode,
         # Megatron's fusions default on; each --no-*-fusion turns one off. A fusion whose kernel
         # this rank lacks stays off (Megatron would fail to build or run it).
         "masked_softmax_fusion": not megatron.no_masked_softmax_fusion
@@ -113,7 +114,7 @@ def ddp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
         "grad_reduce_in_fp32": megatron.accumulate_allreduce_grads_in_fp32 or megatron.bf16,
         "overlap_grad_reduce": megatron.overlap_grad_reduce,
         "overlap_param_gather": megatron.overlap_param_gather,
-        "use_distributed_optimizer": megatron.use_distributed_optimizer,
+        "use_distributed_optimizer": megatron.distributed_optimizer,
         "bucket_size": None,
     }
 
@@ -145,7 +146,7 @@ def optimizer_config_kwargs(megatron: MegatronConfig, algorithm: AlgorithmConfig
         "min_loss_scale": megatron.min_loss_scale,
         "loss_scale_window": megatron.loss_scale_window,
         "hysteresis": megatron.hysteresis,
-        "use_distributed_optimizer": megatron.use_distributed_optimizer,
+        "use_distributed_optimizer": megatron.distributed_optimizer,
         "overlap_param_gather": megatron.overlap_param_gather,
         "optimizer_cpu_offload": megatron.optimizer_cpu_offload,
         "optimizer_offload_fraction": megatron.optimizer_offload_fraction,

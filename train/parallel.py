@@ -87,6 +87,7 @@ def init_distributed(
     pipeline_parallel: int = 1,
     seed: int = 1234,
     timeout_minutes: int = 30,
+    deterministic: bool = False,
 ) -> Topology:
     """Join the torchrun job and build Megatron's TP/PP/DP groups; idempotent per process."""
     from megatron.core import parallel_state
@@ -123,7 +124,20 @@ def init_distributed(
             distributed_timeout_minutes=timeout_minutes,
         )
     set_seed(seed)
+    if deterministic:
+        use_deterministic_algorithms()
     return topology()
+
+
+def use_deterministic_algorithms() -> None:
+    """--deterministic-mode on this rank: torch's deterministic kernels only, cuDNN without autotuning
+    (cuBLAS needs a fixed workspace for that, TransformerEngine's attention its deterministic
+    algorithms; each is set unless the environment chose otherwise)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=False)
 
 
 def topology() -> Topology:

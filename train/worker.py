@@ -137,6 +137,7 @@ class TrainerWorker(RankApi):
                 megatron.tensor_model_parallel_size,
                 megatron.pipeline_model_parallel_size,
                 seed=algorithm.seed,
+                deterministic=megatron.deterministic_mode,
             )
             opts = model_options(hf_checkpoint, algorithm, megatron)
             self._actor = model.build_actor(opts, topo)

@@ -7,6 +7,7 @@ flag, the value and what is missing. The last test walks every flag of the Megat
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any
 
@@ -321,14 +322,44 @@ def test_cpu_offload_and_precision_aware_optimizer() -> None:
     check_capabilities(parse(*argv).megatron, GPU)
     refused(["--cpu-devices", "2", *argv], "--optimizer-cpu-offload", "needs CUDA")
     refused(["--cpu-devices", "2", *argv[:2]], "--use-precision-aware-optimizer", "TransformerEngine")
-    refused(
-        ["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer", "--use-distributed-optimizer"
+    # Megatron runs the precision-aware optimizer only sharded; slime always shards, so the flag alone
+    # turns the distributed optimizer on (slime's scripts/run-qwen3-32B.sh passes it alone).
+    alone = megatron_args.optimizer_config_kwargs(
+        parse("--use-precision-aware-optimizer").megatron, AlgorithmConfig()
     )
+    assert alone["use_precision_aware_optimizer"] and alone["use_distributed_optimizer"]
+    assert megatron_args.ddp_config_kwargs(parse("--use-precision-aware-optimizer").megatron)[
+        "use_distributed_optimizer"
+    ]
+    assert not megatron_args.ddp_config_kwargs(parse().megatron)["use_distributed_optimizer"]
     refused(
         ["--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload", "precision"
     )
     refused(["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d")
     refused(["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction")
+
+
+def test_deterministic_mode_reaches_megatron_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether.train import parallel
+
+    on = megatron_args.transformer_config_kwargs(parse("--deterministic-mode").megatron, GPU, tp_size=1)
+    off = megatron_args.transformer_config_kwargs(parse().megatron, GPU, tp_size=1)
+    assert on["deterministic_mode"] and not off["deterministic_mode"]
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    saved_det = torch.backends.cudnn.deterministic
+    try:
+        torch.backends.cudnn.benchmark = True
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the environment's choice is kept
+        monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
+        parallel.use_deterministic_algorithms()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+        assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.benchmark = saved[1]
+        torch.backends.cudnn.deterministic = saved_det
 
 
 # --- learning-rate schedule ---------------------------------------------------------------
@@ -601,6 +632,7 @@ PROBES: dict[str, list[Probe]] = {
     ],
     "--use-precision-aware-optimizer": [
         flag("--use-precision-aware-optimizer", base=("--use-distributed-optimizer",)),
+        flag("--use-precision-aware-optimizer"),
         flag(
             "--use-precision-aware-optimizer",
             base=(*CPU_PLAN, "--use-distributed-optimizer"),
@@ -672,6 +704,7 @@ PROBES: dict[str, list[Probe]] = {
     "--no-rope-fusion": [flag("--no-rope-fusion")],
     "--no-masked-softmax-fusion": [flag("--no-masked-softmax-fusion")],
     "--no-gradient-accumulation-fusion": [flag("--no-gradient-accumulation-fusion")],
+    "--deterministic-mode": [flag("--deterministic-mode")],
 }
 
 

@@ -1,0 +1,419 @@
+"""slime's own launch scripts pass `tether plan` unchanged (issue #19).
+
+Each entry is the argument list a script of THUDM/slime passes to `train.py`, in the script's order
+(its MODEL_ARGS from scripts/models/<model>.sh, then CKPT_ARGS, ROLLOUT_ARGS, ... as it expands them),
+with slime's values. Only the paths are replaced, by files and directories the test creates: a
+config.json with the architecture the MODEL_ARGS assert for --hf-checkpoint, JSONL prompt files, and
+checkpoint directories. Each list is resolved by tether's parser, its hooks checked and its placement
+planned on one 8-GPU node, exactly as `tether plan` does, without starting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tether.config import Config, resolve
+from tether.placement.inventory import Gpu, Inventory, Node
+from tether.placement.plan import Plan, plan_from_config
+from tether.rollout.hook_checks import check_hooks
+
+# --- model configs: the Hugging Face config.json each MODEL_ARGS describes ------------------------
+
+_QWEN3 = {"model_type": "qwen3", "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000}
+_QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000}
+HF_CONFIGS: dict[str, dict[str, object]] = {
+    "qwen3-4B": {
+        **_QWEN3,
+        "num_hidden_layers": 36,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-32B": {
+        **_QWEN3,
+        "num_hidden_layers": 64,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+    "qwen2.5-0.5B": {
+        **_QWEN2,
+        "num_hidden_layers": 24,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-3B": {
+        **_QWEN2,
+        "num_hidden_layers": 36,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    },
+}
+
+# --- the scripts' argument lists ---------------------------------------------------------------
+
+# slime: scripts/run-qwen3-4B.sh (MODEL_ARGS: scripts/models/qwen3-4B.sh), NUM_GPUS=8
+QWEN3_4B = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--vocab-size", "151936",
+    "--kv-channels", "128", "--qk-layernorm",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-4B", "--ref-load", "/root/Qwen3-4B_torch_dist",
+    "--load", "/root/Qwen3-4B_slime/", "--save", "/root/Qwen3-4B_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "1", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/run-qwen3-4B-amd.sh (MODEL_ARGS: scripts/models/qwen3-4B.sh), NUM_GPUS=8
+QWEN3_4B_AMD = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    "--no-offload-train", "--no-offload-rollout",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--vocab-size", "151936",
+    "--kv-channels", "128", "--qk-layernorm",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-4B", "--ref-load", "/root/Qwen3-4B_torch_dist",
+    "--load", "/root/Qwen3-4B_slime/", "--save", "/root/Qwen3-4B_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "1", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    "--no-gradient-accumulation-fusion",
+]  # fmt: skip
+
+# slime: scripts/run-qwen3-32B.sh (MODEL_ARGS: scripts/models/qwen3-32B.sh), NUM_GPUS=8
+QWEN3_32B = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "64", "--hidden-size", "5120", "--ffn-hidden-size", "25600",
+    "--num-attention-heads", "64", "--group-query-attention", "--num-query-groups", "8",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--vocab-size", "151936",
+    "--kv-channels", "128", "--qk-layernorm", "--untie-embeddings-and-output-weights",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-32B", "--ref-load", "/root/Qwen3-32B_torch_dist/",
+    "--load", "/root/Qwen3-32B_slime", "--save", "/root/Qwen3-32B_slime", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "5", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "1", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "8", "--sequence-parallel",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20480",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "8", "16", "24", "32", "40", "48", "56", "64", "72",
+    "80", "88", "96", "104", "112", "120", "128", "136", "144", "152", "160", "168", "176", "184",
+    "192", "200", "208", "216", "224", "232", "240", "248", "256",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/run-qwen2.5-0.5B-gb10-smoke.sh (MODEL_ARGS: scripts/models/qwen2.5-0.5B.sh)
+QWEN25_05B_SMOKE = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--colocate",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "24", "--hidden-size", "896", "--ffn-hidden-size", "4864",
+    "--num-attention-heads", "14", "--use-rotary-position-embeddings", "--disable-bias-linear",
+    "--add-qkv-bias", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+    "--rotary-base", "1000000", "--group-query-attention", "--num-query-groups", "2",
+    "--vocab-size", "151936",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen2.5-0.5B-Instruct/",
+    "--ref-load", "/root/Qwen2.5-0.5B-Instruct_torch_dist/", "--save", "/tmp/slime_smoke_save/",
+    "--save-interval", "9999",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl",
+    "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
+    "--rm-type", "deepscaler", "--num-rollout", "1", "--rollout-batch-size", "2",
+    "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "1", "--global-batch-size", "4",
+    "--rollout-max-response-len", "256", "--rollout-temperature", "1",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "1",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "1", "--sglang-mem-fraction-static", "0.4",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+    "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
+    "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/run-qwen2.5-0.5B-reproducibility.sh (MODEL_ARGS: scripts/models/qwen2.5-0.5B.sh)
+QWEN25_05B_REPRODUCIBILITY = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    "--calculate-per-token-loss",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "24", "--hidden-size", "896", "--ffn-hidden-size", "4864",
+    "--num-attention-heads", "14", "--use-rotary-position-embeddings",
+    "--disable-bias-linear", "--add-qkv-bias", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+    "--rotary-base", "1000000", "--group-query-attention", "--num-query-groups", "2",
+    "--vocab-size", "151936",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen2.5-0.5B-Instruct/",
+    "--ref-load", "/root/Qwen2.5-0.5B-Instruct_torch_dist/",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/gsm8k/train.parquet", "--input-key", "messages", "--label-key", "label",
+    "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math", "--num-rollout", "100",
+    "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "1024",
+    "--rollout-temperature", "1", "--global-batch-size", "256",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # WANDB_ARGS
+    "--use-wandb", "--wandb-host", "https://wandb.ai/", "--wandb-team", "glm-zero",
+    "--wandb-project", "slime-dev", "--wandb-group", "qwen2.5-0.5B-gsm8k-deterministic",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "1",
+    "--sequence-parallel", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "gsm8k", "/root/gsm8k/test.parquet",
+    "--n-samples-per-eval-prompt", "1", "--eval-max-response-len", "1024", "--eval-top-k", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "1", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-enable-deterministic-inference", "--sglang-attention-backend", "flashinfer",
+    "--deterministic-mode",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: examples/search-r1/run_qwen2.5_3B.sh (MODEL_ARGS: scripts/models/qwen2.5-3B.sh); its hooks
+# live in the example's generate_with_search.py, which the test stands in for.
+SEARCH_R1_QWEN25_3B = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4", "--colocate",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "36", "--hidden-size", "2048", "--ffn-hidden-size", "11008",
+    "--num-attention-heads", "16", "--use-rotary-position-embeddings", "--disable-bias-linear",
+    "--add-qkv-bias", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+    "--rotary-base", "1000000", "--group-query-attention", "--num-query-groups", "2",
+    "--vocab-size", "151936",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen2.5-3B/", "--ref-load", "/root/Qwen2.5-3B_torch_dist/",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/Search-R1/data/nq_hotpotqa_train/train.parquet", "--input-key", "prompt",
+    "--label-key", "reward_model", "--apply-chat-template", "--rollout-shuffle",
+    "--num-rollout", "3000", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "512", "--rollout-temperature", "1", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant",
+    "--weight-decay", "0.01", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    # CUSTOM_ARGS
+    "--custom-generate-function-path", "generate_with_search.generate",
+    "--custom-rm-path", "generate_with_search.reward_func",
+]  # fmt: skip
+
+# script path in slime -> (its arguments, the model its MODEL_ARGS describe)
+SCRIPTS: dict[str, tuple[list[str], str]] = {
+    "scripts/run-qwen3-4B.sh": (QWEN3_4B, "qwen3-4B"),
+    "scripts/run-qwen3-4B-amd.sh": (QWEN3_4B_AMD, "qwen3-4B"),
+    "scripts/run-qwen3-32B.sh": (QWEN3_32B, "qwen3-32B"),
+    "scripts/run-qwen2.5-0.5B-gb10-smoke.sh": (QWEN25_05B_SMOKE, "qwen2.5-0.5B"),
+    "scripts/run-qwen2.5-0.5B-reproducibility.sh": (QWEN25_05B_REPRODUCIBILITY, "qwen2.5-0.5B"),
+    "examples/search-r1/run_qwen2.5_3B.sh": (SEARCH_R1_QWEN25_3B, "qwen2.5-3B"),
+}
+
+# Flags whose values are paths, and what the test puts there instead.
+_DIR_FLAGS = {"--ref-load", "--load", "--save"}
+_DATA_FLAGS = {"--prompt-data"}
+_PROMPT = {"prompt": "What is 1 + 1?", "messages": [{"role": "user", "content": "1 + 1?"}], "label": "2"}
+
+
+def with_local_paths(argv: list[str], model: str, tmp: Path) -> list[str]:
+    """The script's arguments with each path replaced by one under `tmp` that exists."""
+    hf = tmp / "hf" / model
+    hf.mkdir(parents=True, exist_ok=True)
+    (hf / "config.json").write_text(json.dumps(HF_CONFIGS[model]))
+    data = tmp / "data.jsonl"
+    data.write_text(json.dumps(_PROMPT) + "\n")
+    out: list[str] = []
+    flag = ""
+    for token in argv:
+        if token.startswith("--"):
+            flag = token
+            out.append(token)
+        elif flag == "--hf-checkpoint":
+            out.append(str(hf))
+        elif flag in _DIR_FLAGS:
+            out.append(str(tmp / "ckpt" / Path(token).name))
+        elif flag in _DATA_FLAGS or (flag == "--eval-prompt-data" and token.startswith("/")):
+            out.append(str(data))
+        else:
+            out.append(token)
+    return out
+
+
+def one_node(gpus: int) -> Inventory:
+    return Inventory(
+        nodes=[Node(hostname="n0", address="10.0.0.1", gpus=[Gpu(index=g) for g in range(gpus)])]
+    )
+
+
+def plan_for(argv: list[str]) -> tuple[Config, Plan]:
+    """What `tether plan` does with these flags (resolve, check hooks, place), on an 8-GPU node."""
+    cfg = resolve(argv)
+    if not cfg.debug.debug_train_only:
+        check_hooks(cfg.rollout)
+    plan = plan_from_config(
+        cfg.cluster, cfg.debug.debug_rollout_only, cfg.debug.debug_train_only, one_node(8), lambda _: None
+    )
+    return cfg, plan
+
+
+@pytest.fixture
+def search_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for the search-r1 example's generate_with_search.py: its hooks' signatures."""
+    module = tmp_path / "hooks" / "generate_with_search.py"
+    module.parent.mkdir()
+    module.write_text(
+        textwrap.dedent(
+            """
+            async def generate(args, sample, sampling_params):
+                return sample
+
+            async def reward_func(args, sample, **kwargs):
+                return 0.0
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(module.parent))
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_slime_script_plans_unchanged(script: str, tmp_path: Path, search_hooks: None) -> None:
+    argv, model = SCRIPTS[script]
+    cfg, plan = plan_for(with_local_paths(argv, model, tmp_path))
+    actor = plan.train_group("actor")
+    assert actor is not None
+    assert actor.world_size == int(argv[argv.index("--actor-num-gpus-per-node") + 1])
+    per_engine = int(argv[argv.index("--rollout-num-gpus-per-engine") + 1])
+    assert {engine.tp_size for engine in plan.engines} == {per_engine}
+    assert plan.colocate is cfg.cluster.colocate is ("--colocate" in argv)
+    assert cfg.data.rollout_shuffle  # every one of them shuffles its prompts
+    # The receipt round-trips (what `tether run` writes before it starts anything).
+    assert Config.from_json(cfg.to_json()) == cfg
+    assert msgspec.json.decode(plan.to_json())["mode"] == plan.mode
+
+
+def test_six_scripts_are_kept() -> None:
+    assert len(SCRIPTS) >= 6
