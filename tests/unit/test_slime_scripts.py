@@ -112,45 +112,8 @@ QWEN3_4B = [
 
 # slime: scripts/run-qwen3-4B-amd.sh (MODEL_ARGS: scripts/models/qwen3-4B.sh), NUM_GPUS=8
 QWEN3_4B_AMD = [
-    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
-    "--no-offload-train", "--no-offload-rollout",
-    # MODEL_ARGS
-    "--swiglu", "--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
-    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
-    "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
-    "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--vocab-size", "151936",
-    "--kv-channels", "128", "--qk-layernorm",
-    # CKPT_ARGS
-    "--hf-checkpoint", "/root/Qwen3-4B", "--ref-load", "/root/Qwen3-4B_torch_dist",
-    "--load", "/root/Qwen3-4B_slime/", "--save", "/root/Qwen3-4B_slime/", "--save-interval", "20",
-    # ROLLOUT_ARGS
-    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
-    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
-    "--num-rollout", "3000", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
-    "--rollout-max-response-len", "8192", "--rollout-temperature", "1", "--global-batch-size", "256",
-    "--balance-data",
-    # OPTIMIZER_ARGS
-    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant",
-    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
-    # GRPO_ARGS
-    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
-    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
-    "--eps-clip-high", "0.28",
-    # PERF_ARGS
-    "--tensor-model-parallel-size", "2", "--sequence-parallel",
-    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
-    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
-    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
-    # EVAL_ARGS
-    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
-    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
-    # SGLANG_ARGS
-    "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
-    # MISC_ARGS
-    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
-    "--attention-softmax-in-fp32", "--attention-backend", "flash",
-    "--no-gradient-accumulation-fusion",
+    *QWEN3_4B[:5], "--no-offload-train", "--no-offload-rollout",  # after the cluster flags
+    *QWEN3_4B[5:], "--no-gradient-accumulation-fusion",  # otherwise run-qwen3-4B.sh's arguments
 ]  # fmt: skip
 
 # slime: scripts/run-qwen3-32B.sh (MODEL_ARGS: scripts/models/qwen3-32B.sh), NUM_GPUS=8
