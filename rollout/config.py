@@ -257,6 +257,13 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     )
     group_rm: Annotated[bool, Meta(description="Compute rewards over a whole group at once.")] = False
     reward_key: Annotated[str | None, Meta(description="Key selecting the reward from a dict reward.")] = None
+    log_passrate: Annotated[
+        bool,
+        Meta(
+            description="Log pass@k of each rollout (k = 1, 2, 4, ... up to the group size; unbiased "
+            "estimator over each prompt's samples, a sample passing when its reward is 1)."
+        ),
+    ] = False
     sglang_server_concurrency: Annotated[
         int, Meta(ge=1, description="Concurrent generate requests per engine.")
     ] = 512

@@ -249,7 +249,9 @@ class FullyAsyncWorker:
         group_size = None if self._ctx.generate_hook else self._ctx.data.n_samples_per_prompt
         groups = finalize_groups(self._ctx, groups, rollout_id, group_size=group_size)
         self._ctx.metrics = {
-            **rollout_metrics(groups, self._ctx.rollout.reward_key, 0.0),
+            **rollout_metrics(
+                groups, self._ctx.rollout.reward_key, 0.0, log_passrate=self._ctx.rollout.log_passrate
+            ),
             **self.metrics().as_dict(),
         }
         return groups

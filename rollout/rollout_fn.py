@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -425,7 +426,9 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
     groups = finalize_groups(
         ctx, kept[:target], rollout_id, group_size=None if ctx.generate_hook else data.n_samples_per_prompt
     )
-    ctx.metrics = rollout_metrics(groups, cfg.reward_key, time.monotonic() - started)
+    ctx.metrics = rollout_metrics(
+        groups, cfg.reward_key, time.monotonic() - started, log_passrate=cfg.log_passrate
+    )
     ctx.metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
     ctx.metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in reasons.items()})
     ctx.metrics["rollout/dropped_long_prompts"] = float(data_source.dropped_long_prompts)
@@ -482,15 +485,39 @@ async def _abort_until_done(
         _, remaining = await asyncio.wait(remaining, timeout=interval)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with c passing samples out of n: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def passrate_metrics(groups: Sequence[Sequence[Sample]], reward_key: str | None) -> dict[str, float]:
+    """slime's --log-passrate: pass@k for k = 1, 2, 4, ... up to the group size, averaged over the
+    prompts; a sample passes when its reward is 1. Nothing for groups of one sample."""
+    size = min((len(g) for g in groups), default=0)
+    if size <= 1:
+        return {}
+    passed = [(len(g), sum(s.scalar_reward(reward_key) == 1 for s in g)) for g in groups]
+    ks = [2**i for i in range(int(math.log2(size)) + 1)]
+    return {f"passrate/pass@{k}": sum(pass_at_k(n, c, k) for n, c in passed) / len(passed) for k in ks}
+
+
 def rollout_metrics(
-    groups: Sequence[Sequence[Sample]], reward_key: str | None, seconds: float
+    groups: Sequence[Sequence[Sample]],
+    reward_key: str | None,
+    seconds: float,
+    *,
+    log_passrate: bool = False,
 ) -> dict[str, float]:
     samples = [s for g in groups for s in g]
     if not samples:
         return {"rollout/seconds": seconds}
     rewards = [s.scalar_reward(reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
+    passrate = passrate_metrics(groups, reward_key) if log_passrate else {}
     return {
+        **passrate,
         "rollout/seconds": seconds,
         "rollout/samples": float(len(samples)),
         "rollout/reward_mean": sum(rewards) / len(rewards),

@@ -498,6 +498,14 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "algorithms (cuDNN benchmarking off) on every trainer rank, so a rerun trains bit-identically."
         ),
     ] = False
+    distributed_timeout_minutes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="Timeout of the trainer ranks' process group (collectives), in minutes "
+            "(slime's default).",
+        ),
+    ] = 10
 
     def __post_init__(self) -> None:
         _check_optional_ranges(self)

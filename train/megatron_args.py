@@ -119,6 +119,17 @@ def ddp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
     }
 
 
+def init_distributed_kwargs(megatron: MegatronConfig, algorithm: AlgorithmConfig) -> dict[str, Any]:
+    """What every trainer rank passes to `tether.train.parallel.init_distributed`."""
+    return {
+        "tensor_parallel": megatron.tensor_model_parallel_size,
+        "pipeline_parallel": megatron.pipeline_model_parallel_size,
+        "seed": algorithm.seed,
+        "timeout_minutes": megatron.distributed_timeout_minutes,
+        "deterministic": megatron.deterministic_mode,
+    }
+
+
 def ddp_config(megatron: MegatronConfig) -> Any:
     with quiet_megatron_imports():
         from megatron.core.distributed import DistributedDataParallelConfig

@@ -128,17 +128,12 @@ class TrainerWorker(RankApi):
             raise ConfigError("--rollout-temperature", temperature, "must be > 0 for log-probs")
 
         def work() -> WorkerInfo:
-            from tether.train import checkpoint, model, parallel
+            from tether.train import checkpoint, megatron_args, model, parallel
             from tether.train.hf_config import check_architecture_flags, load_arch
 
             arch = load_arch(hf_checkpoint)
             check_architecture_flags(arch, megatron.architecture())
-            topo = parallel.init_distributed(
-                megatron.tensor_model_parallel_size,
-                megatron.pipeline_model_parallel_size,
-                seed=algorithm.seed,
-                deterministic=megatron.deterministic_mode,
-            )
+            topo = parallel.init_distributed(**megatron_args.init_distributed_kwargs(megatron, algorithm))
             opts = model_options(hf_checkpoint, algorithm, megatron)
             self._actor = model.build_actor(opts, topo)
             needs_ref = request.with_reference or algorithm.use_kl_loss or algorithm.kl_coef > 0

@@ -114,7 +114,9 @@ async def slime_rollout(
     samples = output.samples if hasattr(output, "samples") else output
     extra = (getattr(output, "metrics", None) or {}) if hasattr(output, "samples") else {}
     groups = groups_from_slime(path, samples, rollout_id)
-    metrics = rollout_metrics(groups, ctx.rollout.reward_key, loop.time() - started)
+    metrics = rollout_metrics(
+        groups, ctx.rollout.reward_key, loop.time() - started, log_passrate=ctx.rollout.log_passrate
+    )
     metrics.update(_numeric(path, extra))
     return groups, metrics
 

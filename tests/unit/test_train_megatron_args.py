@@ -7,6 +7,7 @@ flag, the value and what is missing. The last test walks every flag of the Megat
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import warnings
 from typing import Any
@@ -337,6 +338,20 @@ def test_cpu_offload_and_precision_aware_optimizer() -> None:
     )
     refused(["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d")
     refused(["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction")
+
+
+def test_distributed_timeout_minutes_reaches_init_distributed() -> None:
+    from tether.train import parallel
+
+    cfg = parse("--distributed-timeout-minutes", "45", "--seed", "7")
+    kwargs = megatron_args.init_distributed_kwargs(cfg.megatron, cfg.algorithm)
+    assert kwargs["timeout_minutes"] == 45 and kwargs["seed"] == 7
+    default = megatron_args.init_distributed_kwargs(parse().megatron, parse().algorithm)
+    assert default["timeout_minutes"] == 10  # slime's default (Megatron-LM's flag, reset by slime)
+    # Every keyword is one init_distributed takes, so the worker's call binds them all.
+    inspect.signature(parallel.init_distributed).bind(**kwargs)
+    with pytest.raises(ConfigError):
+        parse("--distributed-timeout-minutes", "0")
 
 
 def test_deterministic_mode_reaches_megatron_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -705,6 +720,7 @@ PROBES: dict[str, list[Probe]] = {
     "--no-masked-softmax-fusion": [flag("--no-masked-softmax-fusion")],
     "--no-gradient-accumulation-fusion": [flag("--no-gradient-accumulation-fusion")],
     "--deterministic-mode": [flag("--deterministic-mode")],
+    "--distributed-timeout-minutes": [flag("--distributed-timeout-minutes", "45")],
 }
 
 
@@ -722,6 +738,7 @@ def produced(cfg: Config, arch: ModelArch) -> dict[str, Any]:
         "ddp": megatron_args.ddp_config_kwargs(m),
         "optimizer": megatron_args.optimizer_config_kwargs(m, algo),
         "scheduler": megatron_args.scheduler_kwargs(m, algo),
+        "init_distributed": megatron_args.init_distributed_kwargs(m, algo),
     }
 
 
