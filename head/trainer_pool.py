@@ -304,20 +304,14 @@ class TrainerPool:
         return self.infos[0].dp_size
 
     # ----- training -----
-    def work_options(self) -> WorkOptions:
-        """How the run's data flags cut a rollout into steps and micro-batches."""
-        data = self.cfg.data
-        return WorkOptions(
-            global_batch_size=data.resolved_global_batch_size,
-            micro_batch_size=data.micro_batch_size,
-            max_tokens_per_gpu=data.max_tokens_per_gpu if data.use_dynamic_batch_size else None,
-            reward_key=self.cfg.rollout.reward_key,
-            balance_data=data.balance_data,
-        )
-
     async def train(self, rollout_id: int, groups: Groups, *, weight_version: int) -> dict[str, float]:
         """Train on one rollout (one or more optimizer steps); the last step's metrics."""
-        steps = rollout_steps(groups, self.cfg.algorithm, self.work_options(), dp_size=self.dp_size)
+        steps = rollout_steps(
+            groups,
+            self.cfg.algorithm,
+            WorkOptions.from_config(self.cfg.data, self.cfg.rollout.reward_key),
+            dp_size=self.dp_size,
+        )
         metrics: dict[str, float] = {}
         for step in steps:
             await self._attach_log_probs(step)

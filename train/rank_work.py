@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tether.rollout.config import DataConfig
 from tether.rollout.sample import Sample
 from tether.train.advantages import compute_advantages, process_rewards
 from tether.train.batching import (
@@ -48,6 +49,17 @@ class WorkOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens_per_gpu: int | None = None  # dynamic micro-batches of at most this many tokens when set
     reward_key: str | None = None  # selects the reward from a dict reward
     balance_data: bool = False  # --balance-data: balance DP shards' token counts (else round-robin)
+
+    @classmethod
+    def from_config(cls, data: DataConfig, reward_key: str | None) -> WorkOptions:
+        """The options the run's data flags (and --reward-key) ask for."""
+        return cls(
+            global_batch_size=data.resolved_global_batch_size,
+            micro_batch_size=data.micro_batch_size,
+            max_tokens_per_gpu=data.max_tokens_per_gpu if data.use_dynamic_batch_size else None,
+            reward_key=reward_key,
+            balance_data=data.balance_data,
+        )
 
 
 def rollout_batch(

@@ -81,3 +81,24 @@ def test_sft_needs_no_log_probs_nor_advantages() -> None:
     steps = rollout_steps(groups(4), algorithm, WorkOptions(global_batch_size=4), dp_size=1)
     assert len(steps) == 2 and all(s.log_prob_models == () for s in steps)
     assert all(r.shard.advantages is None for s in steps for r in s.train_requests(0))
+
+
+def test_balance_data_flag_reaches_the_shards() -> None:
+    from tether.config import resolve
+
+    skewed = groups(4)
+    for g in skewed:  # one long response per group: round-robin puts every long one on rank 0
+        g[0].tokens = g[0].tokens + [3] * 40
+        g[0].response_length += 40
+        g[0].loss_mask = [1] * g[0].response_length
+        g[0].rollout_log_probs = [-0.5] * g[0].response_length
+
+    def shard_tokens(argv: list[str]) -> list[int]:
+        cfg = resolve(["--global-batch-size", "8", *argv])
+        options = WorkOptions.from_config(cfg.data, cfg.rollout.reward_key)
+        (step,) = rollout_steps(skewed, AlgorithmConfig(), options, dp_size=2)
+        return [int(s.total_lengths.sum()) for s in step.shards]
+
+    strided, balanced = shard_tokens([]), shard_tokens(["--balance-data"])
+    assert sum(strided) == sum(balanced)
+    assert abs(balanced[0] - balanced[1]) < abs(strided[0] - strided[1])
