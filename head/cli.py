@@ -35,6 +35,9 @@ COMMANDS: dict[str, Command] = {
     "weights": Command("tether.sync.cli", "Operator tools for published weights: diff, apply, verify."),
     "agent": Command("tether.runtime.agent", "Run a node agent that starts processes for a head."),
     "plot": Command("tether.plot", "Write PNG curves from a run directory's metrics."),
+    "convert": Command(
+        "tether.convert_command", "Convert checkpoints: hf-to-megatron, megatron-to-hf (as slime's tools)."
+    ),
     "version": Command("tether.version", "Print the versions of tether and the engines it drives."),
 }
 

@@ -28,9 +28,16 @@ from tether.placement.config import ClusterConfig
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.errors import ConfigError
+from tether.slime_flags import refusal
 from tether.sync.config import WeightSyncConfig
 from tether.train.capabilities import Capabilities, check_capabilities
-from tether.train.config import AlgorithmConfig, MegatronConfig, check_algorithm_against_megatron
+from tether.train.checkpoint_layout import save_hf_path
+from tether.train.config import (
+    AlgorithmConfig,
+    MegatronConfig,
+    check_algorithm_against_megatron,
+    check_routing_replay,
+)
 
 
 class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -48,8 +55,33 @@ class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     load_debug_rollout_data: Annotated[
         str | None, Meta(description="Path template of saved rollouts to train on, with {rollout_id}.")
     ] = None
+    save_debug_train_data: Annotated[
+        str | None,
+        Meta(
+            description="Path template (with {rollout_id}, and slime's {rank}: the head's, 0) of a file per "
+            "rollout holding what each step trained on: every data-parallel rank's shard (msgpack)."
+        ),
+    ] = None
+    dump_details: Annotated[
+        str | None,
+        Meta(
+            description="Dump the run's details here, as slime lays them out: rollouts under "
+            "rollout_data/{rollout_id}, train data under train_data/{rollout_id}, the tokenizer under "
+            "tokenizer/ (each unless its own flag says otherwise)."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
+        if self.dump_details is not None:  # slime's defaults under the details directory
+            base = self.dump_details.rstrip("/")
+            if self.save_debug_rollout_data is None:
+                msgspec.structs.force_setattr(
+                    self, "save_debug_rollout_data", f"{base}/rollout_data/{{rollout_id}}.msgpack"
+                )
+            if self.save_debug_train_data is None:
+                msgspec.structs.force_setattr(
+                    self, "save_debug_train_data", f"{base}/train_data/{{rollout_id}}.msgpack"
+                )
         if self.debug_train_only and self.load_debug_rollout_data is None:
             raise ConfigError(
                 "--debug-train-only", True, "needs --load-debug-rollout-data to train on saved rollouts"
@@ -97,6 +129,27 @@ class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     wandb_run_id: Annotated[
         str | None, Meta(description="W&B run id: log into (resume) this run instead of a new one.")
     ] = None
+    train_env_vars: Annotated[
+        dict[str, str],
+        Meta(
+            description="JSON object of extra environment variables for the trainer processes (slime's "
+            "meaning), e.g. PyTorch's allocator settings."
+        ),
+    ] = msgspec.field(default_factory=dict)
+    disable_wandb_random_suffix: Annotated[
+        bool,
+        Meta(
+            description="Use --wandb-group as the W&B group and run name as given (by default, as in "
+            "slime, a random suffix is added so that reruns do not merge)."
+        ),
+    ] = False
+    wandb_always_use_train_step: Annotated[
+        bool,
+        Meta(
+            description="W&B, TensorBoard and Prometheus steps count optimizer steps (rollout x steps per "
+            "rollout) instead of rollouts (slime's meaning); metrics.jsonl keeps the rollout."
+        ),
+    ] = False
     use_tensorboard: Annotated[bool, Meta(description="Also write TensorBoard events (when installed).")] = (
         False
     )
@@ -139,7 +192,11 @@ class RunConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     ] = 300.0
     save_hf: Annotated[
         str | None,
-        Meta(description="Write the final weights as a Hugging Face checkpoint into this directory."),
+        Meta(
+            description="Write the weights as a Hugging Face checkpoint at every checkpoint save (--save), "
+            "into save_hf.format(rollout_id=N) as slime does (e.g. /out/hf_{rollout_id}); without --save "
+            "once, at the end."
+        ),
     ] = None
     stop_at_eval_reward: Annotated[
         float | None,
@@ -192,7 +249,10 @@ def check_contradictions(cfg: Config) -> None:
         raise ConfigError("--debug-rollout-only", True, "contradicts --debug-train-only (nothing would run)")
     cfg.weight_sync.check_colocate(cfg.cluster.colocate)
     check_algorithm_against_megatron(cfg.algorithm, cfg.megatron)
+    check_routing_replay(cfg.algorithm, cfg.megatron, cfg.rollout.hf_checkpoint)
     check_megatron_against_run(cfg)
+    if cfg.run.save_hf is not None:
+        save_hf_path(cfg.run.save_hf, 0)  # a template `format` cannot fill is refused now
     if cfg.run.loop != "sync" and cfg.cluster.colocate:
         raise ConfigError(
             "--loop", cfg.run.loop, "overlaps generation and training, so it rejects --colocate"
@@ -273,6 +333,9 @@ def check_megatron_against_run(cfg: Config) -> None:
             megatron.pipeline_model_parallel_size,
             megatron.decoder_first_pipeline_num_layers,
             megatron.decoder_last_pipeline_num_layers,
+            ep_size=megatron.expert_model_parallel_size,
+            etp_size=megatron.expert_tensor_parallel_size,
+            sequence_parallel=megatron.sequence_parallel,
         )
 
 
@@ -296,6 +359,8 @@ class FlagSpec:
     kind: Literal["bool", "optbool", "list", "json", "scalar"]
     help: str
     choices: tuple[str, ...] | None
+    repeat: bool = False
+    """A list flag given once per value (`--x a --x b`, argparse's append), as slime declares some."""
 
 
 def _unwrap(hint: Any) -> tuple[Any, str]:
@@ -308,6 +373,12 @@ def _unwrap(hint: Any) -> tuple[Any, str]:
                 description = extra.description
         hint = base
     return hint, description
+
+
+def _repeated(hint: Any) -> bool:
+    """A field whose Meta says `extra={"repeat": True}`: its flag appends one value per use."""
+    extras = typing.get_args(hint)[1:] if typing.get_origin(hint) is Annotated else ()
+    return any(isinstance(e, Meta) and bool((e.extra or {}).get("repeat")) for e in extras)
 
 
 def _kind(hint: Any) -> tuple[Literal["bool", "optbool", "list", "json", "scalar"], tuple[str, ...] | None]:
@@ -337,8 +408,9 @@ def flag_specs() -> list[FlagSpec]:
         for name in cls.__struct_fields__:
             base, description = _unwrap(hints[name])
             kind, choices = _kind(base)
+            flag = "--" + name.replace("_", "-")
             specs.append(
-                FlagSpec(slice_name, name, "--" + name.replace("_", "-"), kind, description, choices)
+                FlagSpec(slice_name, name, flag, kind, description, choices, repeat=_repeated(hints[name]))
             )
     seen: dict[str, FlagSpec] = {}
     for spec in specs:
@@ -373,6 +445,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
                 help=spec.help,
+            )
+        elif spec.kind == "list" and spec.repeat:
+            group.add_argument(
+                spec.flag,
+                dest=dest,
+                action="append",
+                default=argparse.SUPPRESS,
+                help=spec.help,
+                metavar="VALUE",
             )
         elif spec.kind == "list":
             group.add_argument(spec.flag, dest=dest, nargs="*", default=argparse.SUPPRESS, help=spec.help)
@@ -430,9 +511,18 @@ def split_sglang_args(argv: Sequence[str], known_flags: set[str]) -> tuple[list[
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
-        match = re.search(r"unrecognized arguments: (\S+)", message)
+        match = re.search(r"unrecognized arguments: (\S+)(?: (\S+))?", message)
         if match:
-            raise ConfigError(match.group(1), None, "is not a tether, slime or Megatron flag")
+            flag, after = match.group(1), match.group(2)
+            why = refusal(flag)
+            if why is not None:  # one of slime's flags tether does not run: say why
+                value = (
+                    flag.split("=", 1)[1]
+                    if "=" in flag
+                    else (after if after and not after.startswith("--") else True)
+                )
+                raise ConfigError(flag.split("=", 1)[0], value, why)
+            raise ConfigError(flag, None, "is not a tether, slime or Megatron flag")
         match = re.search(r"argument (--[\w-]+)(?:/\S+)?: (.*)", message)
         if match:
             raise ConfigError(match.group(1), None, match.group(2))
@@ -485,6 +575,28 @@ def _yaml_values(
     return values, sglang
 
 
+SLIME_FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+"""slime's fully-async rollout function: in tether, the fully-async loop (its warm worker queue)."""
+
+
+def _slime_fully_async(values: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """slime's scripts pick fully-async rollouts with --rollout-function-path SLIME_FULLY_ASYNC (run
+    by train_async.py); tether runs them as --loop fully-async with its own rollout function, which
+    calls the same --custom-generate-function-path and --custom-rm-path hooks."""
+    if values.get(("rollout", "rollout_function_path")) != SLIME_FULLY_ASYNC:
+        return values
+    loop = values.get(("run", "loop"), "fully-async")
+    if loop != "fully-async":
+        raise ConfigError(
+            "--loop",
+            loop,
+            f"contradicts --rollout-function-path {SLIME_FULLY_ASYNC} (slime's fully-async rollout)",
+        )
+    out = {k: v for k, v in values.items() if k != ("rollout", "rollout_function_path")}
+    out[("run", "loop")] = "fully-async"
+    return out
+
+
 def resolve(argv: Sequence[str]) -> Config:
     """The Config from a command line (and the YAML file it names); raises ConfigError."""
     specs = flag_specs()
@@ -520,6 +632,7 @@ def build_config(
 ) -> Config:
     """A Config from (slice, field) → value, converting strings and checking every slice."""
     origin = origin or {}
+    values = _slime_fully_async(values)
     per_slice: dict[str, dict[str, Any]] = {name: {} for name in SLICES}
     for (slice_name, field), value in values.items():
         per_slice[slice_name][field] = value

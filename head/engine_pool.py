@@ -23,7 +23,7 @@ from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.engine_api.launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
 from tether.rollout.router import Router
 from tether.run_dir import RunDir
-from tether.runtime.errors import HeartbeatLost
+from tether.runtime.errors import ConfigError, HeartbeatLost
 from tether.runtime.liveness import LivenessMonitor
 from tether.runtime.supervisor import ManagedProcess, Supervisor
 
@@ -58,7 +58,13 @@ class EnginePool:
         self.cfg = cfg
         self.run_dir = run_dir
         self.launch_cfg = EngineLaunchConfig.from_config(
-            cfg.rollout, cfg.fault_tolerance, cfg.sglang_args, plan, api_key=api_key
+            cfg.rollout,
+            cfg.fault_tolerance,
+            cfg.sglang_args,
+            plan,
+            api_key=api_key,
+            # R3 replays the experts the engines routed each token to: they must record them.
+            return_routed_experts=cfg.algorithm.use_rollout_routing_replay,
         )
         self.launches: dict[str, EngineLaunch] = {}
         self.procs: dict[str, list[ManagedProcess]] = {}
@@ -101,6 +107,10 @@ class EnginePool:
         async with asyncio.TaskGroup() as tg:
             for launch in self.launches.values():
                 tg.create_task(self._start(launch))
+        if self.launch_cfg.return_routed_experts:
+            for url in self.external:  # tether started the others recording them
+                async with EngineClient(url, api_key=self.api_key) as client:
+                    check_records_routed_experts(url, await client.get_server_info())
         return self
 
     async def _start(self, launch: EngineLaunch) -> None:
@@ -267,3 +277,17 @@ class EnginePool:
             }
         )
         self.run_dir.event("engine_restarted", engine=name, restart_s=restart_s, version=self.served_version)
+
+
+def check_records_routed_experts(url: str, server_info: dict[str, object]) -> None:
+    """--use-rollout-routing-replay with an engine tether did not start: refuse one whose server
+    arguments (SGLang's /get_server_info) say it does not record routed experts. One that does not
+    report the setting passes here; if it then answers without them, the first rollout fails
+    naming the flag (`tether.rollout.rollout_fn.take_routed_experts`)."""
+    if server_info.get("enable_return_routed_experts") is False:
+        raise ConfigError(
+            "--use-rollout-routing-replay",
+            True,
+            f"the external engine {url} was started without --enable-return-routed-experts, so it "
+            "cannot return the experts it routed each token to; restart it with that flag",
+        )

@@ -44,6 +44,7 @@ from tether.runtime.signals import StopRequest, StopRequested, handle_signals
 from tether.runtime.supervisor import LOCAL, Heartbeat, Supervisor
 from tether.sync.ledger import VersionLedger
 from tether.sync.local_store import LocalCheckpointStore
+from tether.train.checkpoint_layout import save_hf_path, start_attempts
 from tether.trainer_pool import TrainerPool
 
 log = logging.getLogger(__name__)
@@ -305,7 +306,17 @@ class Steps:
             seconds=time.monotonic() - started,
         )
         self.progress.message(f"checkpoint of step {self.completed} saved to {path} ({reason})")
+        if self.cfg.run.save_hf is not None:
+            await self.export_hf(self.completed)
         await self.retention.prune()
+
+    async def export_hf(self, rollout_id: int) -> None:
+        """--save-hf: the actor's weights as an HF directory at `save_hf.format(rollout_id=...)`
+        (slime's meaning: one per checkpoint with a `{rollout_id}` field, else overwritten)."""
+        assert self.trainer is not None and self.cfg.run.save_hf is not None
+        path = save_hf_path(self.cfg.run.save_hf, rollout_id)
+        await self.trainer.export_hf(path)
+        self.run_dir.event("saved_hf", path=path, rollout_id=rollout_id)
 
 
 async def run_job(cfg: Config, argv: list[str]) -> int:
@@ -344,6 +355,8 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
         wandb_mode=cfg.run.wandb_mode,
         wandb_dir=cfg.run.wandb_dir,
         wandb_run_id=cfg.run.wandb_run_id,
+        wandb_random_suffix=not cfg.run.disable_wandb_random_suffix,
+        tracker_step=cfg.data.train_step_of if cfg.run.wandb_always_use_train_step else None,
     )
     progress = RunProgress(cfg.data.num_rollout or 0, 0, cfg.run.progress)
     progress.message(f"run directory: {run_path}")
@@ -418,10 +431,10 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
             await run_loop(cfg, LoopRange(start, total), sup, steps, stop)
             stop_watch.cancel()  # what follows (HF export, shut-down) is not cut short
             run_dir.event("loop_done", version=steps.version, engine_busy_s_total=_busy(router))
-            if trainer is not None and cfg.run.save_hf is not None:
+            if trainer is not None and cfg.run.save_hf is not None and cfg.algorithm.save is None:
+                # With --save, every checkpoint exported its HF weights (`Steps._save`).
                 progress.phase("saving HF weights")
-                await trainer.export_hf(cfg.run.save_hf)
-                run_dir.event("saved_hf", path=cfg.run.save_hf)
+                await steps.export_hf(-1 if steps.completed is None else steps.completed)
         run_dir.event("finished", version=steps.version)
         progress.message(f"done: receipt {run_dir.receipt_path}, metrics {run_dir.metrics_path}")
         return 0
@@ -541,47 +554,73 @@ def total_rollouts(cfg: Config, rollouts: RolloutManager) -> int:
 
 
 async def resume(cfg: Config, steps: Steps) -> int:
-    """Load the last checkpoint when asked; returns the first rollout id to run."""
-    load_dir = cfg.algorithm.load
-    if load_dir is None and cfg.run.auto_resume:
-        load_dir = cfg.algorithm.save
-    if steps.trainer is None or load_dir is None:
+    """Load what the actor starts from, as slime chooses it (`start_attempts`): a checkpoint to
+    resume from, or weights to start a fresh run from (an HF --load, --ref-load); the engines get
+    those weights before the first rollout. Returns the first rollout id to run."""
+    if steps.trainer is None:
         return 0
-    state = await steps.trainer.load(load_dir)
+    algorithm = cfg.algorithm
+    attempts = await asyncio.to_thread(
+        start_attempts,
+        algorithm.load,
+        algorithm.ref_load,
+        auto_resume=cfg.run.auto_resume,
+        save=algorithm.save,
+    )
+    state = None
+    for choice in attempts:
+        assert choice.path is not None
+        state = await steps.trainer.load(choice.path, finetune=choice.finetune, hf=choice.hf)
+        if state is not None:
+            break
+        steps.run_dir.event("resume_skipped", load=choice.path, flag=choice.flag)
     if state is None:
-        steps.run_dir.event("resume_skipped", load=load_dir)
-        _discard_after(steps, -1, f"no checkpoint in {load_dir}")
+        what = ", ".join(f"{c.flag}={c.path}" for c in attempts) or "nothing to load"
+        _discard_after(steps, -1, f"no checkpoint ({what}): starting from --hf-checkpoint")
         return 0
-    _discard_after(steps, state.rollout_id, f"resumed from {state.path}")
-    steps.completed = state.rollout_id
-    steps.position = state.data_position
-    steps.rollouts.load_position(state.data_position)
     for bad in state.skipped:
         # A damaged newest checkpoint (e.g. a truncated shard): the ranks fell back to an older one.
         steps.run_dir.event("checkpoint_damaged", path=bad.path, error=bad.error, used=state.path)
         message = f"checkpoint {bad.path} is damaged ({bad.error}); resuming from {state.path} instead"
         log.warning("%s", message)
         steps.progress.message(f"warning: {message}")
+    published = max((entry.version for entry in steps.ledger.entries), default=0)
+    if state.rollout_id < 0:
+        # Weights only (an HF --load, --ref-load, a release checkpoint): a fresh run from them.
+        _discard_after(steps, -1, f"started from {state.path}")
+        steps.run_dir.event("started_from", source=choice.kind.value, flag=choice.flag, path=state.path)
+        # The engines loaded --hf-checkpoint (version 0): publish these weights as the next version.
+        if steps.engines is not None:
+            steps.version = published
+            await steps.sync_weights(-1)
+        steps.progress.message(f"starting from {state.path} ({choice.reason}), weights v{steps.version}")
+        return 0
+    _discard_after(steps, state.rollout_id, f"resumed from {state.path}")
+    steps.completed = state.rollout_id
+    steps.position = state.data_position
+    steps.rollouts.load_position(state.data_position)
     steps.run_dir.event(
         "resumed",
-        load=load_dir,
+        load=choice.path,
         path=state.path,
         rollout_id=state.rollout_id,
         version=state.weight_version,
     )
-    # The engines start from --hf-checkpoint; bring them to the resumed weights first. Versions
-    # only increase in a run's ledger: when this run directory already published the checkpoint's
-    # version or a later one (a crash after the checkpoint), the restored weights get a new number.
+    # The engines start from --hf-checkpoint (version 0); bring them to the resumed weights first.
+    # Versions only increase in a run's ledger: when this run directory already published the
+    # checkpoint's version or a later one (a crash after the checkpoint), or the checkpoint has
+    # none (another tool's), the restored weights get a new number.
     version = state.weight_version
-    published = max((entry.version for entry in steps.ledger.entries), default=0)
-    if published >= version > 0:
+    if version <= published:
         version = published + 1
     if steps.engines is not None:
         steps.version = version - 1
         await steps.sync_weights(state.rollout_id)
     else:
         steps.version = version
-    steps.progress.message(f"resumed from {load_dir} after step {state.rollout_id}, weights v{steps.version}")
+    steps.progress.message(
+        f"resumed from {choice.path} after step {state.rollout_id}, weights v{steps.version}"
+    )
     return state.rollout_id + 1
 
 

@@ -7,6 +7,8 @@ import importlib.util
 import logging
 import math
 import re
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,9 +49,16 @@ class MetricsSink:
         wandb_mode: Literal["online", "offline", "disabled"] | None = None,
         wandb_dir: str | None = None,
         wandb_run_id: str | None = None,
+        wandb_random_suffix: bool = False,
+        tracker_step: Callable[[int], int] | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
+        """`wandb_random_suffix`: slime's default (off with --disable-wandb-random-suffix): the W&B
+        group, and the run named after it, get a random suffix, so reruns do not merge.
+        `tracker_step`: the step TensorBoard, W&B and Prometheus record for a rollout (with
+        --wandb-always-use-train-step, the optimizer steps so far); metrics.jsonl keeps the rollout."""
         self.run_dir = run_dir
+        self._tracker_step = tracker_step
         self._gauges: dict[str, Any] = {}
         self._registry: Any = None
         self._server: Any = None
@@ -75,21 +84,28 @@ class MetricsSink:
 
             if wandb_key is not None or wandb_host is not None:
                 wandb.login(key=wandb_key, host=wandb_host, relogin=wandb_key is not None)
+            group, name = wandb_group, run_dir.path.name
+            if wandb_group is not None:
+                # slime's naming: the group (suffixed unless asked not to) names the run
+                group = f"{wandb_group}_{secrets.token_hex(4)}" if wandb_random_suffix else wandb_group
+                name = group
             self._wandb = wandb.init(
                 project=wandb_project or "tether",
-                group=wandb_group,
+                group=group,
                 entity=wandb_team,
                 mode=wandb_mode,
                 dir=wandb_dir or str(run_dir.path),
                 id=wandb_run_id,
                 resume="allow" if wandb_run_id is not None else None,
                 config=config,
-                name=run_dir.path.name,
+                name=name,
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **metrics}
         self.run_dir.metric(record)
+        if self._tracker_step is not None:
+            step = self._tracker_step(step)
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
         if self._registry is not None:
             import prometheus_client

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tether.placement.render import print_plan
 from tether.rollout.hook_checks import check_hooks
 from tether.runtime.errors import ConfigError
+from tether.train_data_hooks import check_train_data_hooks
 
 
 def main_argv(argv: Sequence[str]) -> int:
@@ -29,6 +30,7 @@ def main_argv(argv: Sequence[str]) -> int:
     try:
         if not cfg.debug.debug_train_only:
             check_hooks(cfg.rollout)  # every hook imports and takes the call it will get
+            check_train_data_hooks(cfg.algorithm)
     except ConfigError as exc:
         print(f"tether plan: {exc}", file=sys.stderr)
         return 2

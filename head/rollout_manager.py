@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,13 +20,18 @@ from tether.rollout.debug_dump import load_rollout, save_rollout
 from tether.rollout.default_rollout import generate_rollout
 from tether.rollout.evaluation import run_evaluation, should_evaluate
 from tether.rollout.fully_async import FullyAsyncWorker
-from tether.rollout.hooks import load_function, maybe_await
-from tether.rollout.rollout_fn import RolloutContext, using_context
+from tether.rollout.hooks import flat_args, load_function, maybe_await, slime_samples
+from tether.rollout.rollout_fn import (
+    RolloutContext,
+    multi_turn_metrics,
+    reward_category_metrics,
+    using_context,
+)
 from tether.rollout.router import Router
 from tether.rollout.router_front import RouterFront
 from tether.rollout.sample import Sample
 from tether.rollout.slime_api.args import slime_args
-from tether.rollout.slime_api.bridge import slime_evaluation, slime_rollout
+from tether.rollout.slime_api.bridge import eval_data, eval_metrics, slime_evaluation, slime_rollout
 from tether.rollout.slime_api.convert import uses_slime_api
 
 Groups = list[list[Sample]]
@@ -45,6 +51,19 @@ def version_lags(groups: Groups, current: int) -> list[int]:
     return lags
 
 
+def own_eval_metrics(path: str, result: object, data_out: dict[str, Any] | None) -> dict[str, float]:
+    """What a tether-API evaluation function returned: a dict of figures (tether's default returns
+    its `eval/...` metrics) or, like a slime one, data by dataset name."""
+    if isinstance(result, dict) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in result.values()
+    ):
+        return {str(k): float(v) for k, v in result.items()}
+    metrics = eval_metrics(path, result)
+    if data_out is not None:
+        data_out.update(eval_data(result))
+    return metrics
+
+
 class RolloutManager:
     """Owns the rollout context (router, rewards, hooks), the data source position, and the router
     front hooks reach the engines through (`args.sglang_router_ip`/`_port`)."""
@@ -58,6 +77,7 @@ class RolloutManager:
         self.worker: FullyAsyncWorker | None = None
         self.weight_version = 0
         self.metrics: dict[str, float] = {}
+        self._hooks: dict[str, Any] = {}
         self._positions: dict[int, dict[str, Any]] = {}
         self._rollout_fn = generate_rollout
         self._rollout_path = (
@@ -76,6 +96,8 @@ class RolloutManager:
         config = self.config
         if config.rollout.hf_checkpoint is not None:
             self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
+            if config.debug.dump_details is not None:  # slime's layout: the tokenizer beside the dumps
+                self.tokenizer.save_pretrained(str(Path(config.debug.dump_details) / "tokenizer"))
         if not config.debug.debug_train_only:
             self.data = DataSource.from_config(config.data, config.rollout, self.tokenizer)
 
@@ -166,8 +188,32 @@ class RolloutManager:
         self.metrics.update({"rollout/wait_s": seconds, "rollout/samples": float(samples)})
         if self.router is not None:
             self.metrics["perf/engine_busy_s_total"] = sum(self.router.busy_seconds().values())
+        cfg = self.config.rollout
+        flat = [s for g in groups for s in g]
+        if cfg.log_multi_turn:
+            self.metrics.update(multi_turn_metrics(flat, cfg.rollout_max_response_len))
+        if cfg.log_reward_category is not None:
+            self.metrics.update(reward_category_metrics(flat, cfg.log_reward_category))
+        log_hook = self._hook("custom_rollout_log_function_path")
+        if log_hook is not None and log_hook(
+            rollout_id, self._hook_args(), slime_samples(flat), dict(self.metrics), seconds
+        ):
+            # slime's meaning of a True return: the hook logged the rollout; the default figures are not
+            self.metrics = {k: v for k, v in self.metrics.items() if not k.startswith(("rollout/", "perf/"))}
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, groups, metrics=self.metrics)
+
+    def _hook(self, field: str) -> Any:
+        """The hook a rollout `*_path` flag names, loaded once; None when unset."""
+        path = getattr(self.config.rollout, field)
+        if path is None:
+            return None
+        if field not in self._hooks:
+            self._hooks[field] = load_function(path, "--" + field.replace("_", "-"))
+        return self._hooks[field]
+
+    def _hook_args(self) -> Any:
+        return self.ctx.args if self.ctx is not None else flat_args(self.config)
 
     # ----- evaluation and checkpoints -----
     def eval_due(self, rollout_id: int) -> bool:
@@ -187,12 +233,26 @@ class RolloutManager:
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         assert self.ctx is not None
         with using_context(self.ctx):
-            if self._slime_rollout:  # slime evaluates with the rollout function (evaluation=True)
+            log_hook = self._hook("custom_eval_rollout_log_function_path")
+            data: dict[str, Any] | None = {} if log_hook is not None else None
+            eval_path = self.config.rollout.eval_function_path
+            if eval_path is not None:  # slime's --eval-function-path: called with evaluation=True
+                fn = self._hook("eval_function_path")
+                if uses_slime_api(fn):
+                    metrics = await slime_evaluation(
+                        fn, self.ctx, rollout_id, self.data, path=eval_path, data_out=data
+                    )
+                else:
+                    result = await maybe_await(fn(self.ctx.args, rollout_id, self.data, evaluation=True))
+                    metrics = own_eval_metrics(eval_path, result, data)
+            elif self._slime_rollout:  # slime evaluates with the rollout function (evaluation=True)
                 metrics = await slime_evaluation(
-                    self._rollout_fn, self.ctx, rollout_id, self.data, path=self._rollout_path
+                    self._rollout_fn, self.ctx, rollout_id, self.data, path=self._rollout_path, data_out=data
                 )
             else:
-                metrics = await run_evaluation(self.ctx, rollout_id)
+                metrics = await run_evaluation(self.ctx, rollout_id, data)
+        if log_hook is not None and log_hook(rollout_id, self._hook_args(), data, dict(metrics)):
+            return {}  # slime's meaning of a True return: the hook logged the evaluation
         means = [v for k, v in metrics.items() if k.endswith("/reward_mean")]
         if means:  # the headline figure across every eval dataset
             metrics["eval/reward_mean"] = sum(means) / len(means)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tether.config import Config, help_text, resolve
 from tether.rollout.hook_checks import check_hooks
 from tether.runtime.errors import ConfigError
+from tether.train_data_hooks import check_train_data_hooks
 
 DESCRIPTION = """Train with RL: start engines and trainer ranks, then run the sync, async or fully-async loop.
 Flags use slime's names; Megatron flags go to Megatron; --sglang-<flag> goes to SGLang as --<flag>.
@@ -32,6 +33,7 @@ def main_argv(argv: Sequence[str]) -> int:
     if not cfg.debug.debug_train_only:
         try:
             check_hooks(cfg.rollout)  # before any process starts: every hook imports and fits its call
+            check_train_data_hooks(cfg.algorithm)
         except ConfigError as exc:
             print(f"tether run: {exc}", file=sys.stderr)
             return 2

@@ -37,6 +37,7 @@ from tether.runtime.process import ProcessSpec
 from tether.runtime.rpc import connect
 from tether.runtime.supervisor import LOCAL, ManagedProcess, Supervisor
 from tether.sync.ledger import LedgerEntry
+from tether.train.batching import TrainBatch
 from tether.train.protocol import (
     ExportRequest,
     InitRequest,
@@ -51,6 +52,8 @@ from tether.train.protocol import (
 )
 from tether.train.rank_work import StepWork, WorkOptions, rollout_steps
 from tether.train.worker import read_addresses
+from tether.train_data_hooks import load_train_data_hooks
+from tether.train_dump import save_train_data
 
 log = logging.getLogger(__name__)
 Q = TypeVar("Q")
@@ -113,6 +116,8 @@ class TrainerPool:
         self.infos: list[WorkerInfo] = []
         self.world_size = 0
         self.steps_done = 0
+        # slime's train-data hooks (custom reward post-processing, advantages): loaded once, run here
+        self._train_data_hooks = load_train_data_hooks(cfg)
 
     # ----- start and stop -----
     def _spec(self, node: TorchrunNode) -> ProcessSpec:
@@ -135,6 +140,7 @@ class TrainerPool:
         env = {
             **node.env,
             "OMP_NUM_THREADS": "1",
+            **self.cfg.run.train_env_vars,  # slime's --train-env-vars: the user's, over tether's defaults
             "TORCHELASTIC_ERROR_FILE": str(self.error_file(node.node_rank)),
         }
         if self.engine_key is not None:
@@ -311,14 +317,23 @@ class TrainerPool:
             self.cfg.algorithm,
             WorkOptions.from_config(self.cfg.data, self.cfg.rollout.reward_key),
             dp_size=self.dp_size,
+            hooks=self._train_data_hooks,
         )
         metrics: dict[str, float] = {}
+        trained: list[list[TrainBatch]] = []
         for step in steps:
             await self._attach_log_probs(step)
             requests = step.train_requests(rollout_id)
             results = await self._per_dp(lambda rank, request: rank.train(request), requests)
             metrics = {f"train/{k}": float(v) for k, v in results[0].metrics.items()}
             self.steps_done += 1
+            trained.append([r.shard for r in requests])
+        if (
+            self.cfg.debug.save_debug_train_data is not None
+        ):  # what the ranks trained on, once it is in the weights
+            await asyncio.to_thread(
+                save_train_data, self.cfg.debug.save_debug_train_data, rollout_id, trained
+            )
         metrics["train/weight_version"] = float(weight_version)
         return metrics
 
@@ -371,9 +386,10 @@ class TrainerPool:
         results = await self._all(lambda rank: rank.save(request))
         return Path(results[0].path)
 
-    async def load(self, load_dir: str) -> LoadedState | None:
-        """The run state of the checkpoint every rank loaded, or None when there was none."""
-        request = LoadRequest(load_dir=load_dir)
+    async def load(self, load_dir: str, *, finetune: bool = False, hf: bool = False) -> LoadedState | None:
+        """The run state of the checkpoint every rank loaded, or None when there was none.
+        `finetune`/`hf`: weights only (from a checkpoint / an HF directory), see LoadRequest."""
+        request = LoadRequest(load_dir=load_dir, finetune=finetune, hf=hf)
         states = await self._all(lambda rank: rank.load(request))
         return states[0]
 

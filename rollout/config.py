@@ -125,6 +125,26 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     eval_max_response_len: Annotated[
         PositiveInt | None, Meta(description="Max new tokens for evaluation (default: rollout's).")
     ] = None
+    eval_max_prompt_len: Annotated[
+        PositiveInt | None, Meta(description="Drop eval prompts longer than this (default: rollout's).")
+    ] = None
+    eval_max_context_len: Annotated[
+        PositiveInt | None, Meta(description="Cap on eval prompt plus response tokens (default: rollout's).")
+    ] = None
+    eval_min_new_tokens: Annotated[
+        NonNegativeInt | None, Meta(description="Min new tokens per eval response (SGLang's min_new_tokens).")
+    ] = None
+    eval_tool_key: Annotated[
+        str | None, Meta(description="Tools key for eval data (default --tool-key).")
+    ] = None
+    eval_config: Annotated[
+        str | None,
+        Meta(
+            description="slime's evaluation config (YAML/JSON): `eval.defaults` and `eval.datasets`, each "
+            "dataset with its own keys, sampling, rm_type and metadata; when given, --eval-prompt-data is "
+            "not read (slime's meaning)."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.start_rollout_id is not None:
@@ -142,6 +162,10 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
             )
         if self.eval_top_k == 0:
             raise ConfigError("--eval-top-k", 0, "must be -1 (off) or at least 1")
+        if self.eval_config is not None:
+            from tether.rollout.eval_config import read_eval_config
+
+            read_eval_config(self.eval_config)  # a bad file is refused now, naming the dataset and key
         total = self.rollout_batch_size * self.n_samples_per_prompt
         if self.num_steps_per_rollout is not None and total % self.num_steps_per_rollout:
             raise ConfigError(
@@ -159,13 +183,28 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
                 )
 
     def eval_datasets(self) -> list[tuple[str, str]]:
-        """(name, path) pairs from --eval-prompt-data; a single path is named after its file."""
+        """(name, path) pairs from --eval-config, else --eval-prompt-data (a single path is named
+        after its file)."""
+        if self.eval_config is not None:
+            from tether.rollout.eval_config import read_eval_config
+
+            return [(str(e["name"]), str(e["path"])) for e in read_eval_config(self.eval_config)[1]]
         items = self.eval_prompt_data
         if len(items) == 1:
             path = items[0]
             stem = path.rsplit("/", 1)[-1].split(".", 1)[0] or "eval"
             return [(stem, path)]
         return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+
+    def train_step_of(self, rollout_id: int) -> int:
+        """Optimizer steps taken before rollout `rollout_id` (slime's step with
+        --wandb-always-use-train-step)."""
+        return (
+            rollout_id
+            * self.rollout_batch_size
+            * self.n_samples_per_prompt
+            // self.resolved_global_batch_size
+        )
 
     @property
     def resolved_global_batch_size(self) -> int:
@@ -264,6 +303,68 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             "estimator over each prompt's samples, a sample passing when its reward is 1)."
         ),
     ] = False
+    rollout_sample_hook_path: Annotated[
+        list[str],
+        Meta(
+            description="Given once per hook, applied in order to each generated sample before its reward: "
+            "`hook(args, sample, *, rollout_id=None, evaluation=False)` (sync or async) returns a Sample "
+            "or None (keep the one it got), as slime calls it.",
+            extra={"repeat": True},
+        ),
+    ] = msgspec.field(default_factory=list)
+    rollout_sample_filter_path: Annotated[
+        str | None,
+        Meta(
+            description="After each rollout `fn(args, samples)` over the kept groups (slime's Samples): a sample "
+            "it marks `remove_sample = True` trains nothing (its loss mask is zeroed) but still counts in "
+            "its group's advantage normalisation, as in slime. Returns None."
+        ),
+    ] = None
+    rollout_all_samples_process_path: Annotated[
+        str | None,
+        Meta(
+            description="After each rollout `fn(args, all_samples, data_source)` over every group that finished, "
+            "the ones the dynamic filter dropped and the surplus too (slime's Samples, read-only)."
+        ),
+    ] = None
+    custom_rollout_log_function_path: Annotated[
+        str | None,
+        Meta(
+            description="Each step `fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time)`; when it "
+            "returns True tether's own rollout/* and perf/* figures of that step are not logged (slime's meaning)."
+        ),
+    ] = None
+    custom_eval_rollout_log_function_path: Annotated[
+        str | None,
+        Meta(
+            description="Each evaluation `fn(rollout_id, args, data, extra_metrics)`, data = {dataset: {rewards, "
+            "truncated, samples}}; when it returns True tether's own eval/* figures are not logged."
+        ),
+    ] = None
+    eval_reward_key: Annotated[
+        str | None, Meta(description="--reward-key for evaluation (default: --reward-key).")
+    ] = None
+    eval_function_path: Annotated[
+        str | None,
+        Meta(
+            description="The evaluation function `fn(args, rollout_id, data_source, evaluation=True)` "
+            "(slime's meaning; default: the rollout function's evaluation)."
+        ),
+    ] = None
+    log_multi_turn: Annotated[
+        bool,
+        Meta(
+            description="Log multi-turn figures each step: response lengths with and without observation "
+            "tokens (loss mask), their clip ratio, and samples' metadata `round_number` (slime's meaning)."
+        ),
+    ] = False
+    log_reward_category: Annotated[
+        str | None,
+        Meta(
+            description="With dict rewards: log the fraction of each rollout's samples per value of this reward "
+            "key, as `error_cat/<value>` (slime's meaning)."
+        ),
+    ] = None
     sglang_server_concurrency: Annotated[
         int, Meta(ge=1, description="Concurrent generate requests per engine.")
     ] = 512
@@ -327,6 +428,12 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             ("--custom-rm-path", self.custom_rm_path),
             ("--dynamic-sampling-filter-path", self.dynamic_sampling_filter_path),
             ("--buffer-filter-path", self.buffer_filter_path),
+            ("--rollout-sample-filter-path", self.rollout_sample_filter_path),
+            ("--rollout-all-samples-process-path", self.rollout_all_samples_process_path),
+            ("--custom-rollout-log-function-path", self.custom_rollout_log_function_path),
+            ("--custom-eval-rollout-log-function-path", self.custom_eval_rollout_log_function_path),
+            ("--eval-function-path", self.eval_function_path),
+            *(("--rollout-sample-hook-path", p) for p in self.rollout_sample_hook_path),
         ):
             if value is not None and "." not in value and ":" not in value:
                 raise ConfigError(path_flag, value, "must be `package.module.function` or `file.py:function`")
@@ -349,3 +456,35 @@ def check_rm_type(flag: str, rm_type: str) -> None:
     missing = missing_requirement(rm_type)
     if missing is not None:
         raise ConfigError(flag, rm_type, missing)
+
+
+class MoeRouting(msgspec.Struct, frozen=True):
+    """What an MoE model's routed experts look like: every layer of the model (dense ones too, as
+    SGLang reports them), `topk` experts per token out of `experts`."""
+
+    layers: int
+    topk: int
+    experts: int
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+"""Where the families' HF configs hold the routed expert count (Qwen-MoE; DeepSeek/GLM-MoE; Mixtral)."""
+
+
+def moe_routing(hf_dir: str) -> MoeRouting | None:
+    """The routing shape of the HF model in `hf_dir` (its config.json), or None for a dense model."""
+    import json
+    from pathlib import Path
+
+    path = Path(hf_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--hf-checkpoint", hf_dir, f"cannot read {path}: {exc}") from exc
+    experts = next((cfg[k] for k in _EXPERT_COUNT_KEYS if cfg.get(k)), None)
+    if not experts:
+        return None
+    for key in ("num_hidden_layers", "num_experts_per_tok"):
+        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+            raise ConfigError(f"{path}:{key}", cfg.get(key), "must be a positive int in an MoE config")
+    return MoeRouting(layers=cfg["num_hidden_layers"], topk=cfg["num_experts_per_tok"], experts=int(experts))

@@ -13,6 +13,12 @@ The calls, as slime makes them (tether makes the same ones):
     --custom-rm-path                 await fn(args, sample)   with --group-rm: fn(args, samples)
     --dynamic-sampling-filter-path   fn(args, samples)        not async
     --buffer-filter-path             fn(args, rollout_id, buffer, num_samples)   not async
+    --rollout-sample-filter-path     fn(args, samples)        not async
+    --rollout-all-samples-process-path   fn(args, all_samples, data_source)   not async
+    --custom-rollout-log-function-path   fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time)
+    --custom-eval-rollout-log-function-path   fn(rollout_id, args, data, extra_metrics)
+    --eval-function-path             fn(args, rollout_id, data_source, evaluation=True)
+    --rollout-sample-hook-path       fn(args, sample, *, rollout_id=None, evaluation=False)  (each)
 """
 
 from __future__ import annotations
@@ -64,6 +70,36 @@ BUFFER_FILTER = HookCall(
     plain=True,
 )
 
+SAMPLE_FILTER = HookCall("--rollout-sample-filter-path", "fn(args, samples)", ("args", "samples"), plain=True)
+ALL_SAMPLES_PROCESS = HookCall(
+    "--rollout-all-samples-process-path",
+    "fn(args, all_samples, data_source)",
+    ("args", "all_samples", "data_source"),
+    plain=True,
+)
+ROLLOUT_LOG = HookCall(
+    "--custom-rollout-log-function-path",
+    "fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time)",
+    ("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"),
+    plain=True,
+)
+EVAL_LOG = HookCall(
+    "--custom-eval-rollout-log-function-path",
+    "fn(rollout_id, args, data, extra_metrics)",
+    ("rollout_id", "args", "data", "extra_metrics"),
+    plain=True,
+)
+
+SAMPLE_HOOK = HookCall(
+    "--rollout-sample-hook-path", "fn(args, sample, *, rollout_id=None, evaluation=False)", ("args", "sample")
+)
+EVAL_FUNCTION = HookCall(
+    "--eval-function-path",
+    "fn(args, rollout_id, data_source, evaluation=True)",
+    ("args", "rollout_id", "data_source"),
+    ("evaluation",),
+)
+
 
 def check_hook(path: str, spec: HookCall) -> Callable[..., Any]:
     """Import the hook at `path` and check it takes `spec`'s call; returns it. Raises ConfigError."""
@@ -96,6 +132,12 @@ def check_hooks(rollout: RolloutConfig) -> None:
         (rollout.custom_rm_path, GROUP_RM if rollout.group_rm else CUSTOM_RM),
         (rollout.dynamic_sampling_filter_path, DYNAMIC_FILTER),
         (rollout.buffer_filter_path, BUFFER_FILTER),
+        (rollout.rollout_sample_filter_path, SAMPLE_FILTER),
+        (rollout.rollout_all_samples_process_path, ALL_SAMPLES_PROCESS),
+        (rollout.custom_rollout_log_function_path, ROLLOUT_LOG),
+        (rollout.custom_eval_rollout_log_function_path, EVAL_LOG),
+        (rollout.eval_function_path, EVAL_FUNCTION),
+        *((path, SAMPLE_HOOK) for path in rollout.rollout_sample_hook_path),
     ]
     for path, spec in hooks:
         if path:

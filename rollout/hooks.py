@@ -214,6 +214,29 @@ async def call_generate_hook(
     return check_hook_samples(path, samples_from_hook(path, result))
 
 
+async def call_sample_hook(
+    fn: Callable[..., Any], path: str, args: Any, sample: Sample, *, rollout_id: int | None, evaluation: bool
+) -> Sample:
+    """Run one --rollout-sample-hook-path hook on a generated sample, as slime does: the keyword
+    arguments its signature takes (`rollout_id`, `evaluation`), sync or async; it returns a Sample
+    or None (the one it got, changed in place). A slime-API hook gets slime's Sample."""
+    keywords = {"rollout_id": rollout_id, "evaluation": evaluation}
+    try:
+        params = inspect.signature(fn).parameters.values()
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            keywords = {k: v for k, v in keywords.items() if _takes(fn, k)}
+    except (TypeError, ValueError):
+        pass  # a builtin or extension callable: pass both, as slime would
+    given: Any = to_slime(sample) if uses_slime_api(fn) else sample
+    result = await maybe_await(fn(flat_args(args), given, **keywords))
+    if result is None:
+        result = given
+    if isinstance(result, list):
+        raise HookError(path, f"returned a list of {len(result)}; a sample hook returns one Sample or None")
+    (out,) = check_hook_samples(path, samples_from_hook(path, result), accepted=frozenset(SampleStatus))
+    return out
+
+
 def samples_from_hook(path: str, result: object) -> object:
     """What a slime-API hook returned, with slime Samples (alone or in a list) as tether's."""
     items = result if isinstance(result, list) else [result]

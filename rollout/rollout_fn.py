@@ -23,13 +23,14 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from types import EllipsisType
 from typing import Any
 
 import msgspec
 
-from tether.rollout.config import DataConfig, RolloutConfig
+from tether.rollout.config import DataConfig, MoeRouting, RolloutConfig, moe_routing
 from tether.rollout.data_source import DataSource
-from tether.rollout.engine_api.client import EngineUnavailable
+from tether.rollout.engine_api.client import EngineResponseError, EngineUnavailable, GenerateResponse
 from tether.rollout.hooks import (
     BufferFilter,
     FlatArgs,
@@ -37,7 +38,10 @@ from tether.rollout.hooks import (
     buffer_filter,
     call_filter,
     call_generate_hook,
+    call_sample_hook,
+    keep_slime_changes,
     load_function,
+    slime_samples,
 )
 from tether.rollout.rewards import RewardModel
 from tether.rollout.router import NoEngineError, Router
@@ -87,6 +91,12 @@ class RolloutContext:
         if cfg.dynamic_sampling_filter_path:
             path = cfg.dynamic_sampling_filter_path
             self.filter_hook = (load_function(path, "--dynamic-sampling-filter-path"), path)
+        self.sample_hooks = [
+            (load_function(path, "--rollout-sample-hook-path"), path)
+            for path in getattr(cfg, "rollout_sample_hook_path", None) or []
+        ]
+        self.sample_filter_hook = _optional_hook(cfg, "rollout_sample_filter_path")
+        self.all_samples_hook = _optional_hook(cfg, "rollout_all_samples_process_path")
         self.buffer_filter: BufferFilter | None = None
         """--buffer-filter-path as the data source calls it (`DataSource.buffer_filter`)."""
         path = getattr(cfg, "buffer_filter_path", None)
@@ -120,6 +130,14 @@ class RolloutContext:
                 await self.reward_model.__aexit__(*exc)
             finally:
                 await self.router.close()
+
+
+def _optional_hook(cfg: Any, field: str) -> tuple[Callable[..., Any], str] | None:
+    """The hook a `*_path` flag names, loaded, with its path; None when the flag is unset."""
+    path = getattr(cfg, field, None)
+    if not path:
+        return None
+    return load_function(path, "--" + field.replace("_", "-")), path
 
 
 ENGINE_FAILURE = "tether_engine_failure"
@@ -220,15 +238,58 @@ def reset_to_prompt(sample: Sample) -> Sample:
         reward=None,
         loss_mask=None,
         rollout_log_probs=None,
+        rollout_routed_experts=None,
         status=SampleStatus.PENDING,
         weight_versions=[],
         metadata=metadata,
     )
 
 
-async def generate_one(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> Sample:
-    """The default generate: continue `sample` on an engine by one segment until it stops or is aborted."""
+ROLLOUT_ROUTING_KEY = "tether.rollout_routing"
+"""RolloutContext.extensions key: the routed-experts shape R3 asks the engines for (or None)."""
+
+
+def rollout_routing(ctx: RolloutContext) -> MoeRouting | None:
+    """With --use-rollout-routing-replay, the shape of the routed experts the engines return for
+    this model (read from its HF config once per context); None otherwise."""
+    if ROLLOUT_ROUTING_KEY not in ctx.extensions:
+        on = bool(getattr(ctx.args, "use_rollout_routing_replay", False))
+        hf = ctx.rollout.hf_checkpoint
+        ctx.extensions[ROLLOUT_ROUTING_KEY] = moe_routing(hf) if on and hf else None
+    routing: MoeRouting | None = ctx.extensions[ROLLOUT_ROUTING_KEY]
+    return routing
+
+
+def take_routed_experts(
+    sample: Sample, resp: GenerateResponse, routing: MoeRouting, *, required: bool = True
+) -> None:
+    """Put the engine's routed experts of `resp` on `sample` (after its tokens were appended);
+    `required`: an answer without them is an error (an aborted one may lack them)."""
+    got = resp.routed_experts()
+    if got is None:
+        if required:
+            raise EngineResponseError(
+                "--use-rollout-routing-replay: the engine returned no meta_info.routed_experts "
+                "(it must record them: SGLang's --enable-return-routed-experts)"
+            )
+        return
+    flat, start = got
+    sample.update_routed_experts(flat, start, routing.layers, routing.topk)
+
+
+async def generate_one(
+    ctx: RolloutContext,
+    sample: Sample,
+    params: dict[str, Any],
+    *,
+    max_context_len: int | EllipsisType | None = ...,
+) -> Sample:
+    """The default generate: continue `sample` on an engine by one segment until it stops or is aborted.
+
+    `max_context_len`: the cap on prompt plus response tokens (default: --rollout-max-context-len;
+    evaluation passes its own)."""
     cfg = ctx.rollout
+    context_cap = cfg.rollout_max_context_len if max_context_len is ... else max_context_len
     if ctx.stop.is_set():
         sample.status = SampleStatus.ABORTED
         return sample
@@ -236,14 +297,17 @@ async def generate_one(ctx: RolloutContext, sample: Sample, params: dict[str, An
     limit = params.get("max_new_tokens")
     if limit is not None:
         remaining = int(limit) - sample.response_length
-        if cfg.rollout_max_context_len is not None:
-            remaining = min(remaining, cfg.rollout_max_context_len - len(sample.tokens))
+        if context_cap is not None:
+            remaining = min(remaining, context_cap - len(sample.tokens))
         if remaining <= 0:
             sample.status = SampleStatus.TRUNCATED
             return sample
         params["max_new_tokens"] = remaining
+    routing = rollout_routing(ctx)
     try:
-        _, resp = await ctx.router.generate(sample.tokens, params, routing_key=sample.session_id)
+        _, resp = await ctx.router.generate(
+            sample.tokens, params, routing_key=sample.session_id, return_routed_experts=routing is not None
+        )
     except (EngineUnavailable, NoEngineError) as exc:
         if not ctx.fault_tolerant:
             raise
@@ -262,6 +326,8 @@ async def generate_one(ctx: RolloutContext, sample: Sample, params: dict[str, An
         mask_offpolicy=cfg.mask_offpolicy_in_partial_rollout,
     )
     finish = resp.finish_type
+    if routing is not None:
+        take_routed_experts(sample, resp, routing, required=finish != "abort")
     if finish == "abort":
         sample.status = SampleStatus.ABORTED
     elif finish == "length":
@@ -274,18 +340,32 @@ async def generate_one(ctx: RolloutContext, sample: Sample, params: dict[str, An
 
 
 async def generate_sample(
-    ctx: RolloutContext, sample: Sample, params: dict[str, Any], *, evaluation: bool = False
+    ctx: RolloutContext,
+    sample: Sample,
+    params: dict[str, Any],
+    *,
+    evaluation: bool = False,
+    generate_hook: tuple[Callable[..., Any], str] | EllipsisType | None = ...,
+    max_context_len: int | EllipsisType | None = ...,
 ) -> list[Sample]:
     """One sample through the custom generate hook (checked) or the default generate.
 
     `evaluation` reaches a slime-API hook whose signature takes it, as slime passes it."""
-    if ctx.generate_hook is not None:
+    hook = ctx.generate_hook if generate_hook is ... else generate_hook
+    if hook is not None:
         if ctx.stop.is_set():
             sample.status = SampleStatus.ABORTED
             return [sample]
-        fn, path = ctx.generate_hook
-        return await call_generate_hook(fn, path, ctx.args, sample, params, evaluation=evaluation)
-    return [await generate_one(ctx, sample, params)]
+        fn, path = hook
+        out = await call_generate_hook(fn, path, ctx.args, sample, params, evaluation=evaluation)
+    else:
+        out = [await generate_one(ctx, sample, params, max_context_len=max_context_len)]
+    for fn, path in ctx.sample_hooks:  # --rollout-sample-hook-path, in order, before the reward
+        out = [
+            await call_sample_hook(fn, path, ctx.args, s, rollout_id=s.rollout_id, evaluation=evaluation)
+            for s in out
+        ]
+    return out
 
 
 def _unfinished(sample: Sample) -> bool:
@@ -299,13 +379,28 @@ async def generate_group(
     *,
     score: bool = True,
     evaluation: bool = False,
+    generate_hook: tuple[Callable[..., Any], str] | EllipsisType | None = ...,
+    reward_model: RewardModel | None = None,
+    max_context_len: int | EllipsisType | None = ...,
 ) -> list[Sample]:
-    """Generate every unfinished sample of a group concurrently, then score the group (unless aborted)."""
+    """Generate every unfinished sample of a group concurrently, then score the group (unless aborted).
+
+    Evaluation datasets pass their own `generate_hook`, `reward_model` and `max_context_len`
+    (default: the rollout's)."""
     async with asyncio.TaskGroup() as tg:
         tasks = [
             (
                 s,
-                tg.create_task(generate_sample(ctx, s, params, evaluation=evaluation))
+                tg.create_task(
+                    generate_sample(
+                        ctx,
+                        s,
+                        params,
+                        evaluation=evaluation,
+                        generate_hook=generate_hook,
+                        max_context_len=max_context_len,
+                    )
+                )
                 if _unfinished(s)
                 else None,
             )
@@ -317,7 +412,7 @@ async def generate_group(
     if any(s.status == SampleStatus.ABORTED for s in out):
         return out
     if score and all(s.status in TRAINABLE for s in out):
-        await ctx.reward_model.score_group(out)
+        await (reward_model or ctx.reward_model).score_group(out)
     return out
 
 
@@ -385,6 +480,8 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
         0,
     )
     reasons: dict[str, int] = {}
+    finished: list[list[Sample]] = []
+    """Every group that finished (kept, filtered out, surplus): what --rollout-all-samples-process-path sees."""
     ctx.stop.clear()
 
     def settle(group: list[Sample], in_flight: int) -> None:
@@ -403,6 +500,7 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
         if group_failed(group):
             counts["failed_groups"] += 1
             return
+        finished.append(group)
         if len(kept) >= target:
             # finished after the batch was full: keep its work for the next round when allowed
             counts["surplus_groups"] += 1
@@ -426,6 +524,7 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
     groups = finalize_groups(
         ctx, kept[:target], rollout_id, group_size=None if ctx.generate_hook else data.n_samples_per_prompt
     )
+    after_rollout_hooks(ctx, groups, finished, data_source)
     ctx.metrics = rollout_metrics(
         groups, cfg.reward_key, time.monotonic() - started, log_passrate=cfg.log_passrate
     )
@@ -433,6 +532,30 @@ async def run_rollout(ctx: RolloutContext, rollout_id: int, data_source: DataSou
     ctx.metrics.update({f"rollout/dynamic_filter/{k}": float(v) for k, v in reasons.items()})
     ctx.metrics["rollout/dropped_long_prompts"] = float(data_source.dropped_long_prompts)
     return groups
+
+
+def after_rollout_hooks(
+    ctx: RolloutContext,
+    groups: list[list[Sample]],
+    finished: list[list[Sample]],
+    data_source: DataSource,
+) -> None:
+    """slime's two hooks at the end of its default rollout, in its order: the sample filter over the
+    kept groups (`remove_sample` zeroes a sample's loss mask), then the all-samples process over
+    every finished group. Both get slime's Samples: `remove_sample` is a slime attribute."""
+    if ctx.sample_filter_hook is not None:
+        fn, path = ctx.sample_filter_hook
+        flat = [s for g in groups for s in g]
+        given = slime_samples(flat)
+        fn(ctx.args, given)
+        keep_slime_changes(path, given, flat)
+        for theirs, ours in zip(given, flat, strict=True):
+            if getattr(theirs, "remove_sample", False) and ours.loss_mask is not None:
+                ours.loss_mask = [0] * len(ours.loss_mask)
+    if ctx.all_samples_hook is not None:
+        fn, _ = ctx.all_samples_hook
+        ordered = sorted(finished, key=lambda g: g[0].index or 0)
+        fn(ctx.args, [slime_samples(g) for g in ordered], data_source)
 
 
 async def _fill(
@@ -501,6 +624,48 @@ def passrate_metrics(groups: Sequence[Sequence[Sample]], reward_key: str | None)
     passed = [(len(g), sum(s.scalar_reward(reward_key) == 1 for s in g)) for g in groups]
     ks = [2**i for i in range(int(math.log2(size)) + 1)]
     return {f"passrate/pass@{k}": sum(pass_at_k(n, c, k) for n, c in passed) / len(passed) for k in ks}
+
+
+def multi_turn_metrics(samples: Sequence[Sample], max_response_len: int | None) -> dict[str, float]:
+    """slime's --log-multi-turn: response lengths with the observation tokens (every response token)
+    and without them (the tokens the loss mask trains), their clip ratio at the response limit, and
+    the round count of samples whose metadata has `round_number`."""
+    if not samples:
+        return {}
+    raw = [float(s.response_length) for s in samples]
+    own = [float(sum(s.loss_mask)) if s.loss_mask is not None else float(s.response_length) for s in samples]
+    out = {
+        "multi_turn/raw_response_length/response_length_mean": sum(raw) / len(raw),
+        "multi_turn/raw_response_length/response_length_max": max(raw),
+        "multi_turn/raw_response_length/response_length_min": min(raw),
+        "multi_turn/wo_obs_response_length/response_length_mean": sum(own) / len(own),
+        "multi_turn/wo_obs_response_length/response_length_max": max(own),
+        "multi_turn/wo_obs_response_length/response_length_min": min(own),
+    }
+    if max_response_len is not None:
+        clipped = sum(r >= max_response_len for r in raw) / len(raw)
+        out["multi_turn/raw_response_length/response_length_clip_ratio"] = clipped
+    rounds = [float(s.metadata["round_number"]) for s in samples if "round_number" in s.metadata]
+    if rounds:
+        out["multi_turn/multi_turn_metric/round_number_mean"] = sum(rounds) / len(rounds)
+        out["multi_turn/multi_turn_metric/round_number_max"] = max(rounds)
+        out["multi_turn/multi_turn_metric/round_number_min"] = min(rounds)
+    return out
+
+
+def reward_category_metrics(samples: Sequence[Sample], key: str) -> dict[str, float]:
+    """slime's --log-reward-category: the fraction of samples per value of `key` in their dict
+    rewards, as `error_cat/<value>`. A sample whose reward has no such key is refused, naming it."""
+    counts: dict[str, int] = {}
+    for pos, s in enumerate(samples):
+        if not isinstance(s.reward, dict) or key not in s.reward:
+            raise ValueError(
+                f"--log-reward-category={key}: sample {pos} (index {s.index}) has reward {s.reward!r}, "
+                f"not a dict with key {key!r}"
+            )
+        value = str(s.reward[key])
+        counts[value] = counts.get(value, 0) + 1
+    return {f"error_cat/{value}": n / len(samples) for value, n in counts.items()} if samples else {}
 
 
 def rollout_metrics(

@@ -221,13 +221,20 @@ class Router:
         routing_key: str | None = None,
         return_logprob: bool = True,
         rid: str | None = None,
+        return_routed_experts: bool = False,
     ) -> tuple[str, GenerateResponse]:
-        """Generate on the chosen engine; returns (engine name, response)."""
+        """Generate on the chosen engine; returns (engine name, response). `return_routed_experts`:
+        the MoE experts each token was routed to come back too (--use-rollout-routing-replay)."""
         slot = self._pick_slot(routing_key)
         rid = rid or new_request_id()
         async with self._occupy(slot, rid):
             response = await slot.client.generate(
-                input_ids, sampling_params, rid=rid, return_logprob=return_logprob, routing_key=routing_key
+                input_ids,
+                sampling_params,
+                rid=rid,
+                return_logprob=return_logprob,
+                routing_key=routing_key,
+                return_routed_experts=return_routed_experts,
             )
         return slot.client.name, response
 

@@ -25,6 +25,51 @@ class SampleStatus(enum.StrEnum):
     FAILED = "failed"
 
 
+class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
+    """The experts an MoE engine routed each token to (SGLang's `return_routed_experts`), for
+    --use-rollout-routing-replay: int32 [rows, layers, topk], row t for token t of the sample.
+
+    Kept as raw little-endian bytes so a Sample stays plain msgpack data (debug dumps, RPC);
+    `array()` is the numpy view.
+    """
+
+    rows: int
+    layers: int
+    topk: int
+    data: bytes
+
+    @classmethod
+    def from_array(cls, array: Any) -> RoutedExperts:
+        """From anything numpy reads as a [rows, layers, topk] integer array (a tensor, lists)."""
+        import numpy as np
+
+        a = np.asarray(array)
+        if a.ndim != 3 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(
+                f"routed experts must be an integer array [rows, layers, topk], got {a.dtype} {a.shape}"
+            )
+        rows, layers, topk = (int(x) for x in a.shape)
+        return cls(rows=rows, layers=layers, topk=topk, data=np.ascontiguousarray(a, dtype="<i4").tobytes())
+
+    def array(self) -> Any:
+        """int32 [rows, layers, topk], read-only."""
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype="<i4").reshape(self.rows, self.layers, self.topk)
+
+    def merged(self, start_row: int, more: Any) -> RoutedExperts:
+        """These rows up to `start_row`, then `more` ([rows', layers, topk]): what SGLang's
+        `routed_experts_start_len` asks for when a turn returns only the rows from that token on."""
+        import numpy as np
+
+        new = np.asarray(more, dtype=np.int32)
+        if start_row == 0:
+            return RoutedExperts.from_array(new)
+        if start_row > self.rows:
+            raise ValueError(f"routed_experts_start_len={start_row} is past the {self.rows} rows held")
+        return RoutedExperts.from_array(np.concatenate([self.array()[:start_row], new], axis=0))
+
+
 class Sample(msgspec.Struct, kw_only=True):
     """One prompt plus one generated response, with everything the trainer needs from it."""
 
@@ -62,6 +107,9 @@ class Sample(msgspec.Struct, kw_only=True):
     """Free-form data carried with the sample (data-source metadata, hook state)."""
     session_id: str | None = None
     """Routes every turn of a multi-turn session to the same engine."""
+    rollout_routed_experts: RoutedExperts | None = None
+    """MoE models with --use-rollout-routing-replay: the experts the engine routed each token to,
+    [len(tokens) - 1, layers, topk] (the last token is sampled, never routed)."""
 
     def extend_response(
         self, tokens: Sequence[int], text: str, *, log_probs: Sequence[float] | None = None
@@ -77,6 +125,38 @@ class Sample(msgspec.Struct, kw_only=True):
         self.loss_mask = [*(self.loss_mask or []), *([int(trains)] * len(tokens))]
         added = [float(x) for x in log_probs] if log_probs is not None else [0.0] * len(tokens)
         self.rollout_log_probs = [*(self.rollout_log_probs or []), *added]
+
+    def update_routed_experts(self, flat: Any, start_row: int, layers: int, topk: int) -> None:
+        """Take an engine's routed experts for this sample after its answer was appended: `flat`
+        (int32, [rows, layers, topk] flattened) covers tokens `start_row` to the second-to-last
+        (SGLang's `routed_experts` and `routed_experts_start_len`); rows before `start_row` are
+        kept from the previous turn. Raises SampleContractError on a count that does not fit."""
+        import numpy as np
+
+        rows = len(self.tokens) - 1 - start_row
+        values = np.asarray(flat, dtype=np.int32)
+        if rows < 0 or values.size != rows * layers * topk:
+            raise SampleContractError(
+                "rollout_routed_experts",
+                f"{values.size} entries",
+                f"do not fit tokens={len(self.tokens)} from routed_experts_start_len={start_row} "
+                f"({max(rows, 0)} rows) x layers={layers} x topk={topk}",
+                sample_index=self.index,
+            )
+        new = values.reshape(rows, layers, topk)
+        if start_row == 0:
+            self.rollout_routed_experts = RoutedExperts.from_array(new)
+            return
+        held = self.rollout_routed_experts
+        if held is None or held.rows < start_row or (held.layers, held.topk) != (layers, topk):
+            got = None if held is None else f"[{held.rows}, {held.layers}, {held.topk}]"
+            raise SampleContractError(
+                "rollout_routed_experts",
+                got,
+                f"cannot be extended from routed_experts_start_len={start_row} (needs that many rows held)",
+                sample_index=self.index,
+            )
+        self.rollout_routed_experts = held.merged(start_row, new)
 
     @property
     def prompt_length(self) -> int:
@@ -164,7 +244,32 @@ def validate_sample(
         if m == 0 and lp != 0:
             raise fail(f"rollout_log_probs[{pos}]", lp, "must be exactly 0 where loss_mask is 0")
     _check_reward(sample, fail)
+    check_routed_experts(sample)
     return trainable
+
+
+def check_routed_experts(sample: Sample, layers: int | None = None, topk: int | None = None) -> None:
+    """`rollout_routed_experts`, when set, covers every token but the last, with non-negative expert
+    ids (and `layers` x `topk` per token when given); raises SampleContractError."""
+    routed = sample.rollout_routed_experts
+    if routed is None:
+        return
+
+    def fail(value: object, reason: str) -> SampleContractError:
+        return SampleContractError("rollout_routed_experts", value, reason, sample_index=sample.index)
+
+    if not isinstance(routed, RoutedExperts):
+        raise fail(type(routed).__name__, "must be a RoutedExperts (RoutedExperts.from_array(...))")
+    shape = f"[{routed.rows}, {routed.layers}, {routed.topk}]"
+    want_rows = len(sample.tokens) - 1
+    if routed.rows != want_rows or routed.layers < 1 or routed.topk < 1:
+        raise fail(shape, f"must have shape [len(tokens)-1={want_rows}, layers >= 1, topk >= 1]")
+    if len(routed.data) != 4 * routed.rows * routed.layers * routed.topk:
+        raise fail(shape, f"holds {len(routed.data)} bytes, not 4 per int32 entry")
+    if (layers is not None and routed.layers != layers) or (topk is not None and routed.topk != topk):
+        raise fail(shape, f"must have {layers} layers x top-{topk} per token (the model's)")
+    if routed.rows and int(routed.array().min()) < 0:
+        raise fail(shape, "holds a negative expert id")
 
 
 def _check_reward(sample: Sample, fail: Any) -> None:

@@ -7,7 +7,10 @@ Layout:
 - `tokens[offsets[i]:offsets[i+1]]` are sample i's prompt + response tokens;
 - per-response-token columns (`loss_masks`, `rollout_log_probs`, `advantages`, ...) are concatenated
   response slices: sample i owns `[response_offsets[i], response_offsets[i+1])`;
-- per-sample columns (`rewards`, `rollout_ids`, `loss_weights`, ...) have one entry per sample.
+- per-sample columns (`rewards`, `rollout_ids`, `loss_weights`, ...) have one entry per sample;
+- `routed_experts` (MoE routing replay, R3) is per token like `tokens`: row `offsets[i] + t` holds
+  the experts the engine routed sample i's token t to in every layer; each sample's last token was
+  never routed (the engine stops after sampling it) and holds UNROUTED.
 
 `loss_weights[i]` is the weight of each trainable token of sample i in the step's loss: computed once
 for the whole step (before sharding) so that a micro-batch's loss is the *sum* of token_loss x weight
@@ -25,6 +28,9 @@ import msgspec
 import numpy as np
 
 from tether.rollout.sample import Sample, SampleContractError
+
+UNROUTED = -1
+"""routed_experts of a token no engine routed (tether.train.routing_replay fills in any experts)."""
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +67,9 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     """float32 [sum(response_lengths)]: the trainer's log-probs before the step."""
     ref_log_probs: np.ndarray | None = None
     """float32 [sum(response_lengths)]: the reference model's log-probs."""
+    routed_experts: np.ndarray | None = None
+    """int32 [num_tokens, layers, topk]: the experts the rollout engine routed each token to
+    (--use-rollout-routing-replay); UNROUTED (-1) on each sample's last token."""
 
     @property
     def num_samples(self) -> int:
@@ -143,6 +152,9 @@ class TrainBatch(msgspec.Struct, kw_only=True):
             advantages=per_token(self.advantages),
             old_log_probs=per_token(self.old_log_probs),
             ref_log_probs=per_token(self.ref_log_probs),
+            routed_experts=None
+            if self.routed_experts is None
+            else gather(self.routed_experts, self.offsets[:-1], self.offsets[1:]),
         )
 
     def validate(self) -> None:
@@ -176,6 +188,12 @@ class TrainBatch(msgspec.Struct, kw_only=True):
             col = getattr(self, name)
             if col.shape != (n,):
                 raise ValueError(f"{name} has shape {col.shape}; expected ({n},) (one per sample)")
+        routed = self.routed_experts
+        if routed is not None and (routed.ndim != 3 or routed.shape[0] != self.tokens.size):
+            raise ValueError(
+                f"routed_experts has shape {routed.shape}; expected ({self.tokens.size}, layers, topk) "
+                "(one row per token)"
+            )
 
 
 def build_train_batch(
@@ -243,6 +261,7 @@ def build_train_batch(
             "rollout_log_probs", None, f"missing on samples {missing[:8]} but set on others"
         )
 
+    routed_experts = _routed_experts(samples, lengths)
     used = {s.rollout_id for s in samples if s.rollout_id is not None}
     fresh = 0
     rollout_ids = np.empty(n, dtype=np.int64)
@@ -269,10 +288,43 @@ def build_train_batch(
         ),
         loss_weights=np.zeros(n, dtype=np.float64),
         rollout_log_probs=rollout_log_probs,
+        routed_experts=routed_experts,
     )
     batch.loss_weights = step_loss_weights(batch, per_rollout_loss_mean=per_rollout_loss_mean)
     batch.validate()
     return batch
+
+
+def _routed_experts(samples: Sequence[Sample], lengths: np.ndarray) -> np.ndarray | None:
+    """The samples' routed experts as one per-token column (UNROUTED on each last token), or None
+    when no sample has them; every sample must have them, in one [layers, topk] shape, if any does."""
+    have = [s.rollout_routed_experts is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = [s.index for s, h in zip(samples, have, strict=True) if not h]
+        raise SampleContractError(
+            "rollout_routed_experts", None, f"missing on samples {missing[:8]} but set on others"
+        )
+    first = samples[0].rollout_routed_experts
+    assert first is not None
+    shape = (first.layers, first.topk)
+    out = np.full((int(lengths.sum()), *shape), UNROUTED, dtype=np.int32)
+    start = 0
+    for s, length in zip(samples, lengths, strict=True):
+        routed = s.rollout_routed_experts
+        assert routed is not None
+        if (routed.rows, routed.layers, routed.topk) != (int(length) - 1, *shape):
+            raise SampleContractError(
+                "rollout_routed_experts",
+                f"[{routed.rows}, {routed.layers}, {routed.topk}]",
+                f"must have shape [len(tokens)-1={int(length) - 1}, {shape[0]}, {shape[1]}] "
+                "(the layers and top-k of the other samples)",
+                sample_index=s.index,
+            )
+        out[start : start + int(length) - 1] = routed.array()
+        start += int(length)
+    return out
 
 
 def step_loss_weights(batch: TrainBatch, *, per_rollout_loss_mean: bool) -> np.ndarray:
@@ -472,6 +524,7 @@ class MicroBatchTensors:
     old_log_probs: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     num_tokens: int  # real (unpadded) tokens
+    routed_experts: torch.Tensor | None = None  # int32 [s, b, layers, topk]: the router's token order
 
     def to(self, device: torch.device | str) -> MicroBatchTensors:
         def mv(t: Any) -> Any:
@@ -512,6 +565,14 @@ def micro_batch_tensors(
     def opt(col: np.ndarray | None) -> torch.Tensor | None:
         return None if col is None else torch.from_numpy(np.ascontiguousarray(col, dtype=np.float32))
 
+    routed = None
+    if mb.routed_experts is not None:
+        # [s, b, ...]: Megatron's routers see the hidden states sequence-first.
+        table = np.full((s, b, *mb.routed_experts.shape[1:]), UNROUTED, dtype=np.int32)
+        for i in range(b):
+            table[: lengths[i], i] = mb.routed_experts[mb.offsets[i] : mb.offsets[i + 1]]
+        routed = torch.from_numpy(table)
+
     return MicroBatchTensors(
         tokens=torch.from_numpy(tokens),
         position_ids=torch.arange(s, dtype=torch.int64).expand(b, s).contiguous(),
@@ -526,6 +587,7 @@ def micro_batch_tensors(
         old_log_probs=opt(mb.old_log_probs),
         ref_log_probs=opt(mb.ref_log_probs),
         num_tokens=int(lengths.sum()),
+        routed_experts=routed,
     )
 
 

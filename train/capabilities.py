@@ -92,12 +92,17 @@ def check_capabilities(megatron: MegatronConfig, caps: Capabilities, *, where: s
 
     te = caps.missing(transformer_engine=True)
     cuda = caps.missing(cuda=True)
-    if megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1 and te:
+    # --sequence-parallel runs without TE too: the local spec's norms accept it (train/bridge_spec.py).
+    if megatron.moe_grouped_gemm and te:
+        refuse("--moe-grouped-gemm", True, te, "the experts' grouped GEMM is TE's GroupedLinear")
+    if megatron.moe_permute_fusion and te:
+        refuse("--moe-permute-fusion", True, te, "the fused permutation is a TE kernel")
+    if megatron.moe_token_dispatcher_type == "flex" and cuda:
         refuse(
-            "--sequence-parallel",
-            True,
-            te,
-            "Megatron's torch normalization layers refuse sequence parallelism; TE's support it",
+            "--moe-token-dispatcher-type",
+            "flex",
+            cuda,
+            "the flex dispatcher runs DeepEP/HybridEP kernels on GPUs",
         )
     backend = megatron.resolved_attention_backend
     if backend in TE_ATTENTION_BACKENDS and te:

@@ -1,23 +1,37 @@
-"""Training checkpoints: Megatron distributed checkpoint of model + optimizer, plus the run state.
+"""Training checkpoints in Megatron-LM's own layout, with tether's run state alongside.
 
-Layout under the --save directory:
+Layout under the --save directory (Megatron-LM's, so Megatron-LM and slime load it too):
 
-    iter_0000012/            a complete checkpoint (renamed into place only when complete)
-      model_optim/           megatron.core.dist_checkpointing, `torch_dist` format (works on gloo)
-      rng/rank_00003.msgpack per-rank RNG states: python, numpy, torch (CPU and CUDA), Megatron tracker
-      run_state.msgpack      rollout id, data-source position, weight version, LR scheduler state
-      digests.msgpack        size and xxh3-128 of every other file, written last
-    iter_0000013.tmp/        a save in progress (or one a crash interrupted): never loaded
-    latest                   "12", rewritten atomically after the rename
+    latest_checkpointed_iteration.txt   "12", rewritten atomically after the rename
+    iter_0000012/                       a complete checkpoint (renamed into place only when complete)
+      metadata.json .metadata common.pt __R_N.distcp
+                                        megatron.core.dist_checkpointing `torch_dist` (works on gloo):
+                                        "model" (GPTModel.sharded_state_dict), "optimizer",
+                                        "opt_param_scheduler", "iteration", "checkpoint_version"
+                                        3.0, "args" (the Namespace Megatron-LM's load inspects)
+      tether/run_state.msgpack          rollout id, data-source position, weight version, scheduler
+      tether/rng/rank_00003.msgpack     per-rank RNG states: python, numpy, torch (CPU and CUDA), tracker
+      tether/digests.msgpack            size and xxh3-128 of every other file, written last
+    iter_0000013.tmp/                   a save in progress (or one a crash interrupted): never loaded
 
 A save writes `iter_N.tmp` (each rank hashes the files it wrote; rank 0 gathers the digests,
-hashes the rest and writes `digests.msgpack`), then rank 0 fsyncs it, renames it to `iter_N` and
-rewrites `latest`. A load tries the checkpoint `latest` names (or, when it names no complete
-one, the newest complete `iter_*` directory), then the other complete ones, newest first: a
-checkpoint whose files fail validation (a file missing, added, truncated or with one bit flipped
-since the save; an unreadable run state) or whose load fails on any rank is skipped with a
-warning naming it and the one used. Rank 0 validates and broadcasts the choice, and every rank
+hashes the rest and writes the digests file), then rank 0 fsyncs it, renames it to `iter_N` and
+rewrites the tracker. A load tries the checkpoint the tracker names (or, when it names no
+complete one, the newest complete `iter_*` directory), then the other complete ones, newest
+first: a checkpoint whose files fail validation (a file missing, added, truncated or with one bit
+flipped since the save; an unreadable run state) or whose load fails on any rank is skipped with
+a warning naming it and the one used. Rank 0 validates and broadcasts the choice, and every rank
 reports its load's outcome, so all ranks always load the same one.
+
+Also loaded (see `tether.train.checkpoint_layout`): tether's previous layout (`latest` +
+`iter_N/{model_optim/, run_state.msgpack, rng/, digests.msgpack}`), and checkpoints Megatron-LM
+or slime wrote (tracker "12" → `iter_0000012/`, "release" → `release/`, or --load naming one
+such directory). Those have no run state: iteration N resumes after step N (weights, optimizer
+and scheduler; RNG as seeded), `release` gives weights only and the run starts at step 0, as in
+Megatron-LM. Weights reshard across TP/PP (dist_checkpointing); optimizer state does not
+(dp_reshardable: another DP size only), so a resume at another TP/PP is refused, naming both.
+Tensors saved under TransformerEngine's names load into the local-spec model and the other way
+round (`tether.train.checkpoint_names`); `_extra_state` entries are not loaded.
 
 The digests are checked before anything is unpickled (torch's `.metadata`, `common.pt`). A
 checkpoint without them (saved by an older tether, or by another tool) is loaded only from a
@@ -31,7 +45,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import stat
 import zipfile
@@ -48,6 +61,18 @@ import xxhash
 
 from tether.runtime.atomic_file import fsync_path, fsync_tree, write_bytes_atomic
 from tether.runtime.safe_paths import contained
+from tether.train import checkpoint_layout as layout
+from tether.train.checkpoint_layout import (
+    DIGESTS,
+    LEGACY_MODEL_DIR,
+    LEGACY_TRACKER,
+    RNG_DIR,
+    RUN_STATE,
+    TETHER_DIR,
+    TRACKER,
+    Layout,
+    iter_dir_name,
+)
 from tether.train.megatron_cpu import quiet_megatron_imports
 from tether.train.model import Actor, sync_params, unwrap
 from tether.train.parallel import all_true
@@ -55,17 +80,16 @@ from tether.train.parallel import all_true
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LATEST = "latest"
-RUN_STATE = "run_state.msgpack"
-MODEL_OPTIM = "model_optim"
-DIGESTS = "digests.msgpack"
+LATEST = LEGACY_TRACKER  # tether's previous tracker file (still read)
+MODEL_OPTIM = LEGACY_MODEL_DIR  # tether's previous layout kept the torch_dist files here
 DIGESTS_FORMAT = "tether-checkpoint-digests"
 _HASH_CHUNK = 16 * 1024**2
-_ITER = re.compile(r"^iter_(\d{7})$")
 # How the distributed optimizer lays out its state: resumable at another DP size, same TP/PP.
 # (In megatron-core 0.16.1 with torch's Adam, "fully_sharded_model_space" fails validation and
-# "fully_reshardable" loses Adam's per-parameter "step".)
+# "fully_reshardable" loses Adam's per-parameter "step".) Saved as the checkpoint's content
+# metadata, the flags Megatron-LM's save writes, so its load asks the same keys back.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+CONTENT_METADATA = {**_OPTIM_METADATA, "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 class RunState(msgspec.Struct, kw_only=True):
@@ -101,10 +125,6 @@ class CheckpointDigests(msgspec.Struct, kw_only=True):
 
     format: str = DIGESTS_FORMAT
     files: dict[str, FileDigest]
-
-
-def iter_dir_name(step: int) -> str:
-    return f"iter_{step:07d}"
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -179,12 +199,22 @@ def _restore_adam_step(actor: Actor, step: int) -> None:
                 st["step"] = torch.full_like(old, float(step)) if torch.is_tensor(old) else step
 
 
-def _sharded_state(actor: Actor, *, is_loading: bool) -> dict[str, Any]:
-    model_sd: dict[str, Any] = {}
-    for i, chunk in enumerate(actor.chunks):
-        key = "model" if len(actor.chunks) == 1 else f"model{i}"
-        # The bare GPTModel: DDP would prefix "module." and could not load into a reference model.
-        model_sd[key] = unwrap(chunk).sharded_state_dict()
+def _model_keys(chunks: list[Any]) -> list[str]:
+    """Megatron-LM's state-dict keys of the model chunks: "model", or "model0", "model1", ..."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _model_state(chunks: list[Any], metadata: dict[str, Any] | None) -> dict[str, Any]:
+    # The bare GPTModel: DDP would prefix "module." and could not load into a reference model.
+    return {
+        key: unwrap(chunk).sharded_state_dict(metadata=metadata)
+        for key, chunk in zip(_model_keys(chunks), chunks, strict=True)
+    }
+
+
+def _optimizer_state(
+    actor: Actor, model_sd: dict[str, Any], *, is_loading: bool, metadata: dict[str, Any]
+) -> Any:
     flat: dict[str, Any] = {}
     for sub in model_sd.values():
         flat.update(sub)
@@ -195,7 +225,13 @@ def _sharded_state(actor: Actor, *, is_loading: bool) -> dict[str, Any]:
             init_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
             if init_dummy is not None and not opt.optimizer.state:
                 init_dummy()
-    optim = actor.optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=_OPTIM_METADATA)
+    return actor.optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=metadata)
+
+
+def _sharded_state(actor: Actor, *, is_loading: bool) -> dict[str, Any]:
+    """Model and optimizer as tether's previous layout saved them (model_optim/)."""
+    model_sd = _model_state(actor.chunks, None)
+    optim = _optimizer_state(actor, model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)
     return {**model_sd, "optimizer": optim}
 
 
@@ -217,9 +253,9 @@ def _hash_files(root: Path, names: Iterable[str]) -> dict[str, FileDigest]:
         return dict(zip(ordered, pool.map(lambda n: _hash_file(root / n), ordered), strict=True))
 
 
-def _listing(root: Path) -> tuple[list[str], list[str]]:
-    """Regular files under root as relative POSIX names (the digests file left out), and the
-    entries that are neither files nor directories (links, sockets): a save writes none."""
+def _listing(root: Path, digests: str = DIGESTS) -> tuple[list[str], list[str]]:
+    """Regular files under root as relative POSIX names (the digests file `digests` left out),
+    and the entries that are neither files nor directories (links, sockets): a save writes none."""
     files: list[str] = []
     other: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):  # symlinked directories are not entered
@@ -228,7 +264,7 @@ def _listing(root: Path) -> tuple[list[str], list[str]]:
             rel = (here / name).relative_to(root).as_posix()
             mode = (here / name).lstat().st_mode
             if stat.S_ISREG(mode):
-                if rel != DIGESTS:
+                if rel != digests:
                     files.append(rel)
             elif not stat.S_ISDIR(mode):
                 other.append(rel)
@@ -238,66 +274,75 @@ def _listing(root: Path) -> tuple[list[str], list[str]]:
 def _files_of_rank(root: Path, rank: int) -> list[str]:
     """The files rank `rank` wrote in a save (torch DCP names its shards `__<rank>_<n>.distcp`);
     it hashes them while they are in its page cache. Rank 0 hashes whatever no rank claimed."""
-    mine = [f"{MODEL_OPTIM}/{p.name}" for p in (root / MODEL_OPTIM).glob(f"__{rank}_*.distcp")]
-    if (root / "rng" / f"rank_{rank:05d}.msgpack").is_file():
-        mine.append(f"rng/rank_{rank:05d}.msgpack")
+    mine = [p.name for p in root.glob(f"__{rank}_*.distcp")]
+    rng = f"{TETHER_DIR}/{RNG_DIR}/rank_{rank:05d}.msgpack"
+    if (root / rng).is_file():
+        mine.append(rng)
     return mine
 
 
-def write_digests(path: Path, known: Mapping[str, FileDigest] | None = None) -> CheckpointDigests:
+def write_digests(
+    path: Path, known: Mapping[str, FileDigest] | None = None, *, name: str | None = None
+) -> CheckpointDigests:
     """Record every file of checkpoint directory `path` in its digests file, atomically.
 
     `known` digests (hashed by the ranks that wrote those files) are taken as they are; every
     other file is hashed here. Run once all of the checkpoint's other files are written.
+    `name`: the digests file, relative to `path` (default: where `path`'s layout keeps it).
     """
-    files, other = _listing(path)
+    name = name or layout.digests_name(path)
+    files, other = _listing(path, name)
     if other:
         raise ValueError(f"{path}: entries that are not regular files cannot be recorded: {other[:5]}")
-    given = {name: known[name] for name in files if known and name in known}
-    digests = {**given, **_hash_files(path, [name for name in files if name not in given])}
+    given = {f: known[f] for f in files if known and f in known}
+    digests = {**given, **_hash_files(path, [f for f in files if f not in given])}
     record = CheckpointDigests(files=dict(sorted(digests.items())))
-    write_bytes_atomic(path / DIGESTS, msgspec.msgpack.encode(record))
+    write_bytes_atomic(path / name, msgspec.msgpack.encode(record))
     return record
 
 
 def check_digests(path: Path) -> None:
     """Raise ValueError naming the first file of checkpoint `path` that is missing, was added, or
     differs in size or xxh3 from what its digests file recorded at the save."""
-    record_file = path / DIGESTS
+    name = layout.digests_name(path)
+    record_file = path / name
     try:
         record = msgspec.msgpack.decode(record_file.read_bytes(), type=CheckpointDigests)
     except (OSError, msgspec.DecodeError) as exc:
         raise _bad(record_file, exc) from None
     if record.format != DIGESTS_FORMAT:
         raise _bad(record_file, f"format={record.format!r}; this tether reads {DIGESTS_FORMAT!r}")
-    for name in record.files:
-        contained(path, name, entry=f"{DIGESTS} file", error=ValueError)
-    files, other = _listing(path)
+    for entry in record.files:
+        contained(path, entry, entry=f"{name} file", error=ValueError)
+    files, other = _listing(path, name)
     missing = sorted(set(record.files) - set(files))
     if missing:
         raise _bad(path / missing[0], f"recorded in {DIGESTS} but missing")
     added = sorted({*files, *other} - set(record.files))
     if added:
         raise _bad(path / added[0], f"not recorded in {DIGESTS}: added or replaced after the save")
-    for name, want in sorted(record.files.items()):  # sizes first: cheap, and a truncation says so
-        size = (path / name).stat().st_size
+    for f, want in sorted(record.files.items()):  # sizes first: cheap, and a truncation says so
+        size = (path / f).stat().st_size
         if size != want.size:
             how = "truncated" if size < want.size else "grown"
-            raise _bad(path / name, f"{size} bytes, but {DIGESTS} records {want.size} ({how})")
+            raise _bad(path / f, f"{size} bytes, but {DIGESTS} records {want.size} ({how})")
     got = _hash_files(path, record.files)
-    for name, want in sorted(record.files.items()):
-        if got[name] != want:
+    for f, want in sorted(record.files.items()):
+        if got[f] != want:
             raise _bad(
-                path / name,
-                f"xxh3-128 {got[name].xxh3_128} ({got[name].size} bytes) != {want.xxh3_128} "
+                path / f,
+                f"xxh3-128 {got[f].xxh3_128} ({got[f].size} bytes) != {want.xxh3_128} "
                 f"({want.size} bytes) recorded in {DIGESTS}: the file changed since the save",
             )
 
 
 def save(actor: Actor, save_dir: str | Path, state: RunState) -> Path:
-    """Write checkpoint `iter_{state.step}`; collective over every rank of the job."""
+    """Write checkpoint `iter_{state.step}` in Megatron-LM's layout, tether's run state in its
+    `tether/` folder; collective over every rank of the job."""
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
+
+    from tether.train.checkpoint_megatron import common_state
 
     root = Path(save_dir)
     final = root / iter_dir_name(state.step)
@@ -306,14 +351,21 @@ def save(actor: Actor, save_dir: str | Path, state: RunState) -> Path:
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / MODEL_OPTIM).mkdir(parents=True)
-        (tmp / "rng").mkdir()
+        tmp.mkdir()
     dist.barrier()
     sync_params(actor.chunks)
     state.scheduler = actor.scheduler.state_dict()
     state.optimizer_step = _adam_step(actor)
-    dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp / MODEL_OPTIM))
-    write_bytes_atomic(tmp / "rng" / f"rank_{rank:05d}.msgpack", msgspec.msgpack.encode(capture_rng()))
+    model_sd = _model_state(actor.chunks, CONTENT_METADATA)
+    sharded: dict[str, Any] = {
+        **model_sd,
+        "optimizer": _optimizer_state(actor, model_sd, is_loading=False, metadata=CONTENT_METADATA),
+        **common_state(actor.chunks, actor.config, iteration=state.step, scheduler=actor.scheduler),
+    }
+    dist_checkpointing.save(sharded, str(tmp), content_metadata=dict(CONTENT_METADATA))
+    rng_dir = tmp / TETHER_DIR / RNG_DIR
+    rng_dir.mkdir(parents=True, exist_ok=True)  # after the save: dist_checkpointing wants it empty
+    write_bytes_atomic(rng_dir / f"rank_{rank:05d}.msgpack", msgspec.msgpack.encode(capture_rng()))
     dist.barrier()
     # Every rank hashes its own files (spreading the reads); rank 0 gathers and records them.
     mine = _hash_files(tmp, _files_of_rank(tmp, rank))
@@ -322,50 +374,62 @@ def save(actor: Actor, save_dir: str | Path, state: RunState) -> Path:
     )
     dist.gather_object(mine, gathered, dst=0)
     if rank == 0:
-        write_bytes_atomic(tmp / RUN_STATE, msgspec.msgpack.encode(state))
+        write_bytes_atomic(tmp / TETHER_DIR / RUN_STATE, msgspec.msgpack.encode(state))
         known = {name: d for part in gathered or [] for name, d in (part or {}).items()}
-        write_digests(tmp, known)  # last: it records every other file
+        write_digests(tmp, known, name=f"{TETHER_DIR}/{DIGESTS}")  # last: it records every other file
         fsync_tree(tmp)
         if final.exists():  # re-saving the same step: the new one replaces it
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(root)
-        write_bytes_atomic(root / LATEST, str(state.step).encode())
+        write_bytes_atomic(root / TRACKER, str(state.step).encode())
+    dist.barrier()
+    return final
+
+
+def save_release(chunks: list[Any], config: Any, save_dir: str | Path) -> Path:
+    """Write the model's weights as `release/` with the tracker saying "release": the layout
+    slime's HF->torch_dist converter writes (no optimizer, RNG or run state). Atomic: written to
+    `release.tmp`, renamed, then the tracker. Collective over every rank."""
+    with quiet_megatron_imports():
+        from megatron.core import dist_checkpointing
+
+    from tether.train.checkpoint_megatron import common_state
+
+    root = Path(save_dir)
+    final, tmp = root / layout.RELEASE, root / f"{layout.RELEASE}.tmp"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    sharded: dict[str, Any] = {
+        **_model_state(chunks, CONTENT_METADATA),
+        **common_state(chunks, config, iteration=0, scheduler=None),
+    }
+    dist_checkpointing.save(sharded, str(tmp), content_metadata=dict(CONTENT_METADATA))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_path(root)
+        write_bytes_atomic(root / TRACKER, layout.RELEASE.encode())
     dist.barrier()
     return final
 
 
 def complete_checkpoints(root: Path) -> list[int]:
-    """Steps with a complete checkpoint directory under root, ascending."""
-    if not root.is_dir():
-        return []
-    steps = []
-    for entry in root.iterdir():
-        m = _ITER.match(entry.name)
-        if m and entry.is_dir() and (entry / RUN_STATE).is_file() and (entry / MODEL_OPTIM).is_dir():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    """Steps with a complete checkpoint directory tether wrote under root (either of its
+    layouts), ascending."""
+    return layout.complete_steps(Path(root))
 
 
 def find_checkpoint(load_dir: str | Path) -> Path | None:
-    """The checkpoint to resume from: the one `latest` names, or the newest complete one."""
-    root = Path(load_dir)
-    complete = complete_checkpoints(root)
-    marker = root / LATEST
-    if marker.is_file():
-        text = marker.read_text().strip()
-        if text.isdigit() and int(text) in complete:
-            return root / iter_dir_name(int(text))
-        if complete:
-            log.warning(
-                "%s names step %r, which has no complete checkpoint; loading the newest complete one, step %d",
-                marker,
-                text,
-                complete[-1],
-            )
-    if complete:
-        return root / iter_dir_name(complete[-1])
-    return None
+    """The checkpoint to resume from: `load_dir` itself when it is one; the one the tracker names
+    (`latest_checkpointed_iteration.txt`, or tether's older `latest`); or the newest complete one."""
+    return layout.first_candidate(Path(load_dir))
 
 
 class SkippedCheckpoint(msgspec.Struct, frozen=True):
@@ -385,12 +449,7 @@ class Loaded(msgspec.Struct, kw_only=True):
 
 def checkpoint_candidates(load_dir: str | Path) -> list[Path]:
     """Complete checkpoints in the order a load tries them: `find_checkpoint`'s, then newest first."""
-    root = Path(load_dir)
-    first = find_checkpoint(root)
-    if first is None:
-        return []
-    rest = [root / iter_dir_name(step) for step in reversed(complete_checkpoints(root))]
-    return [first, *(p for p in rest if p != first)]
+    return layout.candidates(Path(load_dir))
 
 
 def validate_checkpoint(path: Path, *, named: bool = False) -> None:
@@ -404,7 +463,7 @@ def validate_checkpoint(path: Path, *, named: bool = False) -> None:
     unpickled), `common.pt` passes its CRC check, no shard is shorter than the byte ranges the
     checkpoint's index says it holds (a truncated file).
     """
-    if (path / DIGESTS).exists():
+    if (path / layout.digests_name(path)).exists():
         check_digests(path)
         _check_states(path)
         return
@@ -423,18 +482,21 @@ def _bad(file: Path, why: object) -> ValueError:
 
 
 def _check_states(path: Path) -> None:
-    """The run state and RNG states decode (msgspec, typed: no code runs)."""
-    bad = _bad
-    run_state = path / RUN_STATE
+    """The run state and RNG states decode (msgspec, typed: no code runs); none in a checkpoint
+    another tool wrote."""
+    if layout.layout_of(path) is Layout.MEGATRON:
+        return
+    where = layout.state_dir(path)
+    run_state = where / RUN_STATE
     try:
         msgspec.msgpack.decode(run_state.read_bytes(), type=RunState)
     except (OSError, msgspec.DecodeError) as exc:
-        raise bad(run_state, exc) from None
-    for rng_file in sorted((path / "rng").glob("rank_*.msgpack")):
+        raise _bad(run_state, exc) from None
+    for rng_file in sorted((where / RNG_DIR).glob("rank_*.msgpack")):
         try:
             msgspec.msgpack.decode(rng_file.read_bytes(), type=RngState)
         except (OSError, msgspec.DecodeError) as exc:
-            raise bad(rng_file, exc) from None
+            raise _bad(rng_file, exc) from None
 
 
 def _check_undigested(path: Path) -> None:
@@ -442,7 +504,7 @@ def _check_undigested(path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     bad = _bad
-    model_dir = path / MODEL_OPTIM
+    model_dir = layout.model_dir(path)
     meta_json = model_dir / "metadata.json"
     try:
         json.loads(meta_json.read_text())
@@ -520,7 +582,7 @@ def _load_first_loadable(
         if choice is None:
             if skipped:
                 raise RuntimeError(
-                    f"{flag}={load_dir}: every complete checkpoint is damaged: "
+                    f"{flag}={load_dir}: every complete checkpoint is damaged or cannot load here: "
                     + "; ".join(f"{s.path}: {s.error}" for s in skipped)
                 )
             return None
@@ -544,9 +606,10 @@ def load_checkpoint(
 
     Returns what was loaded (with the damaged checkpoints skipped on the way, each warned
     about), or None when `load_dir` holds no loadable checkpoint (an error when it holds only
-    damaged ones). With `finetune` only the weights are loaded (the run starts fresh from
-    them). `named`: the user named `load_dir` with --load, so its checkpoints without digests
-    are loadable (trusted input); False for --auto-resume. Collective over every rank.
+    damaged ones). With `finetune` only the weights are loaded and the run starts fresh from
+    them (the state says step -1: nothing trained yet). `named`: the user named `load_dir` with
+    --load, so its checkpoints without digests are loadable (trusted input); False for
+    --auto-resume. Collective over every rank.
     """
     got = _load_first_loadable(
         load_dir, "--load", lambda path: _load_from(actor, path, finetune=finetune), named=named
@@ -565,53 +628,199 @@ def load(
     return None if loaded is None else loaded.state
 
 
-def _load_from(actor: Actor, path: Path, *, finetune: bool) -> RunState:
+def fresh_state() -> RunState:
+    """The state of weights loaded without a run position: no step of this run is in them yet."""
+    return RunState(step=-1, rollout_id=-1)
+
+
+def _load_model(chunks: list[Any], path: Path) -> None:
+    """Only the model weights of checkpoint `path` (any layout) into `chunks`."""
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
 
-    sharded = _sharded_state(actor, is_loading=True)
+    if layout.layout_of(path) is Layout.LEGACY:
+        keys = _model_keys(chunks)
+        sharded = {k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
+        loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
+        for k, chunk in zip(keys, chunks, strict=True):
+            unwrap(chunk).load_state_dict(loaded[k], strict=True)
+        return
+    loaded, _ = _load_megatron(chunks, path, None)
+    _apply_model(chunks, loaded)
+
+
+def _load_megatron(
+    chunks: list[Any], path: Path, optimizer: Callable[[dict[str, Any]], Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """dist_checkpointing.load of the model (each tensor asked under the name the checkpoint has
+    it, `_extra_state` left out) and, when `optimizer` builds its request from the model's, the
+    optimizer state. Returns (loaded state dict, the checkpoint's content metadata)."""
+    with quiet_megatron_imports():
+        from megatron.core import dist_checkpointing
+
+    from tether.train.checkpoint_megatron import (
+        ask_checkpoint_names,
+        content_metadata,
+        drop_extra_state,
+        tensor_keys,
+    )
+
+    metadata = content_metadata(path) or dict(CONTENT_METADATA)
+    model_sd = _model_state(chunks, metadata)
+    available = tensor_keys(path)
+    for sub in model_sd.values():
+        drop_extra_state(sub)
+        renamed = ask_checkpoint_names(sub, available)
+        if renamed:
+            log.info("%s: %d tensors under their other layer spec's names", path, len(renamed))
+    sharded: dict[str, Any] = dict(model_sd)
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer({**metadata})
+    return dist_checkpointing.load(sharded, str(path)), metadata
+
+
+def _apply_model(chunks: list[Any], loaded: dict[str, Any]) -> None:
+    from tether.train.checkpoint_names import is_extra_state
+
+    for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
+        result = unwrap(chunk).load_state_dict(loaded[key], strict=False)
+        wrong = [k for k in result.missing_keys if not is_extra_state(k)] + list(result.unexpected_keys)
+        if wrong:
+            raise KeyError(f"checkpoint state does not fit the model: {sorted(wrong)[:8]}")
+
+
+def reload_main_params(actor: Actor) -> None:
+    """The optimizer's main (fp32) copies of the weights follow weights loaded without it."""
+    reload = getattr(actor.optimizer, "reload_model_params", None)
+    if reload is not None:
+        reload()
+
+
+def _load_from(actor: Actor, path: Path, *, finetune: bool) -> RunState:
+    kind = layout.layout_of(path)
+    if kind is Layout.LEGACY:
+        return _load_legacy(actor, path, finetune=finetune)
     if finetune:
-        sharded.pop("optimizer")
-    loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
-    for i, chunk in enumerate(actor.chunks):
-        key = "model" if len(actor.chunks) == 1 else f"model{i}"
-        unwrap(chunk).load_state_dict(loaded[key], strict=True)
-    state = msgspec.msgpack.decode((path / RUN_STATE).read_bytes(), type=RunState)
-    if finetune:
+        _load_model(actor.chunks, path)
+        reload_main_params(actor)
+        return fresh_state()
+    if kind is Layout.TETHER:
+        from tether.train.checkpoint_megatron import load_common
+
+        _check_same_parallel_sizes(path, load_common(path))
+        loaded, _ = _load_megatron(actor.chunks, path, lambda md: _optimizer_for(actor, md))
+        _apply_model(actor.chunks, loaded)
+        state = msgspec.msgpack.decode((path / TETHER_DIR / RUN_STATE).read_bytes(), type=RunState)
+        _restore_training_state(actor, loaded["optimizer"], state.scheduler, state.optimizer_step)
+        _restore_rank_rng(path / TETHER_DIR / RNG_DIR, path)
         return state
+    return _load_foreign(actor, path)
+
+
+def _optimizer_for(actor: Actor, metadata: dict[str, Any]) -> Any:
+    model_sd = _model_state(actor.chunks, metadata)
+    return _optimizer_state(actor, model_sd, is_loading=True, metadata=metadata)
+
+
+def _load_foreign(actor: Actor, path: Path) -> RunState:
+    """A checkpoint Megatron-LM or slime wrote: no run state. `release` (a converted model) gives
+    weights only and the run starts at step 0; iteration N resumes after step N (slime saves the
+    rollout id as the iteration) with the optimizer and scheduler it holds, a fresh optimizer when
+    it holds none (--no-save-optim); RNG as seeded, data from the start."""
+    from tether.train.checkpoint_megatron import load_common, tensor_keys
+
+    iteration = layout.iteration_of(path)
+    common = load_common(path)
+    args = common.get("args")
+    has_optim = any(k.startswith("optimizer.") for k in tensor_keys(path)) and not getattr(
+        args, "no_save_optim", False
+    )
+    if iteration is None or not has_optim:
+        _load_model(actor.chunks, path)
+        reload_main_params(actor)
+        if iteration is None:
+            log.warning("%s: a release checkpoint: its weights only, the run starts at step 0", path)
+            return fresh_state()
+        # As Megatron-LM and slime: the iteration still counts, the optimizer starts fresh.
+        log.warning(
+            "%s holds no optimizer state; resuming after step %d with a fresh optimizer", path, iteration
+        )
+        return RunState(step=iteration, rollout_id=iteration)
+    _check_same_parallel_sizes(path, common)
+    loaded, _ = _load_megatron(actor.chunks, path, lambda md: _optimizer_for(actor, md))
+    _apply_model(actor.chunks, loaded)
+    scheduler = common.get("opt_param_scheduler") or {}
+    _restore_training_state(actor, loaded["optimizer"], scheduler, None)
+    log.info("%s: Megatron checkpoint of iteration %d; RNG states are seeded, not restored", path, iteration)
+    return RunState(step=iteration, rollout_id=iteration, scheduler=dict(scheduler))
+
+
+def _check_same_parallel_sizes(path: Path, common: Mapping[str, Any]) -> None:
+    """A resume (optimizer state: dp_reshardable) needs the TP and PP sizes it was saved at."""
+    from megatron.core import parallel_state as ps
+
+    from tether.train.checkpoint_megatron import saved_parallel_sizes
+
+    saved = saved_parallel_sizes(dict(common))
+    here = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+    if saved != here:
+        raise ValueError(
+            f"{path} was saved at TP={saved[0]} PP={saved[1]}, this run has TP={here[0]} PP={here[1]}: "
+            "its optimizer state loads only at the same TP and PP (weights reshard, optimizer state "
+            f"does not). Resume at TP={saved[0]} PP={saved[1]}, or start from its weights with "
+            f"--ref-load {path.parent} and no --load"
+        )
+
+
+def _restore_training_state(
+    actor: Actor, optimizer_state: Any, scheduler: Mapping[str, Any], optimizer_step: int | None
+) -> None:
     with torch.no_grad():  # Megatron copies into leaf main params in place
-        actor.optimizer.load_state_dict(loaded["optimizer"])
-    if state.optimizer_step is not None:
-        _restore_adam_step(actor, state.optimizer_step)
-    if state.scheduler:
-        actor.scheduler.load_state_dict(state.scheduler)
-    rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.msgpack"
+        actor.optimizer.load_state_dict(optimizer_state)
+    if optimizer_step is not None:
+        _restore_adam_step(actor, optimizer_step)
+    if scheduler:
+        actor.scheduler.load_state_dict(dict(scheduler))
+
+
+def _restore_rank_rng(rng_dir: Path, path: Path) -> None:
+    rng_file = rng_dir / f"rank_{dist.get_rank():05d}.msgpack"
     if rng_file.is_file():
         restore_rng(msgspec.msgpack.decode(rng_file.read_bytes(), type=RngState))
     else:
         log.warning(
             "%s has no RNG state for rank %d (different world size); RNG not restored", path, dist.get_rank()
         )
+
+
+def _load_legacy(actor: Actor, path: Path, *, finetune: bool) -> RunState:
+    """tether's previous layout (model_optim/, run_state.msgpack and rng/ at the top)."""
+    with quiet_megatron_imports():
+        from megatron.core import dist_checkpointing
+
+    if finetune:
+        _load_model(actor.chunks, path)
+        reload_main_params(actor)
+        return fresh_state()
+    sharded = _sharded_state(actor, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
+    for key, chunk in zip(_model_keys(actor.chunks), actor.chunks, strict=True):
+        unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    state = msgspec.msgpack.decode((path / RUN_STATE).read_bytes(), type=RunState)
+    _restore_training_state(actor, loaded["optimizer"], state.scheduler, state.optimizer_step)
+    _restore_rank_rng(path / RNG_DIR, path)
     return state
 
 
 def load_weights_only(chunks: list[Any], load_dir: str | Path, *, named: bool = True) -> Path:
     """Load only model weights (e.g. a frozen reference from --ref-load) from the newest
     loadable complete checkpoint, past damaged ones as `load_checkpoint` does; returns the
-    directory. `named` defaults to True: --ref-load is always a directory the user named.
-    Collective over every rank."""
-    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-
-    def load_one(path: Path) -> None:
-        with quiet_megatron_imports():
-            from megatron.core import dist_checkpointing
-
-        sharded = {k: unwrap(c).sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
-        loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
-        for k, chunk in zip(keys, chunks, strict=True):
-            unwrap(chunk).load_state_dict(loaded[k], strict=True)
-
-    got = _load_first_loadable(load_dir, "--ref-load", load_one, named=named)
+    directory. Any layout, saved at any TP/PP. `named` defaults to True: --ref-load is always a
+    directory the user named. Collective over every rank."""
+    got = _load_first_loadable(load_dir, "--ref-load", lambda path: _load_model(chunks, path), named=named)
     if got is None:
-        raise FileNotFoundError(f"--ref-load={load_dir}: no complete checkpoint (iter_*/ with {RUN_STATE})")
+        raise FileNotFoundError(
+            f"--ref-load={load_dir}: no complete checkpoint ({TRACKER} naming iter_XXXXXXX/ or "
+            f"release/, an iter_XXXXXXX/ or release/ directory itself, or tether's iter_*/ checkpoints)"
+        )
     return Path(got[1])

@@ -10,7 +10,7 @@ The policy (with neither flag every checkpoint is kept, as in Megatron and slime
                                 iter_0000099, iter_0000199, ...
 
 Whatever the flags, a prune never deletes a `.tmp` directory (a save in progress) or anything
-else that is not a complete checkpoint, the newest complete checkpoint, the one `latest` names,
+else that is not a complete checkpoint, the newest complete checkpoint, the one the tracker names,
 the protected paths (what --load / --ref-load resolved to at start), nor the checkpoint a resume
 would load now (`select_checkpoint`: the first candidate whose files validate) or anything newer
 than it. So a checkpoint is deleted only once a newer one is complete and verified, and at least
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tether.runtime.atomic_file import fsync_path
 from tether.train.checkpoint import complete_checkpoints, find_checkpoint, iter_dir_name, select_checkpoint
+from tether.train.checkpoint_layout import iteration_of
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,16 @@ def prune_checkpoints(
     if anchor is None:
         log.warning("no checkpoint under %s validates; deleting none", root)
         return deleted
-    anchor_step = int(anchor.name.removeprefix("iter_"))
+    anchor_step = iteration_of(anchor)
+    if anchor_step is None:  # the tracker names `release/`: not a checkpoint this run wrote
+        log.warning("%s's tracker names %s; deleting none", root, anchor)
+        return deleted
     keep = kept_by_policy(complete, keep_last=keep_last, keep_every=keep_every)
     keep.add(complete[-1])
-    named = find_checkpoint(root)  # the one `latest` names (or the newest complete one)
-    if named is not None:
-        keep.add(int(named.name.removeprefix("iter_")))
+    named = find_checkpoint(root)  # the one the tracker names (or the newest complete one)
+    named_step = None if named is None else iteration_of(named)
+    if named_step is not None:
+        keep.add(named_step)
     shielded = {_real(p) for p in protected}
     doomed = [
         step

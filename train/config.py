@@ -48,6 +48,21 @@ _OPTIONAL_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "rotary_base": (0.0, False, None),
     "rotary_percent": (0.0, False, 1.0),
     "norm_epsilon": (0.0, False, None),
+    "num_experts": (1, True, None),
+    "moe_router_topk": (1, True, None),
+    "moe_ffn_hidden_size": (1, True, None),
+    "moe_shared_expert_intermediate_size": (1, True, None),
+    "moe_router_topk_scaling_factor": (0.0, False, None),
+    "moe_router_num_groups": (1, True, None),
+    "moe_router_group_topk": (1, True, None),
+    "q_lora_rank": (1, True, None),
+    "kv_lora_rank": (1, True, None),
+    "qk_head_dim": (1, True, None),
+    "qk_pos_emb_head_dim": (1, True, None),
+    "v_head_dim": (1, True, None),
+    "rotary_scaling_factor": (0.0, False, None),
+    "mscale": (0.0, False, None),
+    "mscale_all_dim": (0.0, False, None),
 }
 
 
@@ -75,6 +90,28 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     custom_loss_function_path: Annotated[
         str | None, Meta(description="module.path:function computing the loss when --loss-type custom_loss.")
     ] = None
+    custom_reward_post_process_path: Annotated[
+        str | None,
+        Meta(
+            description="Replace the reward post-processing (group normalisation for grpo): "
+            "`fn(args, samples) -> (raw_rewards, rewards)` over a rollout's samples, as slime calls it."
+        ),
+    ] = None
+    custom_advantage_function_path: Annotated[
+        str | None,
+        Meta(
+            description="Replace the advantage estimator: `fn(args, rollout_data)` sets rollout_data['advantages'] "
+            "and ['returns'] (per sample, a tensor per response token) from its rewards, log-probs, loss masks "
+            "and kl, as in slime; --normalize-advantages still whitens them after."
+        ),
+    ] = None
+    disable_compute_advantages_and_returns: Annotated[
+        bool,
+        Meta(
+            description="Compute no advantages, old or reference log-probs (slime's meaning: for --loss-type "
+            "sft_loss or custom_loss)."
+        ),
+    ] = False
     eps_clip: Annotated[float, Meta(ge=0.0, description="PPO clip range below 1 (ratio >= 1 - eps).")] = 0.2
     eps_clip_high: Annotated[
         float | None, Meta(description="PPO clip range above 1; defaults to --eps-clip.")
@@ -102,6 +139,21 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         bool, Meta(description="Truncated importance sampling between trainer and engine log-probs.")
     ] = False
     tis_clip: Annotated[float, Meta(gt=0.0, description="Upper bound of the TIS weight.")] = 2.0
+    use_routing_replay: Annotated[
+        bool,
+        Meta(
+            description="MoE routing replay (R2, arXiv 2507.18071): the training forward of a step routes each "
+            "token to the experts the actor's log-prob forward of that step chose (MoE models only)."
+        ),
+    ] = False
+    use_rollout_routing_replay: Annotated[
+        bool,
+        Meta(
+            description="Rollout routing replay (R3, arXiv 2510.11370): every trainer forward of the actor routes "
+            "each token to the experts the rollout engine routed it to (MoE models; implies "
+            "--use-routing-replay)."
+        ),
+    ] = False
     tis_clip_low: Annotated[float, Meta(ge=0.0, description="Lower bound of the TIS weight.")] = 0.0
     normalize_advantages: Annotated[
         bool, Meta(description="Whiten advantages over the step's trainable tokens (across DP ranks).")
@@ -133,9 +185,22 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     lr: Annotated[float, Meta(ge=0.0, description="Peak learning rate.")] = 1e-6
     ref_load: Annotated[
         str | None,
-        Meta(description="Checkpoint of the frozen reference model (KL); defaults to the start model."),
+        Meta(
+            description="Checkpoint of the frozen reference model (KL): a Megatron checkpoint directory "
+            "(e.g. slime's HF->torch_dist conversion) or an HF model directory; without it the reference "
+            "is --hf-checkpoint. As in slime, also the actor's start weights (fresh run) when --load "
+            "holds no checkpoint."
+        ),
     ] = None
-    load: Annotated[str | None, Meta(description="Checkpoint directory to resume training from.")] = None
+    load: Annotated[
+        str | None,
+        Meta(
+            description="Checkpoint to resume training from: a Megatron checkpoint directory "
+            "(latest_checkpointed_iteration.txt naming iter_XXXXXXX/ or release/, one such directory "
+            "itself, or tether's older `latest` layout); or an HF model directory to start a fresh run "
+            "from. When it holds neither, the actor starts from --ref-load (slime's rule)."
+        ),
+    ] = None
     save: Annotated[str | None, Meta(description="Directory to save checkpoints into.")] = None
     save_interval: Annotated[int | None, Meta(description="Save a checkpoint every N rollouts.")] = None
     keep_last_checkpoints: Annotated[
@@ -156,6 +221,8 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
 
     def __post_init__(self) -> None:
         _check_optional_ranges(self)
+        if self.use_rollout_routing_replay and not self.use_routing_replay:
+            msgspec.structs.force_setattr(self, "use_routing_replay", True)  # slime: R3 implies R2
         if self.lambd != 1.0:
             raise ConfigError(
                 "--lambd",
@@ -165,6 +232,18 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             )
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ConfigError("--eps-clip-c", self.eps_clip_c, "the dual-clip bound must be greater than 1")
+        if self.disable_compute_advantages_and_returns and self.loss_type == "policy_loss":
+            raise ConfigError(
+                "--disable-compute-advantages-and-returns",
+                True,
+                "leaves --loss-type policy_loss without the advantages it trains on; use sft_loss or custom_loss",
+            )
+        for flag, value in (
+            ("--custom-reward-post-process-path", self.custom_reward_post_process_path),
+            ("--custom-advantage-function-path", self.custom_advantage_function_path),
+        ):
+            if value is not None and "." not in value and ":" not in value:
+                raise ConfigError(flag, value, "must be `package.module.function` or `file.py:function`")
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError(
                 "--custom-loss-function-path",
@@ -283,6 +362,27 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "no_rope_fusion",
     "no_masked_softmax_fusion",
     "no_gradient_accumulation_fusion",
+    # Mixture of experts and multi-latent attention (Megatron's names): the checkpoint's shape too.
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    "moe_router_score_function",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias",
+    "moe_router_pre_softmax",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
 )
 
 
@@ -305,15 +405,18 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         int, Meta(ge=1, description="Context-parallel size (CP); tether supports 1 only.")
     ] = 1
     expert_model_parallel_size: Annotated[
-        int, Meta(ge=1, description="Expert-parallel size (MoE); tether trains dense models, so 1.")
+        int, Meta(ge=1, description="Expert-parallel size (MoE): the experts are split over this many ranks.")
     ] = 1
     expert_tensor_parallel_size: Annotated[
         int | None,
-        Meta(description="Tensor-parallel size inside experts (MoE); dense models: unset or 1."),
+        Meta(description="Tensor-parallel size inside experts (MoE; default: --tensor-model-parallel-size)."),
     ] = None
     sequence_parallel: Annotated[
         bool,
-        Meta(description="Megatron sequence parallelism (off at TP = 1, as Megatron does; needs TE)."),
+        Meta(
+            description="Megatron sequence parallelism (off at TP = 1, as Megatron does; MoE models at "
+            "TP > 1 need it)."
+        ),
     ] = False
     use_distributed_optimizer: Annotated[
         bool, Meta(description="Shard optimizer state across data-parallel ranks.")
@@ -431,6 +534,39 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "data-parallel ranks) in its schedule, instead of tether's per-token weights."
         ),
     ] = False
+    # Mixture-of-experts knobs (Megatron's defaults; the experts' shape comes from the HF config).
+    moe_router_load_balancing_type: Annotated[
+        Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+        Meta(description="MoE load-balancing loss (scaled by --moe-aux-loss-coeff)."),
+    ] = "aux_loss"
+    moe_aux_loss_coeff: Annotated[
+        float, Meta(ge=0.0, description="Weight of the MoE load-balancing loss (0: off).")
+    ] = 0.0
+    moe_grouped_gemm: Annotated[
+        bool, Meta(description="Run the local experts as one grouped GEMM (TransformerEngine, CUDA).")
+    ] = False
+    moe_token_dispatcher_type: Annotated[
+        Literal["allgather", "alltoall", "flex"],
+        Meta(description="How tokens reach their experts' ranks (flex needs DeepEP/HybridEP on GPUs)."),
+    ] = "allgather"
+    moe_router_dtype: Annotated[
+        Literal["fp32", "fp64"] | None,
+        Meta(description="Precision of the router's scores and top-k (default: the model's dtype)."),
+    ] = None
+    moe_router_bias_update_rate: Annotated[
+        float,
+        Meta(
+            ge=0.0,
+            description="Step of the aux-loss-free expert-bias update (with --moe-router-enable-expert-bias).",
+        ),
+    ] = 1e-3
+    moe_permute_fusion: Annotated[
+        bool, Meta(description="Fused token permutation in the MoE dispatcher (TransformerEngine).")
+    ] = False
+    moe_token_drop_policy: Annotated[
+        Literal["probs", "position"],
+        Meta(description="Which tokens an expert over capacity drops (with an expert capacity factor)."),
+    ] = "probs"
 
     # Model architecture (accepted so slime scripts parse; checked against the HF config where set).
     num_layers: Annotated[int | None, Meta(description="Transformer layers.")] = None
@@ -491,6 +627,49 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     no_gradient_accumulation_fusion: Annotated[
         bool, Meta(description="Disable fused gradient accumulation into the weight gradients.")
     ] = False
+    # Mixture of experts / multi-latent attention shape (checked against the HF config where set).
+    num_experts: Annotated[int | None, Meta(description="Routed experts per MoE layer.")] = None
+    moe_router_topk: Annotated[int | None, Meta(description="Experts each token is routed to.")] = None
+    moe_ffn_hidden_size: Annotated[int | None, Meta(description="Each routed expert's FFN size.")] = None
+    moe_shared_expert_intermediate_size: Annotated[
+        int | None, Meta(description="FFN size of the shared experts (all of them together).")
+    ] = None
+    moe_layer_freq: Annotated[
+        str | None,
+        Meta(description="MoE layer pattern: N (every N-th layer) or a list such as [0]*1+[1]*2."),
+    ] = None
+    moe_router_score_function: Annotated[
+        Literal["softmax", "sigmoid"] | None, Meta(description="Router score function.")
+    ] = None
+    moe_router_enable_expert_bias: Annotated[
+        bool, Meta(description="Per-expert routing bias (aux-loss-free balancing; DeepSeek-V3's).")
+    ] = False
+    moe_router_pre_softmax: Annotated[
+        bool,
+        Meta(description="Score all experts before top-k, no renormalization (HF's norm_topk_prob=False)."),
+    ] = False
+    moe_router_topk_scaling_factor: Annotated[
+        float | None, Meta(description="Scale of the routed experts' weights (routed_scaling_factor).")
+    ] = None
+    moe_router_num_groups: Annotated[
+        int | None, Meta(description="Expert groups of group-limited routing (n_group).")
+    ] = None
+    moe_router_group_topk: Annotated[
+        int | None, Meta(description="Groups each token may route into (topk_group).")
+    ] = None
+    multi_latent_attention: Annotated[bool, Meta(description="Multi-latent attention (DeepSeek).")] = False
+    q_lora_rank: Annotated[int | None, Meta(description="MLA query low-rank dimension.")] = None
+    kv_lora_rank: Annotated[int | None, Meta(description="MLA key/value low-rank dimension.")] = None
+    qk_head_dim: Annotated[int | None, Meta(description="MLA query/key head dim without RoPE.")] = None
+    qk_pos_emb_head_dim: Annotated[int | None, Meta(description="MLA query/key RoPE head dim.")] = None
+    v_head_dim: Annotated[int | None, Meta(description="MLA value head dim.")] = None
+    rotary_scaling_factor: Annotated[
+        float | None, Meta(description="RoPE scaling factor (YaRN's, or Llama 3's).")
+    ] = None
+    mscale: Annotated[float | None, Meta(description="YaRN mscale of multi-latent attention.")] = None
+    mscale_all_dim: Annotated[
+        float | None, Meta(description="YaRN mscale_all_dim of multi-latent attention.")
+    ] = None
     deterministic_mode: Annotated[
         bool,
         Meta(
@@ -525,17 +704,17 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 "does not split its batches along the sequence (TransformerEngine's attention and a "
                 "sequence-sharded batch layout would be needed)",
             )
-        if self.expert_model_parallel_size != 1:
+        if self.expert_model_parallel_size > 1 and self.moe_token_dispatcher_type == "allgather":
             raise ConfigError(
                 "--expert-model-parallel-size",
                 self.expert_model_parallel_size,
-                "tether trains dense models only",
+                "needs --moe-token-dispatcher-type alltoall (or flex): the allgather dispatcher gathers "
+                "the same number of tokens from every expert-parallel rank, and tether's data-parallel "
+                "micro-batches differ in length",
             )
-        if self.expert_tensor_parallel_size not in (None, 1):
+        if self.moe_router_group_topk is not None and self.moe_router_num_groups is None:
             raise ConfigError(
-                "--expert-tensor-parallel-size",
-                self.expert_tensor_parallel_size,
-                "tether trains dense models only",
+                "--moe-router-group-topk", self.moe_router_group_topk, "needs --moe-router-num-groups"
             )
         for flag, value in (
             ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
@@ -791,4 +970,34 @@ def check_algorithm_against_megatron(algorithm: AlgorithmConfig, megatron: Megat
             "--calculate-per-token-loss",
             True,
             "contradicts --per-rollout-loss-mean; choose one loss reduction",
+        )
+
+
+def check_routing_replay(
+    algorithm: AlgorithmConfig, megatron: MegatronConfig, hf_checkpoint: str | None
+) -> None:
+    """Refuse MoE routing replay (--use-routing-replay, --use-rollout-routing-replay) where there is
+    no router to replay: a dense model (its HF config, when readable here, names no routed experts
+    and --num-experts is unset), or a router without a top-k step (sinkhorn balancing)."""
+    if not algorithm.use_routing_replay:  # R3 sets it too
+        return
+    flag = "--use-rollout-routing-replay" if algorithm.use_rollout_routing_replay else "--use-routing-replay"
+    if getattr(megatron, "moe_router_load_balancing_type", None) == "sinkhorn":
+        raise ConfigError(
+            "--moe-router-load-balancing-type", "sinkhorn", f"has no top-k routing for {flag} to replay"
+        )
+    if getattr(megatron, "num_experts", None) or hf_checkpoint is None:
+        return
+    from pathlib import Path
+
+    from tether.rollout.config import moe_routing
+
+    if not (Path(hf_checkpoint) / "config.json").is_file():
+        return  # not readable here (another node's path): the trainer refuses it at start
+    if moe_routing(hf_checkpoint) is None:
+        raise ConfigError(
+            flag,
+            True,
+            f"replays Mixture-of-Experts routing, but {hf_checkpoint}/config.json is a dense model "
+            "(no num_experts, n_routed_experts or num_local_experts) and --num-experts is unset",
         )

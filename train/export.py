@@ -16,22 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tether.train import hf_convert
+from tether.train import bridge
 from tether.train.hf_config import ModelArch
-from tether.train.model import sync_params, unwrap
+from tether.train.model import sync_params
 from tether.train.parallel import Topology, collective_device
 
 _END = "__tether_end_of_stage__"
 CPU = torch.device("cpu")
-
-
-def _gather_tp(tensor: torch.Tensor, tp_group: Any, tp_size: int) -> list[torch.Tensor]:
-    if tp_size == 1:
-        return [tensor]
-    local = tensor.detach().contiguous()
-    shards = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(shards, local, group=tp_group)
-    return shards
 
 
 def iter_hf_weights(
@@ -41,32 +32,25 @@ def iter_hf_weights(
     dtype: torch.dtype | None = None,
     device: torch.device | None = CPU,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, full tensor) for every parameter of this stage; collective over the TP group.
+    """(hf_name, full tensor) for every weight of this stage; collective over the TP group (and the
+    expert-parallel groups of MoE experts).
 
     `device`: where the tensors are yielded (host memory by default, for files and gloo; None
     leaves them where they were gathered, so an NCCL broadcast or a CUDA IPC handle needs no
     round trip through the host).
 
-    With tied embeddings `lm_head.weight` is not emitted (HF reties it); the last stage's copy
-    of the embedding is skipped when the first stage exports the original.
+    Every HF tensor of the stage comes out (MoE: each expert, the router gate and its
+    e_score_correction_bias, shared experts; MLA's projections and norms), converted by mbridge
+    (`tether.train.bridge`). With tied embeddings `lm_head.weight` is not emitted (HF reties it);
+    the last stage's copy of the embedding is skipped when the first stage exports the original.
     """
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    del arch  # each chunk carries its weight bridge (which holds the architecture)
+    layout = bridge.Layout.current()
     sync_params(chunks)
     for chunk in chunks:
-        module = unwrap(chunk)
-        numbering = hf_convert.layer_numbering(module)
-        for name, param in module.named_parameters():
-            if arch.tie_word_embeddings and name == "output_layer.weight":
-                # The first stage exports the embedding; at PP=1 this parameter does not exist.
-                continue
-            spec = hf_convert.param_spec(arch, name, numbering)
-            shards = _gather_tp(param.data, tp_group, tp_size)
-            for hf_name, full in hf_convert.megatron_to_hf(arch, spec, shards):
-                out = full.detach() if device is None else full.detach().to(device)
-                yield hf_name, out.to(dtype) if dtype is not None else out
+        for hf_name, full in bridge.weights_of(chunk).export(chunk, layout):
+            out = full.detach() if device is None else full.detach().to(device)
+            yield hf_name, out.to(dtype) if dtype is not None else out
 
 
 def stream_to_rank0(

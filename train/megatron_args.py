@@ -49,6 +49,9 @@ def resolve_arch(arch: ModelArch, megatron: MegatronConfig, *, tp_size: int, pp_
         pp_size,
         megatron.decoder_first_pipeline_num_layers,
         megatron.decoder_last_pipeline_num_layers,
+        ep_size=megatron.expert_model_parallel_size,
+        etp_size=megatron.expert_tensor_parallel_size,
+        sequence_parallel=megatron.sequence_parallel,
     )
     return dataclasses.replace(arch, vocab_multiple=megatron.make_vocab_size_divisible_by or 1)
 
@@ -61,7 +64,7 @@ def max_sequence_length(arch: ModelArch, megatron: MegatronConfig) -> int:
 def transformer_config_kwargs(
     megatron: MegatronConfig, caps: Capabilities, *, tp_size: int
 ) -> dict[str, Any]:
-    """`tether.train.hf_config.transformer_config` arguments (beyond the HF shape) for these flags."""
+    """TransformerConfig fields (beyond the HF shape) for these flags; `transformer_config` applies them."""
     with quiet_megatron_imports():
         from megatron.core.transformer.enums import AttnBackend
 
@@ -93,18 +96,55 @@ def transformer_config_kwargs(
     backend = megatron.resolved_attention_backend
     if backend is not None:
         kwargs["attention_backend"] = AttnBackend[backend]
+    kwargs.update(moe_config_kwargs(megatron))
     return kwargs
 
 
-def transformer_config(
-    arch: ModelArch, megatron: MegatronConfig, caps: Capabilities, *, tp_size: int, pp_size: int
-) -> Any:
-    """The TransformerConfig of one model chunk (actor and reference share it)."""
-    from tether.train.hf_config import transformer_config as from_arch
+def moe_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
+    """The MoE knobs (not properties of the checkpoint: those come from the HF config) and the expert
+    parallel sizes, with Megatron's defaults for the flags not set. Dense models drop them."""
+    return {
+        "expert_model_parallel_size": megatron.expert_model_parallel_size,
+        "expert_tensor_parallel_size": megatron.expert_tensor_parallel_size,
+        "moe_router_load_balancing_type": megatron.moe_router_load_balancing_type,
+        "moe_aux_loss_coeff": megatron.moe_aux_loss_coeff,
+        "moe_grouped_gemm": megatron.moe_grouped_gemm,
+        "moe_token_dispatcher_type": megatron.moe_token_dispatcher_type,
+        "moe_router_dtype": megatron.moe_router_dtype,
+        "moe_router_bias_update_rate": megatron.moe_router_bias_update_rate,
+        "moe_permute_fusion": megatron.moe_permute_fusion,
+        "moe_token_drop_policy": megatron.moe_token_drop_policy,
+    }
 
-    return from_arch(
-        arch, tp_size=tp_size, pp_size=pp_size, **transformer_config_kwargs(megatron, caps, tp_size=tp_size)
+
+def transformer_config(
+    arch: ModelArch,
+    megatron: MegatronConfig,
+    caps: Capabilities,
+    *,
+    tp_size: int,
+    pp_size: int,
+    base: dict[str, Any] | None = None,
+) -> Any:
+    """The TransformerConfig of one model chunk (actor and reference share it).
+
+    `base`: mbridge's HF → Megatron kwargs for the checkpoint (`tether.train.bridge.open_bridge`);
+    the HF facts of `arch` and the flags' kwargs are applied over it.
+    """
+    from tether.train import bridge
+
+    check_parallel(
+        arch,
+        tp_size,
+        pp_size,
+        megatron.decoder_first_pipeline_num_layers,
+        megatron.decoder_last_pipeline_num_layers,
+        ep_size=megatron.expert_model_parallel_size,
+        etp_size=megatron.expert_tensor_parallel_size,
     )
+    overrides = transformer_config_kwargs(megatron, caps, tp_size=tp_size)
+    overrides.update(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
+    return bridge.build_config(arch, bridge.config_kwargs(base or {}, arch, overrides))
 
 
 def ddp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
@@ -127,6 +167,8 @@ def init_distributed_kwargs(megatron: MegatronConfig, algorithm: AlgorithmConfig
         "seed": algorithm.seed,
         "timeout_minutes": megatron.distributed_timeout_minutes,
         "deterministic": megatron.deterministic_mode,
+        "expert_parallel": megatron.expert_model_parallel_size,
+        "expert_tensor_parallel": megatron.expert_tensor_parallel_size,
     }
 
 

@@ -1,10 +1,11 @@
 """Build the actor (trainable, DDP-wrapped, with optimizer) and the frozen reference model.
 
-Models are Megatron GPTModel chunks built from a Hugging Face checkpoint's config and weights,
-with TransformerEngine's layer spec when the rank has TE (and --attention-backend is not local),
-Megatron's local spec otherwise (always on CPU). One chunk per rank (no virtual pipeline stages).
-Every Megatron flag reaches its config through the pure builders of `tether.train.megatron_args`;
-flags this rank cannot run are refused first (`tether.train.capabilities`).
+Models are Megatron GPTModel chunks built from a Hugging Face checkpoint's config and weights
+through mbridge (`tether.train.bridge`: dense, MoE and MLA families), with TransformerEngine's
+layer spec when the rank has TE (and --attention-backend is not local), Megatron's local spec
+otherwise (always on CPU). One chunk per rank (no virtual pipeline stages). Every Megatron flag
+reaches its config through the pure builders of `tether.train.megatron_args`; flags this rank
+cannot run are refused first (`tether.train.capabilities`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 
 import torch
 
-from tether.train import hf_convert, megatron_args
+from tether.train import bridge, megatron_args
 from tether.train.capabilities import Capabilities, check_capabilities, uses_transformer_engine_spec
 from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.hf_config import ModelArch, load_arch
+from tether.train.hf_convert import HFWeights
 from tether.train.megatron_cpu import quiet_megatron_imports
 from tether.train.parallel import Topology
 
@@ -46,6 +48,8 @@ class Actor:
     chunks: list[Any]
     optimizer: Any
     scheduler: Any
+    weights: bridge.WeightBridge
+    """HF names and layouts of the chunks' weights (load and export)."""
 
 
 @dataclass
@@ -55,14 +59,7 @@ class Reference:
     arch: ModelArch
     config: Any
     chunks: list[Any]
-
-
-def _layer_spec(arch: ModelArch, transformer_engine: bool) -> Any:
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    weights: bridge.WeightBridge
 
 
 def build_chunk(
@@ -75,7 +72,8 @@ def build_chunk(
 ) -> Any:
     """This PP stage's GPTModel (embedding on the first stage, norm + output on the last).
 
-    `transformer_engine`: build with TE's layers (default: when CUDA and TE are available).
+    `transformer_engine`: build with TE's layers (default: when CUDA and TE are available). The
+    block spec follows `config` (dense or MoE per layer, MLA, qk-norm; `bridge.layer_spec`).
     """
     with quiet_megatron_imports():
         from megatron.core.models.gpt import GPTModel
@@ -84,7 +82,7 @@ def build_chunk(
         transformer_engine = Capabilities.detect().transformer_engine
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(arch, transformer_engine),
+        transformer_layer_spec=bridge.layer_spec(config, transformer_engine, topo.pp_rank),
         vocab_size=arch.padded_vocab_size(topo.tp_size),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         pre_process=topo.is_first_stage,
@@ -93,6 +91,7 @@ def build_chunk(
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        rotary_percent=arch.rotary_percent,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
@@ -151,33 +150,57 @@ def mark_tensor_parallel_params(model: Any) -> int:
     return marked
 
 
-def _prepare(opts: ModelOptions, topo: Topology) -> tuple[ModelArch, Any, Any]:
-    """Refuse what this rank cannot run, then the resolved architecture, its TransformerConfig and
-    the first chunk (weights not loaded)."""
+def _prepare(opts: ModelOptions, topo: Topology) -> tuple[ModelArch, Any, Any, bridge.WeightBridge]:
+    """Refuse what this rank cannot run, then the resolved architecture, its TransformerConfig, the
+    first chunk (weights not loaded) and the bridge that loads and exports its weights."""
     caps = opts.resolved_capabilities()
     check_capabilities(opts.megatron, caps)
     megatron_args.scheduler_kwargs(opts.megatron, opts.algorithm)  # a schedule without horizon fails now
+    megatron = opts.megatron
     arch = megatron_args.resolve_arch(
-        load_arch(opts.hf_checkpoint), opts.megatron, tp_size=topo.tp_size, pp_size=topo.pp_size
+        load_arch(opts.hf_checkpoint), megatron, tp_size=topo.tp_size, pp_size=topo.pp_size
+    )
+    layout = bridge.Layout.current()
+    dtype = megatron_args.params_dtype(megatron)
+    hf_bridge = bridge.open_bridge(
+        arch,
+        bridge.hf_config(opts.hf_checkpoint),
+        dtype=dtype,
+        parallel=bridge.parallel_states(
+            tp_size=topo.tp_size, pp_size=topo.pp_size, ep_size=layout.ep_size, etp_size=layout.etp_size
+        ),
     )
     config = megatron_args.transformer_config(
-        arch, opts.megatron, caps, tp_size=topo.tp_size, pp_size=topo.pp_size
+        arch, megatron, caps, tp_size=topo.tp_size, pp_size=topo.pp_size, base=hf_bridge.config
     )
     chunk = build_chunk(
         arch,
         config,
         topo,
-        megatron_args.max_sequence_length(arch, opts.megatron),
-        transformer_engine=uses_transformer_engine_spec(opts.megatron, caps),
+        megatron_args.max_sequence_length(arch, megatron),
+        transformer_engine=uses_transformer_engine_spec(megatron, caps),
     )
-    return arch, config, chunk
+    weights = bridge.WeightBridge(arch, hf_bridge, arch.padded_vocab_size(topo.tp_size), config)
+    bridge.attach(chunk, weights)
+    return arch, config, chunk, weights
 
 
-def load_hf_weights(chunks: list[Any], arch: ModelArch, hf_dir: str | Path, topo: Topology) -> None:
-    """Fill every parameter of `chunks` from the HF checkpoint, sharded for this rank."""
-    weights = hf_convert.HFWeights(hf_dir)
+def load_hf_weights(
+    chunks: list[Any],
+    arch: ModelArch,
+    hf_dir: str | Path,
+    topo: Topology,
+    weights: bridge.WeightBridge | None = None,
+) -> None:
+    """Fill every weight of `chunks` from the HF checkpoint, sharded for this rank.
+
+    `weights`: the chunks' bridge (default: the one `build_actor`/`build_reference` attached).
+    """
+    del arch, topo  # the bridge holds the architecture; the layout comes from Megatron's state
+    source = HFWeights(hf_dir)
+    layout = bridge.Layout.current()
     for chunk in chunks:
-        hf_convert.load_hf_into(chunk, arch, weights, topo.tp_rank, topo.tp_size)
+        (weights or bridge.weights_of(chunk)).load(chunk, source, layout)
 
 
 def build_actor(opts: ModelOptions, topo: Topology, *, load_weights: bool = True) -> Actor:
@@ -190,9 +213,9 @@ def build_actor(opts: ModelOptions, topo: Topology, *, load_weights: bool = True
         from megatron.core.optimizer import get_megatron_optimizer
 
     megatron = opts.megatron
-    arch, config, chunk = _prepare(opts, topo)
+    arch, config, chunk, weights = _prepare(opts, topo)
     if load_weights:
-        load_hf_weights([chunk], arch, opts.hf_checkpoint, topo)
+        load_hf_weights([chunk], arch, opts.hf_checkpoint, topo, weights)
     ddp = DistributedDataParallel(config=config, ddp_config=megatron_args.ddp_config(megatron), module=chunk)
     # DDP copies params into its contiguous buffers; broadcast keeps DP replicas identical.
     ddp.broadcast_params()
@@ -207,18 +230,20 @@ def build_actor(opts: ModelOptions, topo: Topology, *, load_weights: bool = True
     config.grad_scale_func = optimizer.scale_loss
     # Megatron's scheduler counts in samples/steps; tether steps it once per optimizer step.
     scheduler = megatron_args.build_scheduler(optimizer, megatron, opts.algorithm)
-    return Actor(arch=arch, config=config, chunks=[ddp], optimizer=optimizer, scheduler=scheduler)
+    return Actor(
+        arch=arch, config=config, chunks=[ddp], optimizer=optimizer, scheduler=scheduler, weights=weights
+    )
 
 
 def build_reference(opts: ModelOptions, topo: Topology, *, load_weights: bool = True) -> Reference:
     """A frozen model with the actor's shape, for KL; weights from HF unless a checkpoint follows."""
-    arch, config, chunk = _prepare(opts, topo)
+    arch, config, chunk, weights = _prepare(opts, topo)
     if load_weights:
-        load_hf_weights([chunk], arch, opts.hf_checkpoint, topo)
+        load_hf_weights([chunk], arch, opts.hf_checkpoint, topo, weights)
     for p in chunk.parameters():
         p.requires_grad_(False)
     chunk.eval()
-    return Reference(arch=arch, config=config, chunks=[chunk])
+    return Reference(arch=arch, config=config, chunks=[chunk], weights=weights)
 
 
 def sync_params(chunks: list[Any]) -> None:
@@ -231,8 +256,4 @@ def sync_params(chunks: list[Any]) -> None:
             chunk.enable_forward_pre_hook()
 
 
-def unwrap(chunk: Any) -> Any:
-    """The GPTModel inside DDP/Float16 wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+unwrap = bridge.unwrap

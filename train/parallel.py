@@ -88,8 +88,11 @@ def init_distributed(
     seed: int = 1234,
     timeout_minutes: int = 30,
     deterministic: bool = False,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ) -> Topology:
-    """Join the torchrun job and build Megatron's TP/PP/DP groups; idempotent per process."""
+    """Join the torchrun job and build Megatron's TP/PP/DP (and MoE expert) groups; idempotent per
+    process."""
     from megatron.core import parallel_state
 
     world_size = _env_int("WORLD_SIZE")
@@ -121,6 +124,8 @@ def init_distributed(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
             context_parallel_size=1,
+            expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=expert_tensor_parallel,
             distributed_timeout_minutes=timeout_minutes,
         )
     set_seed(seed)

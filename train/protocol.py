@@ -131,10 +131,15 @@ class SaveResult(msgspec.Struct, kw_only=True):
 
 
 class LoadRequest(msgspec.Struct, kw_only=True):
-    """Resume from the newest loadable complete checkpoint in load_dir."""
+    """Resume from the newest loadable complete checkpoint in load_dir (any Megatron layout).
+
+    `finetune`: its weights only, the run starts at step 0 (the state says rollout_id -1).
+    `hf`: load_dir is a Hugging Face model directory: its weights only (implies finetune).
+    """
 
     load_dir: str
     finetune: bool = False
+    hf: bool = False
 
 
 class DamagedCheckpoint(msgspec.Struct, frozen=True):

@@ -14,7 +14,8 @@ plan. When KL reward shaping is on, advantages need the per-shard old and refere
 first, so they are computed per shard once those come back (`with_log_probs`).
 
 Old log-probs are needed when the rollout makes more than one step (later steps are off-policy)
-or for KL shaping; reference log-probs for a KL loss or KL shaping; neither for SFT. A step's
+or for KL shaping, and with MoE routing replay (R2 records the routing in that forward);
+reference log-probs for a KL loss or KL shaping; neither for SFT. A step's
 log-probs must be computed with the weights as they are right before that step, so the caller
 asks for them step by step, after the previous step has trained.
 """
@@ -29,7 +30,8 @@ import torch
 
 from tether.rollout.config import DataConfig
 from tether.rollout.sample import Sample
-from tether.train.advantages import compute_advantages, process_rewards
+from tether.runtime.errors import ConfigError
+from tether.train.advantages import compute_advantages, process_rewards, whiten
 from tether.train.batching import (
     TrainBatch,
     build_train_batch,
@@ -39,6 +41,7 @@ from tether.train.batching import (
 )
 from tether.train.config import AlgorithmConfig
 from tether.train.protocol import LogProbModel, LogProbsRequest, MicroBatchPlan, TrainRequest
+from tether.train.train_data_hooks import TrainDataHooks, custom_advantages, post_process_rewards
 
 
 class WorkOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,21 +66,39 @@ class WorkOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def rollout_batch(
-    groups: Sequence[Sequence[Sample]], algorithm: AlgorithmConfig, reward_key: str | None
+    groups: Sequence[Sequence[Sample]],
+    algorithm: AlgorithmConfig,
+    reward_key: str | None,
+    hooks: TrainDataHooks | None = None,
 ) -> TrainBatch:
-    """The rollout as one columnar batch with rewards as the estimator uses them."""
+    """The rollout as one columnar batch with rewards as the estimator uses them (or as
+    --custom-reward-post-process-path makes them)."""
     samples = [s for g in groups for s in g]
-    raw = np.array([s.scalar_reward(reward_key) for s in samples], dtype=np.float64)
-    # A sample outside any group is a group of its own.
-    group_ids = np.array([s.group_index if s.group_index is not None else i for i, s in enumerate(samples)])
-    rewards = process_rewards(algorithm, raw, group_ids)
+    custom = post_process_rewards(hooks, samples) if hooks is not None else None
+    if custom is not None:
+        raw, rewards = custom
+    else:
+        raw = np.array([s.scalar_reward(reward_key) for s in samples], dtype=np.float64)
+        # A sample outside any group is a group of its own.
+        group_ids = np.array(
+            [s.group_index if s.group_index is not None else i for i, s in enumerate(samples)]
+        )
+        rewards = process_rewards(algorithm, raw, group_ids)
     return build_train_batch(
         samples, rewards=rewards, raw_rewards=raw, per_rollout_loss_mean=algorithm.per_rollout_loss_mean
     )
 
 
-def batch_advantages(algorithm: AlgorithmConfig, batch: TrainBatch) -> np.ndarray:
-    """float32 per-token advantages of `batch`, computed over the whole batch at once."""
+def batch_advantages(
+    algorithm: AlgorithmConfig, batch: TrainBatch, hooks: TrainDataHooks | None = None
+) -> np.ndarray:
+    """float32 per-token advantages of `batch`, computed over the whole batch at once (by
+    --custom-advantage-function-path when given, whitened after as slime does)."""
+    if hooks is not None and hooks.advantage is not None:
+        adv = custom_advantages(hooks, algorithm, batch)
+        if algorithm.normalize_advantages:
+            adv = whiten(adv, torch.from_numpy(batch.loss_masks.astype(np.float64)))
+        return adv.numpy().astype(np.float32)
     as_tensor = lambda a: None if a is None else torch.from_numpy(np.asarray(a))  # noqa: E731
     adv = compute_advantages(
         algorithm,
@@ -101,8 +122,10 @@ class StepWork:
         plans: list[MicroBatchPlan],
         log_prob_models: tuple[LogProbModel, ...],
         shaped: bool,
+        hooks: TrainDataHooks | None = None,
     ) -> None:
         self.algorithm = algorithm
+        self.hooks = hooks
         self.shards = shards  # by dp_rank
         self.plans = plans  # by dp_rank
         self.log_prob_models = log_prob_models  # in the order the ranks compute them
@@ -141,7 +164,7 @@ class StepWork:
             shard.ref_log_probs = None if ref is None else np.asarray(ref[i], dtype=np.float32)
             if self.shaped:
                 # Each shard whitened on its own: the shaped rewards exist per shard only.
-                shard.advantages = batch_advantages(self.algorithm, shard)
+                shard.advantages = batch_advantages(self.algorithm, shard, self.hooks)
         self._attached = True
 
     def train_requests(self, rollout_id: int) -> list[TrainRequest]:
@@ -160,14 +183,26 @@ def rollout_steps(
     options: WorkOptions,
     *,
     dp_size: int,
+    hooks: TrainDataHooks | None = None,
 ) -> list[StepWork]:
     """The optimizer steps a rollout makes, each cut into `dp_size` shards with their plans."""
-    batch = rollout_batch(groups, algorithm, options.reward_key)
+    batch = rollout_batch(groups, algorithm, options.reward_key, hooks)
+    if algorithm.use_rollout_routing_replay and batch.routed_experts is None:
+        raise ConfigError(
+            "--use-rollout-routing-replay",
+            True,
+            "the rollout's samples carry no rollout_routed_experts: the default rollout asks the engines "
+            "for them; a custom rollout or generate function must too (return_routed_experts, as in slime)",
+        )
     num_steps = max(1, batch.num_samples // options.global_batch_size)
-    rl = algorithm.loss_type != "sft_loss"
+    # --disable-compute-advantages-and-returns: no advantages and no log-probs for them (slime's meaning)
+    rl = algorithm.loss_type != "sft_loss" and not algorithm.disable_compute_advantages_and_returns
     shaped = rl and algorithm.kl_coef != 0
     models: list[LogProbModel] = []
-    if rl and (num_steps > 1 or algorithm.kl_coef != 0):
+    # R2 (routing replay without R3) records the routing in the actor's log-prob forward, which
+    # therefore runs before every step, as in slime.
+    r2 = algorithm.use_routing_replay and not algorithm.use_rollout_routing_replay
+    if (rl and (num_steps > 1 or algorithm.kl_coef != 0)) or r2:
         models.append("actor")
     if rl and algorithm.needs_ref_log_probs:
         models.append("ref")
@@ -175,12 +210,12 @@ def rollout_steps(
     for step_batch in split_steps(batch, num_steps, per_rollout_loss_mean=algorithm.per_rollout_loss_mean):
         if rl and not shaped:
             # Over the whole step before sharding: whitening sees every token of the step.
-            step_batch.advantages = batch_advantages(algorithm, step_batch)
+            step_batch.advantages = batch_advantages(algorithm, step_batch, hooks)
         shards = shard_for_data_parallel(step_batch, dp_size, balance=options.balance_data)
         plans = plan_micro_batches(
             shards, micro_batch_size=options.micro_batch_size, max_tokens_per_gpu=options.max_tokens_per_gpu
         )
-        steps.append(StepWork(algorithm, shards, plans, tuple(models), shaped))
+        steps.append(StepWork(algorithm, shards, plans, tuple(models), shaped, hooks))
     return steps
 
 

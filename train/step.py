@@ -14,12 +14,13 @@ plan length, and every rank returns the same result (broadcast from the last PP 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from tether.train.batching import MicroBatchTensors, TrainBatch, micro_batch_ten
 from tether.train.config import AlgorithmConfig
 from tether.train.logprobs import log_probs_and_entropy
 from tether.train.megatron_cpu import quiet_megatron_imports
+
+if TYPE_CHECKING:
+    from tether.train.routing_replay import RoutingReplay
 
 
 class ForwardInput(Protocol):
@@ -57,20 +61,27 @@ class MicroBatch:
 
 
 def _forward_step(
-    loss_fn: LossFn, scale: float, device: torch.device, *, per_token: bool
+    loss_fn: LossFn,
+    scale: float,
+    device: torch.device,
+    *,
+    per_token: bool,
+    routing: RoutingReplay | None = None,
 ) -> Callable[[Any, Any], Any]:
     """Megatron's forward-step callback. `per_token` (--calculate-per-token-loss): the loss is a plain
     sum over the micro-batch's trainable tokens, returned with their count, and Megatron divides
-    the gradients by the count over the whole step (all micro-batches and DP ranks)."""
+    the gradients by the count over the whole step (all micro-batches and DP ranks). `routing`:
+    MoE routing replay, told which router calls are forwards (the rest are recomputes)."""
 
     def forward_step(data_iterator: Any, model: Any) -> Any:
         mb = next(data_iterator)
         mask = getattr(mb, "attention_mask", None)
-        logits = model(
-            mb.tokens.to(device),
-            mb.position_ids.to(device),
-            None if mask is None else mask.to(device),
-        )
+        with routing.forward() if routing is not None else contextlib.nullcontext():
+            logits = model(
+                mb.tokens.to(device),
+                mb.position_ids.to(device),
+                None if mask is None else mask.to(device),
+            )
 
         def loss_func(output: torch.Tensor) -> tuple[Any, ...]:
             loss, metrics = loss_fn(output, mb)
@@ -90,11 +101,13 @@ def run_schedule(
     loss_fn: LossFn,
     *,
     forward_only: bool,
+    routing: RoutingReplay | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run every micro-batch through the pipeline; metrics per micro-batch on the last stage.
 
     All ranks of the job must call this with the same number of micro-batches (ranks of one DP
-    group get the same ones; shapes may vary between micro-batches).
+    group get the same ones; shapes may vary between micro-batches). `routing`: the model's MoE
+    routing replay, already in the pass (record or replay) it is to run.
     """
     with quiet_megatron_imports():
         from megatron.core import parallel_state as ps
@@ -113,7 +126,7 @@ def run_schedule(
     per_token = bool(config.calculate_per_token_loss) and not forward_only
     fb = get_forward_backward_func()
     out = fb(
-        forward_step_func=_forward_step(loss_fn, scale, device(), per_token=per_token),
+        forward_step_func=_forward_step(loss_fn, scale, device(), per_token=per_token, routing=routing),
         data_iterator=iter(list(microbatches)),
         model=chunks,
         num_microbatches=n,
@@ -288,6 +301,19 @@ def build_micro_batches(
     return [micro_batch_tensors(shard, list(idx), pad_to_multiple_of=multiple) for idx in plan]
 
 
+def _routing_pass(
+    routing: RoutingReplay | None, mbs: Sequence[MicroBatchTensors], *, log_probs: bool
+) -> contextlib.AbstractContextManager[None]:
+    """The routing-replay pass of a forward over `mbs`: R3 replays the rollout's routed experts in
+    every actor pass; R2 records in the actor's log-prob pass and replays that in training."""
+    if routing is None:
+        return contextlib.nullcontext()
+    if routing.from_rollout:
+        routing.load([mb.routed_experts for mb in mbs])
+        return routing.replaying(len(mbs))
+    return routing.recording(len(mbs)) if log_probs else routing.replaying(len(mbs))
+
+
 def _max_length(chunks: list[Any]) -> int | None:
     from tether.train.model import unwrap
 
@@ -301,11 +327,13 @@ def train_step(
     plan: Sequence[Sequence[int]],
     algo: AlgorithmConfig,
     opts: StepOptions = StepOptions(),
+    routing: RoutingReplay | None = None,
 ) -> dict[str, float]:
     """Forward/backward over the micro-batches, then one optimizer step; step metrics on every rank.
 
     Metrics: each loss term and statistic from the loss (step means), grad_norm, lr, whether the
-    step was applied, trainable tokens, tokens/s over the whole job.
+    step was applied, trainable tokens, tokens/s over the whole job. `routing`: the actor's MoE
+    routing replay (--use-routing-replay / --use-rollout-routing-replay), replayed in this step.
     """
     start = time.perf_counter()
     for chunk in actor.chunks:
@@ -314,13 +342,15 @@ def train_step(
     actor.optimizer.zero_grad()
     mbs = build_micro_batches(shard, plan, config=actor.config, max_length=_max_length(actor.chunks))
     per_token = bool(actor.config.calculate_per_token_loss)
-    per_mb = run_schedule(
-        actor.chunks,
-        actor.config,
-        mbs,
-        rl_loss_fn(algo, actor.arch.vocab_size, opts, unit_token_weights=per_token),
-        forward_only=False,
-    )
+    with _routing_pass(routing, mbs, log_probs=False):
+        per_mb = run_schedule(
+            actor.chunks,
+            actor.config,
+            mbs,
+            rl_loss_fn(algo, actor.arch.vocab_size, opts, unit_token_weights=per_token),
+            forward_only=False,
+            routing=routing,
+        )
     ok, grad_norm, _ = actor.optimizer.step()
     lr = float(actor.optimizer.param_groups[0]["lr"])
     if ok:
@@ -356,10 +386,13 @@ def compute_log_probs(
     shard: TrainBatch,
     plan: Sequence[Sequence[int]],
     opts: StepOptions = StepOptions(),
+    routing: RoutingReplay | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-response-token log-probs (and entropy) of this DP shard, float32, in shard order.
 
     Every rank of a DP group returns the same arrays (broadcast from the last PP stage).
+    `routing`: the actor's MoE routing replay: R3 replays the rollout's experts, R2 records the
+    routing for the training step that follows.
     """
     with quiet_megatron_imports():
         from megatron.core import parallel_state as ps
@@ -383,8 +416,8 @@ def compute_log_probs(
     for chunk in chunks:
         chunk.eval()
     mbs = build_micro_batches(shard, plan, config=config, max_length=_max_length(chunks))
-    with torch.no_grad():
-        per_mb = run_schedule(chunks, config, mbs, keep, forward_only=True)
+    with torch.no_grad(), _routing_pass(routing, mbs, log_probs=True):
+        per_mb = run_schedule(chunks, config, mbs, keep, forward_only=True, routing=routing)
     result: tuple[np.ndarray, np.ndarray | None] | None = None
     if per_mb:
         # Put every micro-batch's response tokens back at their place in the shard.

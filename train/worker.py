@@ -90,6 +90,7 @@ class TrainerWorker(RankApi):
         self._engines: list[Any] = []
         self._offload_train = False
         self._offloaded: Any = None  # what offload_trainer moved to host, until the next work
+        self._routing: Any = None  # the actor's MoE routing replay (RoutingReplay), when asked for
 
     async def _run(self, fn: Callable[[], T]) -> T:
         """Run torch/Megatron work on this rank's single worker thread, in call order; the trainer's
@@ -117,8 +118,9 @@ class TrainerWorker(RankApi):
     async def init(self, request: InitRequest) -> WorkerInfo:
         """Join the job's process groups and build the actor (and the reference model for KL).
 
-        The reference comes from --ref-load when set, else from the HF checkpoint. With --load
-        (AlgorithmConfig.load) the head calls `load` next.
+        The reference comes from --ref-load when set (a Megatron checkpoint in any layout, or an
+        HF directory), else from the HF checkpoint. The head then calls `load` when the actor
+        starts from a checkpoint (`tether.train.checkpoint_layout.choose_start`).
         """
         if self._actor is not None:
             raise RuntimeError("init was already called on this rank")
@@ -129,6 +131,7 @@ class TrainerWorker(RankApi):
 
         def work() -> WorkerInfo:
             from tether.train import checkpoint, megatron_args, model, parallel
+            from tether.train.checkpoint_layout import is_hf_checkpoint
             from tether.train.hf_config import check_architecture_flags, load_arch
 
             arch = load_arch(hf_checkpoint)
@@ -136,11 +139,24 @@ class TrainerWorker(RankApi):
             topo = parallel.init_distributed(**megatron_args.init_distributed_kwargs(megatron, algorithm))
             opts = model_options(hf_checkpoint, algorithm, megatron)
             self._actor = model.build_actor(opts, topo)
+            if algorithm.use_routing_replay or algorithm.use_rollout_routing_replay:
+                from tether.train.routing_replay import RoutingReplay
+
+                r3 = algorithm.use_rollout_routing_replay
+                self._routing = RoutingReplay.install(
+                    self._actor.chunks,
+                    from_rollout=r3,
+                    flag="--use-rollout-routing-replay" if r3 else "--use-routing-replay",
+                )
             needs_ref = request.with_reference or algorithm.use_kl_loss or algorithm.kl_coef > 0
             if needs_ref:
-                self._ref = model.build_reference(opts, topo, load_weights=algorithm.ref_load is None)
-                if algorithm.ref_load is not None:
-                    checkpoint.load_weights_only(self._ref.chunks, algorithm.ref_load)
+                ref_load = algorithm.ref_load
+                ref_hf = ref_load is not None and is_hf_checkpoint(Path(ref_load))
+                self._ref = model.build_reference(opts, topo, load_weights=ref_load is None)
+                if ref_load is not None and ref_hf:
+                    model.load_hf_weights(self._ref.chunks, self._ref.arch, ref_load, topo, self._ref.weights)
+                elif ref_load is not None:
+                    checkpoint.load_weights_only(self._ref.chunks, ref_load)
             self._topo = topo
             self._algorithm = algorithm
             self._hf_checkpoint = hf_checkpoint
@@ -183,7 +199,12 @@ class TrainerWorker(RankApi):
             from tether.train import step
 
             metrics = step.train_step(
-                actor, shard, plan, algorithm, step.StepOptions(temperature=self._temperature)
+                actor,
+                shard,
+                plan,
+                algorithm,
+                step.StepOptions(temperature=self._temperature),
+                routing=self._routing,
             )
             self._steps += 1
             metrics["rollout_id"] = float(request.rollout_id)
@@ -211,7 +232,11 @@ class TrainerWorker(RankApi):
             from tether.train import step
 
             opts = step.StepOptions(temperature=self._temperature, with_entropy=request.with_entropy)
-            lp, ent = step.compute_log_probs(chunks, config, actor.arch.vocab_size, shard, plan, opts)
+            # Only the actor's routers replay; the reference routes on its own (as in slime).
+            routing = self._routing if model == "actor" else None
+            lp, ent = step.compute_log_probs(
+                chunks, config, actor.arch.vocab_size, shard, plan, opts, routing=routing
+            )
             return LogProbsResult(log_probs=lp, entropy=ent)
 
         return await self._run(work)
@@ -238,13 +263,17 @@ class TrainerWorker(RankApi):
 
         Returns its run state, its `path`, and the damaged checkpoints `skipped` on the way
         (newest first) so that the head can say which one it resumed from. A checkpoint without
-        tether's digests loads only when load_dir is what --load names (the user named it), not
-        the --save directory --auto-resume scans.
+        tether's digests loads only when load_dir is what --load or --ref-load names (the user
+        named it), not the --save directory --auto-resume scans. `finetune` and `hf` load weights
+        only (a checkpoint's, an HF directory's): the state then says rollout_id -1.
         """
         actor = self._require_init()
         load_dir = request.load_dir
-        chosen = self._algorithm.load if self._algorithm is not None else None
-        named = chosen is not None and Path(load_dir) == Path(chosen)
+        algorithm = self._algorithm
+        chosen = [] if algorithm is None else [algorithm.load, algorithm.ref_load]
+        named = any(c is not None and Path(load_dir) == Path(c) for c in chosen)
+        if request.hf:
+            return await self._run(lambda: self._load_hf(load_dir))
 
         def work() -> LoadedState | None:
             from tether.train import checkpoint
@@ -263,6 +292,19 @@ class TrainerWorker(RankApi):
             )
 
         return await self._run(work)
+
+    def _load_hf(self, hf_dir: str) -> LoadedState:
+        """The actor's weights from a Hugging Face directory (--load naming one): a fresh run."""
+        from tether.train import checkpoint, model
+
+        actor = self._require_init()
+        chunks = [model.unwrap(c) for c in actor.chunks]
+        model.load_hf_weights(chunks, actor.arch, hf_dir, self._topo, actor.weights)
+        checkpoint.reload_main_params(actor)
+        fresh = checkpoint.fresh_state()
+        return LoadedState(
+            step=fresh.step, rollout_id=fresh.rollout_id, weight_version=0, data_position={}, path=hf_dir
+        )
 
     async def export_hf(self, request: ExportRequest) -> ExportResult:
         """Write the actor as an HF checkpoint directory (rank 0 writes; returns the path there)."""

@@ -7,6 +7,8 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
+from tether.bench.compare import add_compare_argument, load_result
+
 BENCHES = {
     "runtime": (
         "tether.bench.runtime",
@@ -40,4 +42,8 @@ def main_argv(argv: Sequence[str]) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"tether bench {argv[0]}", description=description)
     module.add_arguments(parser)
-    return int(module.main(parser.parse_args(list(argv[1:]))) or 0)
+    add_compare_argument(parser)
+    args = parser.parse_args(list(argv[1:]))
+    if args.compare is not None:
+        load_result(args.compare)  # a bad file fails now, not after the benchmark has run
+    return int(module.main(args) or 0)

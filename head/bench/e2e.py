@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tether import demo, demo_task
+from tether.bench.compare import compare_table, with_comparison
 from tether.run_dir import read_jsonl
 from tether.runtime.atomic_file import write_bytes_atomic
 
@@ -296,5 +297,11 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as exc:  # a run that failed, or one that left no figures
         print(f"[bench e2e] failed: {exc}", file=sys.stderr, flush=True)
         return 1
-    print(json.dumps(result, indent=2) if args.json else table(result), flush=True)
+    shown = with_comparison(result, args)
+    if args.json:
+        print(json.dumps(shown, indent=2), flush=True)
+    else:
+        print(table(result), flush=True)
+        if "compare" in shown:
+            print(compare_table(shown["compare"]), flush=True)
     return 0

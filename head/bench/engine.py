@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from tether.bench.compare import with_comparison
 from tether.bench.engines import cpu_engines
 from tether.rollout.engine_api.auth import bearer_header, new_engine_key
 
@@ -102,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
 
             model_path = os.fspath(write_tiny_model(Path(tmp) / "model"))
         result = uvloop.run(_bench(args, model_path, Path(tmp)))
-    print(json.dumps(result, indent=None if args.json else 2))
+    print(json.dumps(with_comparison(result, args), indent=None if args.json else 2))
     return 0
 
 

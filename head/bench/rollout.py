@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tether.bench.compare import with_comparison
 from tether.bench.engines import cpu_engines
 from tether.bench.slow_engine import delay_argv
 from tether.rollout.config import DataConfig, RolloutConfig
@@ -126,5 +127,5 @@ def main(args: argparse.Namespace) -> int:
     import uvloop
 
     result = uvloop.run(_bench(args))
-    print(json.dumps(result, indent=None if args.json else 2))
+    print(json.dumps(with_comparison(result, args), indent=None if args.json else 2))
     return 0

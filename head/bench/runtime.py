@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tether.bench.compare import with_comparison
+
 if TYPE_CHECKING:
     from tether.rollout.sample import Sample
 
@@ -345,7 +347,7 @@ def main(args: argparse.Namespace) -> int:
     for key in ("repeats", "calls", "batch_rounds"):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key.replace('_', '-')}={getattr(args, key)!r}: must be at least 1")
-    print(json.dumps(run(args), indent=2))
+    print(json.dumps(with_comparison(run(args), args), indent=2))
     return 0
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import torch
 
+from tether.bench.compare import with_comparison
 from tether.bench.engines import cpu_engines, free_port
 from tether.runtime.atomic_file import staged_dir
 from tether.sync.checkpoint_files import TORCH_TO_ST, open_checkpoint, tensor_bytes
@@ -357,7 +358,7 @@ def main(args: argparse.Namespace) -> int:
         engine = result.get("engine")
         if isinstance(engine, dict):
             result["targets"]["distributed_at_least_0_8_of_raw"] = engine["distributed_over_raw"] >= 0.8
-        print(json.dumps(result, indent=None if args.json else 2))
+        print(json.dumps(with_comparison(result, args), indent=None if args.json else 2))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

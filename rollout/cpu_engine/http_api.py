@@ -163,6 +163,8 @@ class GenerateReq(msgspec.Struct, kw_only=True):
     stream: bool = False
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -321,10 +323,26 @@ def _normalise(
         rids = [req.rid] if n == 1 and not batched else [f"{req.rid}_{i}" for i in range(n)]
     else:
         rids = per_item(req.rid, "rid")
+    if req.return_routed_experts and not sched.return_routed_experts:
+        raise BadRequest(
+            "return_routed_experts: this engine does not record routed experts "
+            "(start it with --enable-return-routed-experts)"
+        )
     ctx, vocab = sched.context_length, sched.cfg.vocab
     for i, (prompt, sp) in enumerate(zip(prompts, sps, strict=True)):
         if not prompt:
             raise BadRequest(f"prompt {i} is empty")
+        if req.return_routed_experts and sp.max_new_tokens == 0:
+            # Such a prompt finishes without a forward, so there is nothing routed to report.
+            raise BadRequest(
+                f"return_routed_experts with sampling_params[{i}].max_new_tokens=0 is not supported "
+                "by the CPU engine (ask for at least one token)"
+            )
+        if req.return_routed_experts and not 0 <= req.routed_experts_start_len <= len(prompt):
+            raise BadRequest(
+                f"routed_experts_start_len={req.routed_experts_start_len}: must be in [0, {len(prompt)}] "
+                f"(the prompt's {len(prompt)} tokens)"
+            )
         if len(prompt) >= ctx:  # first: it is O(1), and a huge prompt is refused without a scan
             raise BadRequest(
                 f"The input ({len(prompt)} tokens) is longer than the model's context length ({ctx} tokens)."
@@ -572,6 +590,8 @@ class EngineApp:
                 generator=self.sched.new_generator(sp.sampling_seed),
                 ready_at=now + self.s.delay(),
                 top_logprobs_num=top,
+                return_routed_experts=body.return_routed_experts,
+                routed_experts_start_len=body.routed_experts_start_len,
             )
             for prompt, sp, rid, lp, top in items
         ]

@@ -1,10 +1,14 @@
-"""The CPU engine's model: a compact pure-torch forward for Llama, Qwen2 and Qwen3 with a
-slot-based KV cache, so one decode step runs every running sequence in one forward.
+"""The CPU engine's model: a compact pure-torch forward for Llama, Qwen2, Qwen3, GLM-4 and
+the Mixture-of-Experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with multi-latent
+attention, GLM-4-MoE), with a slot-based KV cache, so one decode step runs every running
+sequence in one forward.
 
-Supported: RMSNorm, RoPE (default rope type, theta from `rope_parameters` or `rope_theta`),
-GQA, SwiGLU, qkv bias (Qwen2, or `attention_bias`), per-head q/k RMSNorm (Qwen3), tied
-embeddings. Weights keep their Hugging Face names, so every update path speaks the names a
-trainer exports.
+Supported: RMSNorm, RoPE (default rope type, theta from `rope_parameters` or `rope_theta`;
+partial rotary and the pairwise-interleaved layout), GQA, SwiGLU, qkv bias, per-head q/k
+RMSNorm, GLM-4's sandwich norms and fused gate_up_proj, tied embeddings; MoE blocks are in
+moe.py, multi-latent attention in mla.py. What is not supported (rope scaling, sliding
+windows, other activations) is refused at load by name. Weights keep their Hugging Face
+names, so every update path speaks the names a trainer exports.
 """
 
 from __future__ import annotations
@@ -12,13 +16,29 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+from tether.rollout.cpu_engine.mla import MLAConfig, mla_attend, mla_project
+from tether.rollout.cpu_engine.moe import MoEConfig, MoEConfigError, moe_block
+
+SUPPORTED_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "glm4",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "glm4_moe",
+)
+# Families whose q/k/v projections carry a bias unless the config says otherwise.
+_QKV_BIAS_DEFAULT = {"qwen2": True, "qwen2_moe": True, "glm4": True}
 
 
 class ModelConfigError(ValueError):
@@ -45,6 +65,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    rotary_dim: int = 0  # how many leading dims of each head RoPE rotates (0: the head dim)
+    rope_pairs: bool = False  # rotate adjacent pairs (GLM-4, DeepSeek's rope_interleave)
+    sandwich_norm: bool = False  # GLM-4: post_self_attn_layernorm and post_mlp_layernorm
+    fused_gate_up: bool = False  # GLM-4's dense MLP holds gate and up in one gate_up_proj
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -59,11 +85,28 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         rope = raw.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
         if rope_type != "default" or raw.get("rope_scaling"):
-            raise ModelConfigError(f"{cfg_path}: rope scaling {rope_type!r} is not supported")
+            scaling = raw.get("rope_scaling")
+            named = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else rope_type
+            raise ModelConfigError(f"{cfg_path}: rope scaling {named!r} is not supported")
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         theta = float(theta if theta is not None else raw.get("rope_theta", 10000.0))
+        _refuse_unsupported(cfg_path, model_type, raw)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
+        layers = int(raw["num_hidden_layers"])
+        try:
+            moe = MoEConfig.from_raw(model_type, raw, layers)
+            mla = MLAConfig.from_raw(raw) if model_type == "deepseek_v3" else None
+        except (MoEConfigError, ValueError) as e:
+            raise ModelConfigError(f"{cfg_path}: {e}") from e
+        head_dim = int(raw.get("head_dim") or hidden // heads) if mla is None else mla.qk_dim
+        partial = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+        partial = float(partial if partial is not None else raw.get("partial_rotary_factor", 1.0))
+        rotary_dim = mla.qk_rope_dim if mla is not None else int(head_dim * partial)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ModelConfigError(
+                f"{cfg_path}: partial_rotary_factor={partial} gives rotary dim {rotary_dim}"
+            )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         gen_path = Path(path) / "generation_config.json"
@@ -76,23 +119,45 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 eos_ids = tuple(dict.fromkeys([*eos_ids, *gen_eos]))
             elif gen_eos is not None and gen_eos not in eos_ids:
                 eos_ids = (*eos_ids, int(gen_eos))
+        if model_type == "qwen2":
+            qkv_bias = True
+        elif model_type == "qwen2_moe":
+            qkv_bias = bool(raw.get("qkv_bias", True))
+        else:
+            qkv_bias = bool(raw.get("attention_bias", _QKV_BIAS_DEFAULT.get(model_type, False)))
         return cls(
             model_type=model_type,
             hidden=hidden,
-            layers=int(raw["num_hidden_layers"]),
+            layers=layers,
             heads=heads,
-            kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            kv_heads=heads if mla is not None else int(raw.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
             intermediate=int(raw["intermediate_size"]),
             vocab=int(raw["vocab_size"]),
             eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position=int(raw.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=qkv_bias and mla is None,
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(raw.get("use_qk_norm", False)),
             eos_token_ids=eos_ids,
+            rotary_dim=rotary_dim,
+            rope_pairs=model_type == "glm4" or (mla is not None and bool(raw.get("rope_interleave", True))),
+            sandwich_norm=model_type == "glm4",
+            fused_gate_up=model_type == "glm4",
+            moe=moe,
+            mla=mla,
         )
+
+    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(heads, width) of each per-layer KV cache store: keys and values, or MLA's latent."""
+        if self.mla is not None:
+            return ((1, self.mla.cache_width),)
+        return ((self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim))
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` holds an MoE block (else the dense MLP)."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter the model needs, by Hugging Face name."""
@@ -108,13 +173,33 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             shapes |= {
                 p + "input_layernorm.weight": (self.hidden,),
                 p + "post_attention_layernorm.weight": (self.hidden,),
+            }
+            if self.sandwich_norm:
+                shapes |= {
+                    p + "post_self_attn_layernorm.weight": (self.hidden,),
+                    p + "post_mlp_layernorm.weight": (self.hidden,),
+                }
+            if self.moe is not None and self.sparse(i):
+                shapes |= self.moe.expected_shapes(i, self.hidden)
+            elif self.fused_gate_up:
+                shapes |= {
+                    p + "mlp.gate_up_proj.weight": (2 * self.intermediate, self.hidden),
+                    p + "mlp.down_proj.weight": (self.hidden, self.intermediate),
+                }
+            else:
+                shapes |= {
+                    p + "mlp.gate_proj.weight": (self.intermediate, self.hidden),
+                    p + "mlp.up_proj.weight": (self.intermediate, self.hidden),
+                    p + "mlp.down_proj.weight": (self.hidden, self.intermediate),
+                }
+            if self.mla is not None:
+                shapes |= self.mla.expected_shapes(i, self.hidden, self.heads)
+                continue
+            shapes |= {
                 p + "self_attn.q_proj.weight": (q, self.hidden),
                 p + "self_attn.k_proj.weight": (kv, self.hidden),
                 p + "self_attn.v_proj.weight": (kv, self.hidden),
                 p + "self_attn.o_proj.weight": (self.hidden, q),
-                p + "mlp.gate_proj.weight": (self.intermediate, self.hidden),
-                p + "mlp.up_proj.weight": (self.intermediate, self.hidden),
-                p + "mlp.down_proj.weight": (self.hidden, self.intermediate),
             }
             if self.qkv_bias:
                 shapes |= {
@@ -128,6 +213,24 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                     p + "self_attn.k_norm.weight": (self.head_dim,),
                 }
         return shapes
+
+
+def _refuse_unsupported(cfg_path: Path, model_type: str, raw: dict[str, Any]) -> None:
+    """ModelConfigError naming a config key whose behaviour this forward does not implement."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{cfg_path}: hidden_act={act!r} is not supported (only 'silu')")
+    layer_types: list[str] = raw.get("layer_types") or []
+    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise ModelConfigError(
+            f"{cfg_path}: sliding window attention (use_sliding_window/layer_types) is not supported"
+        )
+    if model_type == "mixtral" and raw.get("sliding_window") is not None:
+        raise ModelConfigError(f"{cfg_path}: sliding_window={raw['sliding_window']!r} is not supported")
+    if model_type == "deepseek_v3" and raw.get("attention_bias"):
+        raise ModelConfigError(f"{cfg_path}: attention_bias=true is not supported for deepseek_v3")
+    if model_type == "llama" and raw.get("mlp_bias"):
+        raise ModelConfigError(f"{cfg_path}: mlp_bias=true is not supported")
 
 
 def check_named(cfg: ModelConfig, named: dict[str, torch.Tensor], complete: bool) -> None:
@@ -204,8 +307,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): RoPE over adjacent pairs."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+Routes = dict[int, torch.Tensor]
+"""MoE layer index -> the expert ids its router chose, [B, T, top_k] (one forward's capture)."""
+
+
 class KVCache:
-    """Keys and values per layer in slots: [slots, kv_heads, capacity, head_dim].
+    """What attention keeps per token, per layer, in slots: [slots, heads, capacity, width]
+    for each store of `ModelConfig.cache_shapes` (keys and values; MLA's latent alone).
 
     Slots and capacity grow by doubling, so the cache costs what the running batch needs.
     """
@@ -214,8 +327,8 @@ class KVCache:
         self.cfg = cfg
         self.slots = 0
         self.capacity = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.shapes = cfg.cache_shapes()
+        self.stores: list[list[torch.Tensor]] = [[] for _ in self.shapes]
         self.free: list[int] = []
 
     def ensure(self, slots: int, capacity: int) -> None:
@@ -226,10 +339,9 @@ class KVCache:
             new_cap *= 2
         if new_slots == self.slots and new_cap == self.capacity:
             return
-        shape = (new_slots, self.cfg.kv_heads, new_cap, self.cfg.head_dim)
-        for store in (self.k, self.v):
+        for store, (heads, width) in zip(self.stores, self.shapes, strict=True):
             for i in range(self.cfg.layers):
-                fresh = torch.zeros(shape)
+                fresh = torch.zeros((new_slots, heads, new_cap, width))
                 if store[i:]:
                     fresh[: self.slots, :, : self.capacity] = store[i]
                     store[i] = fresh
@@ -258,11 +370,10 @@ class TinyLM:
         # Flat receive buffers whose views are parameters (engine_receive's flattened buckets).
         self.arenas: dict[Hashable, torch.Tensor] = {}
         self.load(params, complete=True)
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-        )
+        rot = cfg.rotary_dim or cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
         freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = freqs.repeat_interleave(2, dim=-1) if cfg.rope_pairs else torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
     def load(self, named: dict[str, torch.Tensor], complete: bool) -> None:
@@ -314,11 +425,21 @@ class TinyLM:
         key = "model.embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
         return self.params[key]
 
-    def _attend_layer(
-        self, i: int, h: torch.Tensor, pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v for hidden states h [B, T, D] at positions pos [B, T] (RoPE and norms applied)."""
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first rotary_dim dims of x [B, heads, T, d] at positions pos [B, T]."""
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        r = cos.shape[-1]
+        rot = x[..., :r]
+        rotate = _rotate_pairs if self.cfg.rope_pairs else _rotate_half
+        rot = rot * cos + rotate(rot) * sin
+        return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)
+
+    def _project(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """q [B, H, T, d] and what the cache keeps ([B, heads, T, width] per store) for h [B, T, D]."""
         c, p = self.cfg, self.params
+        if c.mla is not None:
+            q, latent = mla_project(c.mla, c.heads, p, i, h, pos, self._rope, _rms_norm)
+            return q, [latent]
         pre = f"model.layers.{i}.self_attn."
         b, t, _ = h.shape
         q = F.linear(h, p[pre + "q_proj.weight"], p.get(pre + "q_proj.bias"))
@@ -331,30 +452,50 @@ class TinyLM:
             q = _rms_norm(q, p[pre + "q_norm.weight"], c.eps)
             k = _rms_norm(k, p[pre + "k_norm.weight"], c.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+        return self._rope(q, pos), [self._rope(k, pos), v]
 
-    def _block_tail(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        c, p = self.cfg, self.params
-        pre = f"model.layers.{i}."
-        b, _, t, _ = attn.shape
-        attn = attn.transpose(1, 2).reshape(b, t, c.heads * c.head_dim)
-        x = x + F.linear(attn, p[pre + "self_attn.o_proj.weight"])
-        h = _rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.eps)
-        gate = F.silu(F.linear(h, p[pre + "mlp.gate_proj.weight"]))
-        up = F.linear(h, p[pre + "mlp.up_proj.weight"])
-        return x + F.linear(gate * up, p[pre + "mlp.down_proj.weight"])
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        rep = self.cfg.heads // self.cfg.kv_heads
+    def _attend(self, i: int, q: torch.Tensor, kept: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, T, H * v_dim] of q over the kept entries (this step's or the cache's)."""
+        c = self.cfg
+        if c.mla is not None:
+            return mla_attend(c.mla, c.heads, self.params, i, q, kept[0], mask)
+        k, v = kept
+        rep = c.heads // c.kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, t, _ = out.shape
+        return out.transpose(1, 2).reshape(b, t, c.heads * c.head_dim)
 
-    def prefill(self, prompts: list[list[int]], slots: list[int], cache: KVCache) -> torch.Tensor:
-        """Run whole prompts (right-padded into one batch), fill their slots; last-token logits [B, V]."""
+    def _block_tail(self, i: int, x: torch.Tensor, attn: torch.Tensor, routes: Routes | None) -> torch.Tensor:
+        """Output projection, residuals, norms and the MLP (dense or MoE) of layer i."""
+        c, p = self.cfg, self.params
+        pre = f"model.layers.{i}."
+        out = F.linear(attn, p[pre + "self_attn.o_proj.weight"])
+        if c.sandwich_norm:
+            out = _rms_norm(out, p[pre + "post_self_attn_layernorm.weight"], c.eps)
+        x = x + out
+        h = _rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.eps)
+        if c.moe is not None and c.sparse(i):
+            y, ids = moe_block(c.moe, h, p, i)
+            if routes is not None:
+                routes[i] = ids
+        elif c.fused_gate_up:
+            gate, up = F.linear(h, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+            y = F.linear(up * F.silu(gate), p[pre + "mlp.down_proj.weight"])
+        else:
+            gate = F.silu(F.linear(h, p[pre + "mlp.gate_proj.weight"]))
+            y = F.linear(gate * F.linear(h, p[pre + "mlp.up_proj.weight"]), p[pre + "mlp.down_proj.weight"])
+        if c.sandwich_norm:
+            y = _rms_norm(y, p[pre + "post_mlp_layernorm.weight"], c.eps)
+        return x + y
+
+    def prefill(
+        self, prompts: list[list[int]], slots: list[int], cache: KVCache, routes: Routes | None = None
+    ) -> torch.Tensor:
+        """Run whole prompts (right-padded into one batch), fill their slots; last-token logits [B, V].
+
+        `routes`, when given, receives each MoE layer's expert ids [B, T, k] (padded rows too)."""
         c = self.cfg
         lens = torch.tensor([len(x) for x in prompts])
         t = int(lens.max())
@@ -368,19 +509,26 @@ class TinyLM:
         x = F.embedding(tokens, self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
             h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
-            q, k, v = self._attend_layer(i, h, pos)
-            for row, slot in enumerate(slots):
-                n = int(lens[row])
-                cache.k[i][slot, :, :n] = k[row, :, :n]
-                cache.v[i][slot, :, :n] = v[row, :, :n]
-            x = self._block_tail(i, x, self._sdpa(q, k, v, mask))
+            q, entries = self._project(i, h, pos)
+            for store, entry in zip(cache.stores, entries, strict=True):
+                for row, slot in enumerate(slots):
+                    n = int(lens[row])
+                    store[i][slot, :, :n] = entry[row, :, :n]
+            x = self._block_tail(i, x, self._attend(i, q, entries, mask), routes)
         last = x[torch.arange(len(prompts)), lens - 1]
         return F.linear(_rms_norm(last, self.params["model.norm.weight"], c.eps), self._lm_head())
 
     def decode(
-        self, tokens: list[int], positions: list[int], slots: list[int], cache: KVCache
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        cache: KVCache,
+        routes: Routes | None = None,
     ) -> torch.Tensor:
-        """One step for every running sequence at once: next-token logits [B, V]."""
+        """One step for every running sequence at once: next-token logits [B, V].
+
+        `routes`, when given, receives each MoE layer's expert ids [B, 1, k]."""
         c = self.cfg
         b = len(tokens)
         slot_idx = torch.tensor(slots)
@@ -390,10 +538,10 @@ class TinyLM:
         x = F.embedding(torch.tensor(tokens).view(b, 1), self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
             h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
-            q, k, v = self._attend_layer(i, h, pos.view(b, 1))
-            cache.k[i][slot_idx, :, pos] = k[:, :, 0]
-            cache.v[i][slot_idx, :, pos] = v[:, :, 0]
-            keys = cache.k[i][slot_idx, :, :t]
-            values = cache.v[i][slot_idx, :, :t]
-            x = self._block_tail(i, x, self._sdpa(q, keys, values, mask))
+            q, entries = self._project(i, h, pos.view(b, 1))
+            kept = []
+            for store, entry in zip(cache.stores, entries, strict=True):
+                store[i][slot_idx, :, pos] = entry[:, :, 0]
+                kept.append(store[i][slot_idx, :, :t])
+            x = self._block_tail(i, x, self._attend(i, q, kept, mask), routes)
         return F.linear(_rms_norm(x[:, 0], self.params["model.norm.weight"], c.eps), self._lm_head())

@@ -16,6 +16,7 @@ must not leave an engine that answers but never generates.
 from __future__ import annotations
 
 import asyncio
+import base64
 import random
 import time
 from collections import deque
@@ -28,7 +29,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tether.rollout.cpu_engine.constrained import TokenConstraint
-from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM
+from tether.rollout.cpu_engine.model import KVCache, ModelConfig, Routes, TinyLM
 from tether.rollout.cpu_engine.sampling import Choice, SamplingParams, choose_tokens
 
 T = TypeVar("T")
@@ -56,6 +57,11 @@ class Request:
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     constraint: TokenConstraint | None = None
     """Constrained decoding: which tokens the output may continue with (None: any)."""
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    """The first token position whose routed experts are returned (SGLang's name)."""
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """Routed experts of each forwarded token position, in order: chunks of [n, layers, top_k]."""
     created: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     progress: asyncio.Event = field(default_factory=asyncio.Event)
@@ -78,8 +84,11 @@ class Scheduler:
         max_running: int,
         original_logprob: bool,
         seed: int,
+        return_routed_experts: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.return_routed_experts = return_routed_experts
+        """The engine records the experts each token is routed to (--enable-return-routed-experts)."""
         self.model = model
         self.tokenizer = tokenizer
         self.weight_version = weight_version
@@ -262,9 +271,18 @@ class Scheduler:
         self.running.extend(admit)
         version = self.weight_version
         loop = asyncio.get_running_loop()
-        choice = await loop.run_in_executor(self._forward_thread, self._forward, admit, decoding, cache)
+        choice, routes = await loop.run_in_executor(
+            self._forward_thread, self._forward, admit, decoding, cache
+        )
         self.steps += 1
         rows = [*admit, *decoding]
+        for req, chunk in zip(rows, routes, strict=True):
+            if chunk is None:
+                continue
+            if req in admit:
+                req.routes = [chunk]  # a (re-)prefill covers every position so far
+            else:
+                req.routes.append(chunk)
         for req, tok, lp, top in zip(rows, choice.tokens, choice.logprobs, choice.top, strict=True):
             if top is not None:
                 req.top_logprobs.append(top)
@@ -272,27 +290,36 @@ class Scheduler:
         async with self._stepped:
             self._stepped.notify_all()
 
-    def _forward(self, admit: list[Request], decoding: list[Request], cache: KVCache) -> Choice:
-        """Worker thread: prefill the admitted prompts and advance the running ones, one batch."""
+    def _forward(
+        self, admit: list[Request], decoding: list[Request], cache: KVCache
+    ) -> tuple[Choice, list[torch.Tensor | None]]:
+        """Worker thread: prefill the admitted prompts and advance the running ones, one batch;
+        also each row's routed experts for the positions it forwarded (None unless asked)."""
         parts: list[torch.Tensor] = []
+        routed: list[torch.Tensor | None] = []
         with torch.inference_mode():
             if admit:
                 seqs = [r.prompt + r.output for r in admit]
-                parts.append(self.model.prefill(seqs, [r.slot for r in admit], cache))  # type: ignore[misc]
+                routes = self._routes_for(admit)
+                parts.append(self.model.prefill(seqs, [r.slot for r in admit], cache, routes))  # type: ignore[misc]
+                routed += [self._row_routes(routes, row, len(seq)) for row, seq in enumerate(seqs)]
             if decoding:
+                routes = self._routes_for(decoding)
                 parts.append(
                     self.model.decode(
                         [r.output[-1] for r in decoding],
                         [len(r.prompt) + len(r.output) - 1 for r in decoding],
                         [r.slot for r in decoding],  # type: ignore[misc]
                         cache,
+                        routes,
                     )
                 )
+                routed += [self._row_routes(routes, row, 1) for row in range(len(decoding))]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]
             rows = [*admit, *decoding]
             # Constrained rows learn which tokens may follow their output here, off the event loop.
             masks = [r.constraint.allowed(r.output) if r.constraint is not None else None for r in rows]
-            return choose_tokens(
+            choice = choose_tokens(
                 logits,
                 [r.params for r in rows],
                 [r.generator for r in rows],
@@ -300,6 +327,31 @@ class Scheduler:
                 masks=masks,
                 top_logprobs=[r.top_logprobs_num for r in rows],
             )
+            wanted = [r.return_routed_experts for r in rows]
+            return choice, [chunk if want else None for chunk, want in zip(routed, wanted, strict=True)]
+
+    def _routes_for(self, rows: list[Request]) -> Routes | None:
+        """A capture for this forward when any of its rows returns routed experts."""
+        return {} if any(r.return_routed_experts for r in rows) else None
+
+    def _row_routes(self, routes: Routes | None, row: int, length: int) -> torch.Tensor | None:
+        """Row `row`'s first `length` positions as [length, layers, top_k] int32; a dense layer's
+        entries stay 0, as SGLang reports them."""
+        if routes is None or self.cfg.moe is None:
+            return None
+        out = torch.zeros(length, self.cfg.layers, self.cfg.moe.top_k, dtype=torch.int32)
+        for layer, ids in routes.items():
+            out[:, layer] = ids[row, :length].to(torch.int32)
+        return out
+
+    def routed_experts(self, req: Request) -> torch.Tensor:
+        """[prompt + completion - 1 - start, layers, top_k]: the experts of every forwarded token
+        position from routed_experts_start_len on (the last output token is never forwarded)."""
+        assert self.cfg.moe is not None
+        seen = torch.cat(req.routes) if req.routes else torch.zeros(0, self.cfg.layers, self.cfg.moe.top_k)
+        rows = max(0, len(req.prompt) + len(req.output) - 1)
+        start = min(req.routed_experts_start_len, rows)
+        return seen[start:rows].to(torch.int32).contiguous()
 
     def _append(self, req: Request, token: int, logprob: float, version: str) -> None:
         req.output.append(token)
@@ -370,6 +422,11 @@ class Scheduler:
                 meta["output_top_logprobs"] = [
                     [[lp, tok, None] for lp, tok in row] for row in req.top_logprobs
                 ]
+        if req.return_routed_experts and req.finish is not None:
+            # SGLang's encoding: base64 of the int32 array's bytes (slime decodes and reshapes it).
+            meta["routed_experts"] = base64.b64encode(self.routed_experts(req).numpy().tobytes()).decode()
+            # Where those rows start (slime reads it beside them to splice a partial answer).
+            meta["routed_experts_start_len"] = req.routed_experts_start_len
         return {"text": self.output_text(req), "output_ids": list(req.output), "meta_info": meta}
 
 

@@ -101,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Accept weight updates holding NaN or inf (refused by default with 400 naming the tensor).",
     )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="Record the experts each token is routed to, so /generate with return_routed_experts "
+        "returns them (SGLang's flag; MoE models only).",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -169,6 +175,12 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
     context = args.context_length or cfg.max_position
     if not 1 < context <= cfg.max_position:
         raise ConfigError("--context-length", context, f"must be in (1, {cfg.max_position}] for this model")
+    if args.enable_return_routed_experts and cfg.moe is None:
+        raise ConfigError(
+            "--enable-return-routed-experts",
+            True,
+            f"model_type={cfg.model_type!r} has no MoE layers to report",
+        )
     named = await asyncio.to_thread(read_safetensors_dir, args.model_path)
     model = TinyLM(cfg, named)
     tokenizer = Tokenizer.from_file(os.path.join(args.model_path, "tokenizer.json"))
@@ -181,6 +193,7 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
         max_running=args.max_running_requests,
         original_logprob=args.return_original_logprob,
         seed=args.random_seed,
+        return_routed_experts=args.enable_return_routed_experts,
     )
     state = EngineState(
         scheduler=scheduler,

@@ -8,6 +8,15 @@ the result.
 Defaults (chosen so the CPU demo and the tests are fast): Llama, hidden 64, 2 layers, 4
 attention heads and 2 KV heads (head dim 16, GQA), FFN 128, vocabulary padded to 320,
 context 2048, RoPE theta 10000, untied embeddings, float32 safetensors.
+
+Mixture-of-Experts families (qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe) get 4
+routed experts, top-2, each expert's FFN a quarter of --intermediate; deepseek_v3 and glm4_moe
+keep their first layer dense (first_k_dense_replace=1) and add one shared expert; qwen2_moe
+adds its gated shared expert (FFN half of --intermediate). deepseek_v3 uses multi-latent
+attention sized from the head dim d = hidden/heads: q_lora_rank hidden/2, kv_lora_rank
+hidden/4, qk_nope d, qk_rope d/2, v d; 2 expert groups with 1 chosen (noaux_tc). Routers are
+re-drawn wider than transformers' init, and the score-correction biases (zero after
+transformers' init) get random values, so routing depends on the token and on the bias.
 """
 
 from __future__ import annotations
@@ -25,7 +34,15 @@ import msgspec
 from tether.runtime.atomic_file import fsync_path
 from tether.runtime.errors import ConfigError
 
-Arch = Literal["llama", "qwen2", "qwen3"]
+Arch = Literal[
+    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4", "glm4_moe"
+]
+ARCHES: tuple[str, ...] = Arch.__args__  # type: ignore[attr-defined]
+MOE_ARCHES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"})
+# Families whose first layer stays dense (first_k_dense_replace=1): they need a second layer.
+_DENSE_FIRST = frozenset({"deepseek_v3", "glm4_moe"})
+TINY_EXPERTS = 4
+TINY_EXPERTS_PER_TOKEN = 2
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 # ChatML, with tools and tool calls rendered as Qwen 2.5 does (SGLang's `qwen25` parser reads
@@ -72,7 +89,8 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     hidden: int = 64
     layers: int = 2
     heads: int = 4
-    kv_heads: int = 2
+    # None: 2 (GQA) for families with KV heads; multi-latent attention (deepseek_v3) has none.
+    kv_heads: int | None = None
     intermediate: int = 128
     vocab: int = 320
     max_position: int = 2048
@@ -86,7 +104,7 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
             ("--hidden", self.hidden),
             ("--layers", self.layers),
             ("--heads", self.heads),
-            ("--kv-heads", self.kv_heads),
+            ("--kv-heads", self.num_kv_heads),
             ("--intermediate", self.intermediate),
             ("--max-position", self.max_position),
         ):
@@ -94,8 +112,23 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(key, value, "must be at least 1")
         if self.hidden % self.heads:
             raise ConfigError("--hidden", self.hidden, f"must be divisible by --heads ({self.heads})")
-        if self.heads % self.kv_heads:
+        if self.arch == "deepseek_v3":
+            if self.kv_heads is not None and self.kv_heads != self.heads:
+                raise ConfigError(
+                    "--kv-heads", self.kv_heads, "multi-latent attention (deepseek_v3) has no KV heads"
+                )
+            if (self.hidden // self.heads) % 2:
+                raise ConfigError("--heads", self.heads, "deepseek_v3 needs an even head dim")
+        elif self.heads % self.num_kv_heads:
             raise ConfigError("--kv-heads", self.kv_heads, f"must divide --heads ({self.heads})")
+        if self.arch in MOE_ARCHES and self.intermediate % 4:
+            raise ConfigError(
+                "--intermediate", self.intermediate, "must be divisible by 4 (experts use a quarter)"
+            )
+        if self.arch in _DENSE_FIRST and self.layers < 2:
+            raise ConfigError(
+                "--layers", self.layers, f"{self.arch} keeps layer 0 dense; it needs at least 2"
+            )
         if self.bpe_merges < 0:
             raise ConfigError("--bpe-merges", self.bpe_merges, "must be at least 0")
         minimum = 256 + len(SPECIAL_TOKENS) + self.bpe_merges
@@ -103,6 +136,12 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(
                 "--vocab", self.vocab, f"must be at least {minimum} (bytes + specials + merges)"
             )
+
+    @property
+    def num_kv_heads(self) -> int:
+        if self.arch == "deepseek_v3":
+            return self.heads
+        return 2 if self.kv_heads is None else self.kv_heads
 
 
 def build_tokenizer(merges: int) -> object:
@@ -133,7 +172,7 @@ def build_tokenizer(merges: int) -> object:
 
 
 def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers
 
     head_dim = spec.hidden // spec.heads
     common: dict[str, Any] = {
@@ -142,8 +181,7 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         "intermediate_size": spec.intermediate,
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "head_dim": head_dim,
+        "num_key_value_heads": spec.num_kv_heads,
         "max_position_embeddings": spec.max_position,
         "bos_token_id": tokenizer.bos_token_id,  # type: ignore[attr-defined]
         "eos_token_id": tokenizer.eos_token_id,  # type: ignore[attr-defined]
@@ -153,11 +191,86 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         "rope_theta": spec.rope_theta,
         "dtype": "float32",
     }
-    if spec.arch == "llama":
-        return LlamaConfig(**common)
-    if spec.arch == "qwen2":
-        return Qwen2Config(**common)
-    return Qwen3Config(**common)
+    if spec.arch != "deepseek_v3":
+        common["head_dim"] = head_dim
+    expert_ffn = spec.intermediate // 4
+    moe: dict[str, Any] = {"num_experts_per_tok": TINY_EXPERTS_PER_TOKEN}
+    arch = spec.arch
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if arch == "glm4":
+        return transformers.Glm4Config(**common)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **common,
+            **moe,
+            num_experts=TINY_EXPERTS,
+            moe_intermediate_size=expert_ffn,
+            shared_expert_intermediate_size=spec.intermediate // 2,
+            norm_topk_prob=False,
+        )
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, **moe, num_experts=TINY_EXPERTS, moe_intermediate_size=expert_ffn, norm_topk_prob=True
+        )
+    if arch == "mixtral":
+        common["intermediate_size"] = expert_ffn
+        return transformers.MixtralConfig(**common, **moe, num_local_experts=TINY_EXPERTS)
+    if arch == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            **common,
+            **moe,
+            n_routed_experts=TINY_EXPERTS,
+            n_shared_experts=1,
+            moe_intermediate_size=expert_ffn,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+            attention_bias=True,
+        )
+    # deepseek_v3: multi-latent attention + grouped, biased sigmoid routing.
+    return transformers.DeepseekV3Config(
+        **common,
+        **moe,
+        n_routed_experts=TINY_EXPERTS,
+        n_shared_experts=1,
+        moe_intermediate_size=expert_ffn,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        q_lora_rank=spec.hidden // 2,
+        kv_lora_rank=spec.hidden // 4,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=head_dim // 2,
+        v_head_dim=head_dim,
+        num_mtp_layers=0,
+    )
+
+
+def _spread_routing(model: Any, seed: int) -> None:
+    """Widen router weights and give score-correction biases non-zero values.
+
+    transformers draws routers with std 0.02 and zeroes the correction bias; at these tiny
+    shapes that routes nearly every token alike and would hide a bias the engine forgets.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+                fan_in = tensor.shape[-1]
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * (2.0 / fan_in**0.5))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
 
 
 def _write_atomically(staging: Path, out: Path) -> None:
@@ -181,6 +294,8 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
     config = _hf_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.arch in MOE_ARCHES:
+        _spread_routing(model, spec.seed)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:
@@ -200,11 +315,13 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TinyModelSpec()
     parser.add_argument("--out", required=True, help="Directory to write the model into.")
-    parser.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default=d.arch, help="Model family.")
+    parser.add_argument("--arch", choices=list(ARCHES), default=d.arch, help="Model family.")
     parser.add_argument("--hidden", type=int, default=d.hidden, help="Hidden size.")
     parser.add_argument("--layers", type=int, default=d.layers, help="Number of decoder layers.")
     parser.add_argument("--heads", type=int, default=d.heads, help="Attention heads.")
-    parser.add_argument("--kv-heads", type=int, default=d.kv_heads, help="Key/value heads (GQA).")
+    parser.add_argument(
+        "--kv-heads", type=int, default=d.kv_heads, help="Key/value heads (GQA; default 2, none for MLA)."
+    )
     parser.add_argument("--intermediate", type=int, default=d.intermediate, help="FFN (SwiGLU) size.")
     parser.add_argument("--vocab", type=int, default=d.vocab, help="Vocabulary size (padded).")
     parser.add_argument("--max-position", type=int, default=d.max_position, help="Context length.")

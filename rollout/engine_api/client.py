@@ -11,6 +11,7 @@ retried here: their owner decides, because a half-applied update must be looked 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -64,6 +65,10 @@ class MetaInfo(msgspec.Struct, kw_only=True):
     completion_tokens: int = 0
     output_token_logprobs: list[list[Any]] | None = None
     weight_version: str | int | None = None
+    routed_experts: str | None = None
+    """With return_routed_experts (MoE): base64 of int32 [rows, layers, topk], the experts each
+    token from `routed_experts_start_len` to the second-to-last was routed to (SGLang's encoding)."""
+    routed_experts_start_len: int = 0
 
 
 class GenerateResponse(msgspec.Struct, kw_only=True):
@@ -82,6 +87,28 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     def weight_version(self) -> str | None:
         v = self.meta_info.weight_version
         return None if v is None else str(v)
+
+    def routed_experts(self) -> tuple[Any, int] | None:
+        """(flat int32 numpy array, first token position it covers), or None when the engine sent
+        none (return_routed_experts unset, or a dense model)."""
+        import binascii
+
+        import numpy as np
+
+        meta = self.meta_info
+        if meta.routed_experts is None:
+            return None
+        if meta.routed_experts_start_len < 0:
+            raise EngineResponseError(
+                f"meta_info.routed_experts_start_len={meta.routed_experts_start_len} must be >= 0"
+            )
+        try:
+            raw = base64.b64decode(meta.routed_experts, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise EngineResponseError(f"meta_info.routed_experts is not base64: {exc}") from exc
+        if len(raw) % 4:
+            raise EngineResponseError(f"meta_info.routed_experts holds {len(raw)} bytes, not int32 entries")
+        return np.frombuffer(raw, dtype="<i4"), meta.routed_experts_start_len
 
     def log_probs(self) -> list[float]:
         """Sampled tokens' log-probs, aligned with output_ids (requires return_logprob)."""
@@ -328,14 +355,21 @@ class EngineClient:
         return_logprob: bool = True,
         routing_key: str | None = None,
         request_timeout: float | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateResponse:
-        """POST /generate for one tokenized prompt; the answer keeps the engine's token ids."""
+        """POST /generate for one tokenized prompt; the answer keeps the engine's token ids.
+
+        `return_routed_experts` (MoE, --use-rollout-routing-replay): the answer's meta_info carries
+        the experts every token of the sequence was routed to (`GenerateResponse.routed_experts`).
+        """
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params),
             "return_logprob": return_logprob,
             "rid": rid or new_request_id(),
         }
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         raw = await self._request_bytes(
             "POST", "/generate", body, retry="connect", request_timeout=request_timeout, headers=headers

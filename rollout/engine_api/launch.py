@@ -97,6 +97,7 @@ CPU_ENGINE_FLAGS = frozenset(
         "weight-version",
         "served-model-name",
         "tool-call-parser",
+        "enable-return-routed-experts",
     }
 )
 
@@ -126,6 +127,9 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
     without one, and the CPU engine refuses to start."""
     allow_nonfinite_weights: bool = False
     """CPU engine: accept weight updates holding NaN or inf (SGLang has no such check)."""
+    return_routed_experts: bool = False
+    """--use-rollout-routing-replay: engines record each token's routed experts
+    (`--enable-return-routed-experts`, which slime also sets on SGLang for it)."""
 
     def __repr__(self) -> str:
         # The key stays out of logs and tracebacks that show this config.
@@ -142,6 +146,7 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
         plan: Plan,
         sglang_python: str | None = None,
         api_key: str | None = None,
+        return_routed_experts: bool = False,
     ) -> EngineLaunchConfig:
         if rollout.hf_checkpoint is None:
             raise ConfigError("--hf-checkpoint", None, "engines need a model directory to serve")
@@ -156,6 +161,7 @@ class EngineLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
             offload=plan.offload_rollout,
             api_key=api_key,
             allow_nonfinite_weights=rollout.engine_allow_nonfinite_weights,
+            return_routed_experts=return_routed_experts,
         )
 
 
@@ -265,6 +271,8 @@ def sglang_flags(engine: Engine, part: EnginePart, cfg: EngineLaunchConfig) -> F
         layered["enable-memory-saver"] = []
     if engine.worker_type in ("prefill", "decode"):
         layered["disaggregation-mode"] = [engine.worker_type]
+    if cfg.return_routed_experts:
+        layered["enable-return-routed-experts"] = []
     passthrough = engine_passthrough(cfg.sglang_args)
     for key, values in passthrough.items():
         layered.pop(key, None)
@@ -325,6 +333,8 @@ def cpu_engine_argv(engine: Engine, part: EnginePart, cfg: EngineLaunchConfig) -
     base = ["--model-path", cfg.model_path, "--host", engine.host, "--port", str(engine.http_port)]
     if cfg.allow_nonfinite_weights:
         base.append("--allow-nonfinite-weights")
+    if cfg.return_routed_experts and "enable-return-routed-experts" not in kept:
+        base.append("--enable-return-routed-experts")
     return [sys.executable, "-m", "tether.rollout.cpu_engine", *base, *flags_to_argv(kept)]
 
 

@@ -57,7 +57,10 @@ FEATURES_OFF: dict[str, Any] = {
 def slime_args(config: Any, *, router_ip: str | None, router_port: int | None) -> dict[str, Any]:
     """What `args` answers for a slime hook beyond tether's own fields (see the module docstring)."""
     rollout, data = config.rollout, config.data
-    extra: dict[str, Any] = dict(FEATURES_OFF)
+    # A feature tether has grown answers with its own flag's value, not with "off".
+    slices = [getattr(config, name) for name in getattr(config, "__struct_fields__", ())]
+    own = {field for part in slices for field in getattr(part, "__struct_fields__", ())}
+    extra: dict[str, Any] = {k: v for k, v in FEATURES_OFF.items() if k not in own}
     extra["sglang_router_ip"] = router_ip
     extra["sglang_router_port"] = router_port
     extra["router_policy"] = ROUTER_POLICY.get(rollout.rollout_routing_policy, rollout.rollout_routing_policy)

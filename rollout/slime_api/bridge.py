@@ -194,11 +194,28 @@ def _numeric(path: str, metrics: object) -> dict[str, float]:
 
 
 async def slime_evaluation(
-    fn: Callable[..., Any], ctx: RolloutContext, rollout_id: int, data: TetherDataSource | None, *, path: str
+    fn: Callable[..., Any],
+    ctx: RolloutContext,
+    rollout_id: int,
+    data: TetherDataSource | None,
+    *,
+    path: str,
+    data_out: dict[str, Any] | None = None,
 ) -> dict[str, float]:
-    """Evaluation by a slime-API rollout function (called with evaluation=True), as tether's metrics."""
+    """Evaluation by a slime-API rollout function (called with evaluation=True), as tether's metrics;
+    `data_out` (when given) receives the per-dataset data it returned."""
     output = await call_rollout_function(fn, ctx, rollout_id, data, path=path, evaluation=True)
-    return eval_metrics(path, output)
+    metrics = eval_metrics(path, output)
+    if data_out is not None:
+        data_out.update(eval_data(output))
+    return metrics
+
+
+def eval_data(output: object) -> Mapping[str, Any]:
+    """The data by dataset name inside what an evaluation returned (a shape `eval_metrics` accepted)."""
+    found = output[0] if isinstance(output, tuple) else output
+    data = getattr(found, "data", found)
+    return data if isinstance(data, Mapping) else {}
 
 
 def eval_metrics(path: str, output: object) -> dict[str, float]:

@@ -7,8 +7,11 @@ fields (`sample.tool_call_count = 2`, say) ride along in tether's `metadata[SLIM
 back as attributes in the next hook, so a value must be what msgpack can carry. Following slime,
 a response without a loss mask trains on every token, and a log-prob under a 0 in the loss mask is
 set to 0 (tether's contract; nothing trains on it). slime fields tether cannot train with
-(multimodal inputs, top-p or routing replay, teacher log-probs, `remove_sample`) are refused,
-naming the field.
+(multimodal inputs, top-p replay, teacher log-probs) are refused, naming the field. MoE routed
+experts (`rollout_routed_experts`, a tensor, array or nested list [len(tokens)-1, layers, topk])
+become tether's `RoutedExperts` and come back as an int32 numpy array. slime's
+`remove_sample` becomes an all-zero loss mask (the sample trains nothing, as in slime), and a
+sample whose mask is all zero goes to a hook with `remove_sample` set.
 
 `uses_slime_api(fn)` tells whether a hook was written against slime's API (its module or body
 imports `slime`), and so takes slime Samples.
@@ -25,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from tether.rollout.sample import Sample, SampleStatus
+from tether.rollout.sample import RoutedExperts, Sample, SampleStatus
 from tether.rollout.slime_api.finder import MIRRORED, target_of
 from tether.rollout.slime_api.utils import types as slime_types
 
@@ -65,7 +68,6 @@ _REFUSED: dict[str, str] = {
     "multimodal_train_input_id": "tether trains on text only",
     "rollout_top_p_token_ids": "tether's trainer has no top-p replay",
     "rollout_top_p_token_offsets": "tether's trainer has no top-p replay",
-    "rollout_routed_experts": "tether has no MoE routing replay",
     "teacher_log_probs": "tether has no on-policy distillation",
     "train_metadata": "tether's trainer takes no per-sample training metadata",
 }
@@ -151,8 +153,13 @@ def to_slime(sample: Sample) -> Any:
         metadata=metadata,
         session_id=sample.session_id,
     )
+    if sample.rollout_routed_experts is not None:
+        # A copy: slime code may write into the array (torch.as_tensor shares it).
+        out.rollout_routed_experts = sample.rollout_routed_experts.array().copy()
     for name, value in extras.items():
         setattr(out, name, value)
+    if sample.loss_mask and not any(sample.loss_mask):
+        out.remove_sample = True  # no token trains: slime's way of saying so
     return out
 
 
@@ -168,12 +175,6 @@ def from_slime(obj: Any) -> Sample:
         value = attrs.get(name)
         if value is not None and value != {} and not (isinstance(value, Mapping) and not any(value.values())):
             raise ConversionError(name, value, f"is set, but {reason}")
-    if attrs.get("remove_sample"):
-        raise ConversionError(
-            "remove_sample",
-            True,
-            "is set, but tether has no per-sample loss removal; leave it out of the batch",
-        )
     status = _status(attrs.get("status"))
     tokens = _ints("tokens", attrs.get("tokens"))
     response_length = attrs.get("response_length", 0)
@@ -187,6 +188,10 @@ def from_slime(obj: Any) -> Sample:
     log_probs = _floats("rollout_log_probs", log_probs) if log_probs is not None else None
     if log_probs is not None and loss_mask is not None and len(log_probs) == len(loss_mask):
         log_probs = [lp if m else 0.0 for lp, m in zip(log_probs, loss_mask, strict=True)]
+    if attrs.get("remove_sample") and loss_mask is not None:
+        # slime's remove_sample: the sample stays in the batch (and its group's normalisation) but
+        # no token of it trains, which is what slime's train-data conversion does with it.
+        loss_mask = [0] * len(loss_mask)
     metadata = attrs.get("metadata")
     if metadata is None:
         metadata = {}
@@ -212,6 +217,14 @@ def from_slime(obj: Any) -> Sample:
     if extras:
         metadata[SLIME_ATTRS] = extras
     weight_versions = attrs.get("weight_versions") or []
+    routed = attrs.get("rollout_routed_experts")
+    if routed is not None and not isinstance(routed, RoutedExperts):
+        try:
+            routed = RoutedExperts.from_array(_host(routed))
+        except (TypeError, ValueError) as exc:
+            raise ConversionError(
+                "rollout_routed_experts", routed, f"is not [rows, layers, topk] ints: {exc}"
+            ) from exc
     return Sample(
         index=attrs.get("index"),
         group_index=attrs.get("group_index"),
@@ -228,7 +241,14 @@ def from_slime(obj: Any) -> Sample:
         weight_versions=[str(v) for v in weight_versions],
         metadata=metadata,
         session_id=attrs.get("session_id"),
+        rollout_routed_experts=routed,
     )
+
+
+def _host(value: Any) -> Any:
+    """A torch tensor (on any device) as a host array; anything else as it is."""
+    detach = getattr(value, "detach", None)
+    return detach().cpu().numpy() if callable(detach) else value
 
 
 def copy_back(source: Any, sample: Sample) -> None:

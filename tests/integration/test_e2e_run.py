@@ -14,32 +14,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from support.e2e import Workspace, check_clean_exit, jsonl, tether
-
-STEPS = 3
-
-
-def check_run(run: Path, *, transport: str, steps: int = STEPS) -> list[dict]:
-    ledger = jsonl(run / "ledger.jsonl")
-    assert [e["version"] for e in ledger] == list(range(1, steps + 1))
-    for entry in ledger:
-        assert entry["ok"] and entry["transport"] == transport
-        assert set(entry["engine_versions"].values()) == {entry["version"]}
-    metrics = [m for m in jsonl(run / "metrics.jsonl") if m["step"] >= 0]
-    assert [m["step"] for m in metrics] == list(range(steps))
-    for m in metrics:
-        assert math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"])
-        assert m["train/grad_norm"] > 0  # the spread reward gives every step a gradient
-        assert m["rollout/samples"] == 16
-    events = [e["event"] for e in jsonl(run / "events.jsonl")]
-    assert events[0] == "start" and events[-1] == "finished"
-    # On samples made with the trainer's current weights (no version lag) the trainer's
-    # log-probs equal the engine's on the same tokens: the engine serves exactly the weights the
-    # trainer exported, from every shard and stage. Lagging samples (async) differ by design.
-    on_policy = [m for m in metrics if m["rollout/version_lag_max"] == 0]
-    assert on_policy and all(m["train/train_rollout_logprob_abs_diff"] < 1e-4 for m in on_policy)
-    check_clean_exit(run)
-    return metrics
+from support.e2e import STEPS, Workspace, check_clean_exit, check_run, jsonl, tether
 
 
 def test_sync_loop_disk_tp2_and_receipt(ws: Workspace, tmp_path: Path, run_dir: Path) -> None:
@@ -158,11 +133,34 @@ def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Pa
     assert not (gen / "logs" / "trainer-node0.log").exists()  # no trainer was started
     check_clean_exit(gen)
     train = tmp_path / "train"
+    details = tmp_path / "details"
     tether(
         "run",
         *ws.flags(train, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", dumps),
+        "--dump-details",
+        str(details),
     )
     assert not (train / "logs" / "engine0.log").exists()  # no engine was started
+    # --dump-details: slime's layout; the train data is every DP rank's shard of what was trained on
+    from tether.rollout.debug_dump import load_rollout
+    from tether.train_dump import load_train_data
+
+    assert (details / "tokenizer" / "tokenizer_config.json").is_file()
+    for rollout_id in (0, 1):
+        dumped = load_train_data(details / "train_data" / f"{rollout_id}.msgpack")
+        groups = load_rollout(dumps, rollout_id).groups
+        assert dumped.rollout_id == rollout_id and len(dumped.steps) == 1
+        shards = dumped.steps[0]
+        assert len(shards) == 2  # DP=2
+        tokens = sorted(tuple(s.tokens) for g in groups for s in g)
+        got = sorted(
+            tuple(int(t) for t in shard["tokens"][a:b])
+            for shard in shards
+            for a, b in zip(shard["offsets"][:-1], shard["offsets"][1:], strict=True)
+        )
+        assert got == tokens
+        assert all(shard["advantages"].shape == shard["loss_masks"].shape for shard in shards)
+        assert (details / "rollout_data" / f"{rollout_id}.msgpack").is_file()
     check_clean_exit(train)
     metrics = [m for m in jsonl(train / "metrics.jsonl") if m["step"] >= 0]
     assert len(metrics) == 2 and all(math.isfinite(m["train/loss"]) for m in metrics)

@@ -14,7 +14,7 @@ import base64
 import json
 import pickle
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -29,10 +29,12 @@ from support.engines import (
     ENGINE_KEY,
     Engine,
     EngineFactory,
+    decode_routed_experts,
     engine_client,
     find_sglang_python,
     hf_greedy,
     hf_logprobs,
+    hf_routed_experts,
     make_models,
     start_supervised,
     wait_until,
@@ -40,6 +42,7 @@ from support.engines import (
 from support.net import free_port
 
 from tether.bench.slow_engine import delay_argv
+from tether.rollout.cpu_engine.tiny_model import ARCHES, TinyModelSpec, write_tiny_model
 from tether.rollout.engine_api.weights import encode_named_tensors
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
 from tether.sync.config import WeightSyncConfig
@@ -982,3 +985,174 @@ def test_router_front_forwards_openai(engine: Engine) -> None:
             assert router.stats()[0].requests == 4
 
     uvloop.run(scenario())
+
+
+# ----- model families: every `tether init-model --arch` family, MoE and multi-latent attention -----
+
+FAMILIES = list(ARCHES)
+# Four layers where the first stays dense (first_k_dense_replace=1), so both kinds are served.
+FAMILY_LAYERS = {"deepseek_v3": 4, "glm4_moe": 4}
+SGLANG_CPU_CANNOT = {
+    "deepseek_v3": "SGLang 0.5.23's CPU rotary embedding (get_rope_cpu, used by its MLA attention) "
+    "asserts that rope_scaling is set; DeepSeek-V3 checkpoints carry yarn, the tiny model has none",
+    "qwen2_moe": "SGLang 0.5.23 gates Qwen2-MoE's shared expert with a Triton kernel "
+    "(fused_gate_sigmoid_mul_add), which finds no driver on CPU",
+}
+ROUTED_EXPERTS_NO_CPU = (
+    "SGLang 0.5.23's --enable-return-routed-experts allocates its host buffer with CUDA host "
+    "registration (state_capturer/base.py BaseHostCache): 'Found no NVIDIA driver' on a CPU build"
+)
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """The tiny model of each family (and seed), written once per module by `tether init-model`'s code."""
+    built: dict[tuple[str, int], str] = {}
+
+    def get(arch: str, seed: int = 0) -> str:
+        if (arch, seed) not in built:
+            spec = TinyModelSpec(arch=arch, layers=FAMILY_LAYERS.get(arch, 2), seed=seed)  # type: ignore[arg-type]
+            built[arch, seed] = str(write_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), spec))
+        return built[arch, seed]
+
+    return get
+
+
+def _family_engine(
+    kind: str, model_dir: str, run_dir: Path, *flags: str
+) -> tuple[Engine, Callable[[], None]]:
+    python = None
+    if kind == "sglang":
+        python, missing = find_sglang_python()
+        if python is None:
+            pytest.skip(f"real SGLang unavailable: {missing}")
+    return start_supervised(kind, model_dir, run_dir, sglang_python=python, sglang_args=list(flags))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("sglang", marks=pytest.mark.sglang)])
+def test_family_greedy_and_logprobs_equal_transformers(
+    kind: str, arch: str, family_models: Callable[..., str], tmp_path: Path
+) -> None:
+    """Each family's greedy tokens and per-token log-probs equal transformers', one prompt at a
+    time and batched (prompts of different lengths in one forward)."""
+    if kind == "sglang" and arch in SGLANG_CPU_CANNOT:
+        pytest.skip(SGLANG_CPU_CANNOT[arch])
+    model_dir = family_models(arch)
+    eng, stop = _family_engine(kind, model_dir, tmp_path)
+    try:
+        assert eng.get("/get_model_info")["model_path"] == model_dir
+        for prompt in PROMPTS[:2]:
+            assert_matches_hf(greedy(eng, prompt, n=8), model_dir, prompt, TOLERANCE[kind])
+        batch = eng.post(
+            "/generate",
+            {
+                "input_ids": PROMPTS,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                "return_logprob": True,
+            },
+        )
+        for out, prompt in zip(batch, PROMPTS, strict=True):
+            assert_matches_hf(out, model_dir, prompt, TOLERANCE[kind])
+    finally:
+        stop()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("sglang", marks=pytest.mark.sglang)])
+def test_family_weight_sync_distributed_and_disk(
+    kind: str, arch: str, family_models: Callable[..., str], tmp_path: Path
+) -> None:
+    """The families' Hugging Face names travel every update path: tether's distributed sender
+    (flattened buckets) brings another seed's weights, /update_weights_from_disk brings the first
+    back; greedy tokens and log-probs follow transformers on each."""
+    if kind == "sglang" and arch in SGLANG_CPU_CANNOT:
+        pytest.skip(SGLANG_CPU_CANNOT[arch])
+    v1, v2 = family_models(arch, 0), family_models(arch, 1)
+    new = load_file(str(Path(v2) / "model.safetensors"))
+    sync_cfg = WeightSyncConfig(
+        update_weight_buffer_size=sum(t.numel() * t.element_size() for t in new.values()) // 3 + 1,
+        update_weight_flattened_bucket=True,
+        update_weight_request_timeout=120.0,
+        update_weight_collective_timeout=120.0,
+    )
+    eng, stop = _family_engine(kind, v1, tmp_path)
+
+    async def sync() -> LedgerEntry:
+        async with engine_client(eng.url, name=kind) as client:
+            sender = DistributedTransport([client], sync_cfg, master_port=free_port())
+            try:
+                return await sender.sync(3, iter(sorted(new.items())))
+            finally:
+                await sender.close()
+
+    try:
+        entry = uvloop.run(sync())
+        assert entry.ok and entry.engine_versions == {kind: 3}
+        out = greedy(eng, PROMPTS[1], n=8)
+        assert out["meta_info"]["weight_version"] == "3"
+        assert_matches_hf(out, v2, PROMPTS[1], TOLERANCE[kind])
+        body = eng.post("/update_weights_from_disk", {"model_path": v1, "weight_version": "disk-v1"})
+        assert body["success"] is True
+        assert_matches_hf(greedy(eng, PROMPTS[1], n=8), v1, PROMPTS[1], TOLERANCE[kind])
+    finally:
+        stop()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("sglang", marks=pytest.mark.sglang)])
+def test_routed_experts_equal_transformers_router(
+    kind: str, arch: str, family_models: Callable[..., str], tmp_path: Path
+) -> None:
+    """`return_routed_experts` (engine started with --enable-return-routed-experts, passed the way
+    `--sglang-*` flags are): meta_info.routed_experts is base64 int32
+    [prompt + completion - 1, layers, top_k], row i the experts transformers' router picks for
+    token i (dense layers 0); routed_experts_start_len drops the rows before it."""
+    if kind == "sglang":
+        pytest.skip(ROUTED_EXPERTS_NO_CPU)
+    model_dir = family_models(arch)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers, topk = config["num_hidden_layers"], config["num_experts_per_tok"]
+    eng, stop = _family_engine(kind, model_dir, tmp_path, "--enable-return-routed-experts")
+    try:
+        prompt = PROMPTS[1]
+        out = greedy(eng, prompt, n=6, return_routed_experts=True)
+        ids = out["output_ids"]
+        got = decode_routed_experts(out["meta_info"], layers, topk)
+        assert got.shape == (len(prompt) + len(ids) - 1, layers, topk)
+        want = hf_routed_experts(model_dir, prompt + ids[:-1])
+        # qwen3_moe routes on every layer; deepseek_v3 keeps layer 0 dense.
+        assert sorted(want) == (list(range(1, layers)) if arch == "deepseek_v3" else list(range(layers)))
+        for layer in range(layers):
+            rows = got[:, layer].sort(-1).values
+            if layer in want:
+                assert torch.equal(rows, want[layer].to(torch.int32)), f"layer {layer}"
+            else:
+                assert not rows.any(), f"dense layer {layer} reports experts"
+        late = greedy(eng, prompt, n=6, return_routed_experts=True, routed_experts_start_len=3)
+        assert torch.equal(decode_routed_experts(late["meta_info"], layers, topk), got[3:])
+        assert "routed_experts" not in greedy(eng, prompt, n=2)["meta_info"]
+        # tether's engine answers a start past the prompt with 400 (SGLang aborts the request),
+        # and refuses max_new_tokens 0 (it finishes such a prompt without a forward).
+        status, body = eng.request(
+            "/generate",
+            {"input_ids": prompt, "return_routed_experts": True, "routed_experts_start_len": len(prompt) + 1},
+        )
+        assert status == 400 and "routed_experts_start_len" in error_message(body)
+        status, body = eng.request(
+            "/generate",
+            {"input_ids": prompt, "return_routed_experts": True, "sampling_params": {"max_new_tokens": 0}},
+        )
+        assert status == 400 and "max_new_tokens=0" in error_message(body)
+    finally:
+        stop()
+
+
+def test_routed_experts_need_the_engine_flag(engine: Engine) -> None:
+    """Without --enable-return-routed-experts the CPU engine refuses return_routed_experts by
+    name rather than answering without them (SGLang leaves meta_info.routed_experts out)."""
+    status, body = engine.request("/generate", {"input_ids": PROMPTS[0], "return_routed_experts": True})
+    if engine.kind == "cpu":
+        assert status == 400 and "--enable-return-routed-experts" in error_message(body)
+    else:
+        assert status == 200 and "routed_experts" not in body["meta_info"]

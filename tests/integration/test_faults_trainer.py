@@ -24,6 +24,8 @@ import psutil
 import pytest
 from support.e2e import Workspace, check_clean_exit, jsonl, tether
 
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker, which tether writes
+
 STEPS = 16
 
 
@@ -138,7 +140,7 @@ def test_killed_rank_stops_the_run_then_resume_continues_it(
 
     # Resume from the last complete checkpoint: the rest of the run, sample for sample.
     killed = trained(run)
-    latest = int((ckpt / "latest").read_text())
+    latest = int((ckpt / TRACKER).read_text())
     assert latest >= 1 and latest + 1 < STEPS
     expected = trained(baseline / "run")
     for step in range(latest + 1):
@@ -147,7 +149,7 @@ def test_killed_rank_stops_the_run_then_resume_continues_it(
     tether("run", *flags(ws, resumed, "--save", str(ckpt), "--load", str(ckpt)))
     check_resumed(resumed, baseline / "run", latest)
     check_clean_exit(resumed)
-    assert int((ckpt / "latest").read_text()) == STEPS - 1
+    assert int((ckpt / TRACKER).read_text()) == STEPS - 1
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(
@@ -156,8 +158,8 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(
     ckpt = tmp_path / "ckpt"
     shutil.copytree(baseline / "ckpt", ckpt)
     newest = ckpt / f"iter_{STEPS - 1:07d}"
-    assert (ckpt / "latest").read_text() == str(STEPS - 1)
-    shard = newest / "model_optim" / "__0_0.distcp"
+    assert (ckpt / TRACKER).read_text() == str(STEPS - 1)
+    shard = newest / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     run = run_dir
     done = tether("run", *flags(ws, run, "--load", str(ckpt), "--save", str(tmp_path / "saved")))

@@ -232,6 +232,242 @@ def test_dynamic_filter_and_over_sampling_abort_surplus(engines: Engines, tmp_pa
             assert ds.buffer_size == 0
 
 
+def test_slime_sample_filter_and_all_samples_process(engines: Engines, tmp_path: Path) -> None:
+    """--rollout-sample-filter-path marks samples `remove_sample` (slime's Samples): they stay in
+    the batch with an all-zero loss mask. --rollout-all-samples-process-path then sees every
+    finished group, the one the dynamic filter dropped too, with the data source."""
+    hooks = write_hooks(tmp_path)
+    slime_hooks = tmp_path / "slime_end_hooks.py"
+    slime_hooks.write_text(
+        "from slime.utils.types import Sample\n"
+        "seen = []\n"
+        "def remove_odd(args, samples):\n"
+        "    assert all(isinstance(s, Sample) for s in samples)\n"
+        "    for s in samples:\n"
+        "        s.remove_sample = s.index % 2 == 1\n"
+        "def process_all(args, all_samples, data_source):\n"
+        "    seen.append(([[s.index for s in g] for g in all_samples], data_source.buffer_size))\n"
+    )
+    cfg = make_config(
+        rollout={
+            "rollout_max_response_len": 6,
+            "custom_rm_path": f"{hooks}:reward",
+            "dynamic_sampling_filter_path": f"{hooks}:drop_multiple_of_three",
+            "rollout_sample_filter_path": f"{slime_hooks}:remove_odd",
+            "rollout_all_samples_process_path": f"{slime_hooks}:process_all",
+        },
+        data={"rollout_batch_size": 2, "n_samples_per_prompt": 2},
+    )
+    ds = DataSource(records(engines, 10), n_samples_per_prompt=2)
+
+    async def main() -> list[list[Any]]:
+        async with RolloutContext(cfg, _router(engines.fast)) as ctx:
+            with using_context(ctx):
+                return await run_rollout(ctx, 0, ds)
+
+    groups = run(main())
+    assert [g[0].group_index for g in groups] == [1, 2]
+    for s in (s for g in groups for s in g):
+        mask = s.loss_mask or []
+        assert len(mask) == s.response_length > 0
+        assert (not any(mask)) if s.index % 2 == 1 else all(mask), (s.index, mask)
+    import sys
+
+    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(slime_hooks))
+    ((all_groups, buffered),) = module.seen
+    seen_groups = [g[0] // 2 for g in all_groups]
+    # in draw order, the kept groups and group 0 that the dynamic filter dropped (3 too, when drawn)
+    assert seen_groups == sorted(seen_groups) and {0, 1, 2} <= set(seen_groups) <= {0, 1, 2, 3}
+    assert buffered == 0
+
+
+def test_slime_log_hooks_and_reward_category(engines: Engines, tmp_path: Path) -> None:
+    """--custom-rollout-log-function-path and --custom-eval-rollout-log-function-path get slime's
+    arguments; a True return drops tether's own figures of that step (slime's meaning), a False one
+    keeps them. --log-reward-category logs the share of each value of a dict reward's key."""
+    import json
+
+    from tether.rollout_manager import RolloutManager
+
+    hooks = tmp_path / "log_hooks.py"
+    hooks.write_text(
+        "calls = []\n"
+        "async def reward(args, sample):\n"
+        "    return {'score': 1.0, 'kind': 'even' if sample.response_length % 2 == 0 else 'odd'}\n"
+        "def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time):\n"
+        "    calls.append(('rollout', rollout_id, len(samples), sorted(rollout_extra_metrics), rollout_time))\n"
+        "    return rollout_id == 1\n"
+        "def log_eval(rollout_id, args, data, extra_metrics):\n"
+        "    calls.append(('eval', rollout_id, {k: sorted(v) for k, v in data.items()}, len(data['held']['samples'])))\n"
+        "    return True\n"
+    )
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"input": f"q{i}", "label": "x"}) + "\n" for i in range(3)))
+    cfg = make_config(
+        rollout={
+            "rollout_max_response_len": 5,
+            "custom_rm_path": f"{hooks}:reward",
+            "reward_key": "score",
+            "log_reward_category": "kind",
+            "log_multi_turn": True,
+            "custom_rollout_log_function_path": f"{hooks}:log_rollout",
+            "custom_eval_rollout_log_function_path": f"{hooks}:log_eval",
+        },
+        data={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "eval_prompt_data": ["held", str(held)]},
+    )
+
+    async def main() -> list[dict[str, float]]:
+        manager = RolloutManager(cfg, None)
+        async with RolloutContext(
+            cfg, _router(engines.fast), tokenizer=load_tokenizer(str(engines.model))
+        ) as ctx:
+            manager.ctx, manager.data = ctx, DataSource(records(engines, 6), n_samples_per_prompt=2)
+            first = await manager.generate(0)
+            kept = dict(manager.metrics)
+            await manager.generate(1)
+            dropped = dict(manager.metrics)
+            evaluated = await manager.evaluate(1)
+            assert sum(len(g) for g in first) == 4
+            return [kept, dropped, evaluated]
+
+    kept, dropped, evaluated = run(main())
+    shares = {k: v for k, v in kept.items() if k.startswith("error_cat/")}
+    assert shares and set(shares) <= {"error_cat/even", "error_cat/odd"} and sum(shares.values()) == 1.0
+    assert kept["rollout/samples"] == 4  # the hook returned False at rollout 0: tether's figures stay
+    assert kept["multi_turn/wo_obs_response_length/response_length_max"] <= 5  # --log-multi-turn
+    assert not any(k.startswith(("rollout/", "perf/")) for k in dropped)  # True at rollout 1: dropped
+    assert evaluated == {}  # the eval hook returned True
+    import sys
+
+    module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(hooks))
+    rollout_calls = [c for c in module.calls if c[0] == "rollout"]
+    assert [c[1:3] for c in rollout_calls] == [(0, 4), (1, 4)]
+    assert "rollout/reward_mean" in rollout_calls[0][3] and rollout_calls[0][4] > 0
+    assert [c for c in module.calls if c[0] == "eval"] == [
+        ("eval", 1, {"held": ["rewards", "samples", "truncated"]}, 3)
+    ]
+
+
+def test_eval_config_datasets_each_with_their_settings(engines: Engines, tmp_path: Path) -> None:
+    """--eval-config: each dataset generated with its own sample count, response length, prompt key
+    and reward (its custom_rm_path, or the rollout's with its metadata), through the real engine."""
+    import json
+
+    from tether.rollout.evaluation import run_evaluation
+
+    hooks = tmp_path / "eval_hooks.py"
+    hooks.write_text(
+        "async def length(args, sample):\n    return float(sample.response_length)\n"
+        "async def tagged(args, sample):\n    return 1.0 if sample.metadata.get('source') == 'b' else -1.0\n"
+    )
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"q": f"a{i}"}) + "\n" for i in range(2)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"input": f"b{i}"}) + "\n" for i in range(3)))
+    (tmp_path / "eval.yaml").write_text(
+        "eval:\n"
+        "  defaults: {max_response_len: 3}\n"
+        "  datasets:\n"
+        f"    a: {{path: {tmp_path / 'a.jsonl'}, input_key: q, n_samples_per_eval_prompt: 2,"
+        f" custom_rm_path: '{hooks}:length'}}\n"
+        f"    b: {{path: {tmp_path / 'b.jsonl'}, max_response_len: 5, metadata_overrides: {{source: b}}}}\n"
+    )
+    cfg = make_config(
+        rollout={"custom_rm_path": f"{hooks}:tagged"},
+        data={"eval_config": str(tmp_path / "eval.yaml")},
+    )
+
+    async def main() -> tuple[dict[str, float], dict[str, Any]]:
+        data: dict[str, Any] = {}
+        async with RolloutContext(
+            cfg, _router(engines.fast), tokenizer=load_tokenizer(str(engines.model))
+        ) as ctx:
+            return await run_evaluation(ctx, 0, data), data
+
+    metrics, data = run(main())
+    assert metrics["eval/a/samples"] == 4 and metrics["eval/b/samples"] == 3
+    a_lengths = [s.response_length for s in data["a"]["samples"]]
+    assert max(a_lengths) <= 3 and data["a"]["rewards"] == [float(n) for n in a_lengths]  # its own reward
+    assert max(s.response_length for s in data["b"]["samples"]) <= 5
+    assert data["b"]["rewards"] == [1.0, 1.0, 1.0]  # the rollout's reward saw the dataset's metadata
+
+
+def test_eval_function_path_replaces_the_evaluation(engines: Engines, tmp_path: Path) -> None:
+    """--eval-function-path: the evaluation is that function's, called with evaluation=True; a
+    tether-API one returns figures, a slime-API one slime's data by dataset."""
+    from tether.rollout_manager import RolloutManager
+
+    hooks = tmp_path / "eval_fns.py"
+    hooks.write_text(
+        "async def figures(args, rollout_id, data_source, evaluation=False):\n"
+        "    assert evaluation is True\n"
+        "    return {'eval/custom/score': 0.25 + rollout_id}\n"
+    )
+    slime_hooks = tmp_path / "slime_eval_fns.py"
+    slime_hooks.write_text(
+        "from slime.rollout.base_types import RolloutFnEvalOutput\n"
+        "def by_dataset(args, rollout_id, data_source, evaluation=False):\n"
+        "    return RolloutFnEvalOutput(data={'mine': {'rewards': [1.0, 0.0], 'truncated': [False, True]}})\n"
+    )
+    got = []
+    for path in (f"{hooks}:figures", f"{slime_hooks}:by_dataset"):
+        cfg = make_config(rollout={"eval_function_path": path})
+
+        async def main(cfg: Any = cfg) -> dict[str, float]:
+            manager = RolloutManager(cfg, None)
+            async with RolloutContext(cfg, _router(engines.fast)) as ctx:
+                manager.ctx = ctx
+                return await manager.evaluate(2)
+
+        got.append(run(main()))
+    assert got[0] == {"eval/custom/score": 2.25}
+    assert got[1]["eval/mine/reward_mean"] == 0.5 and got[1]["eval/mine/truncated_ratio"] == 0.5
+
+
+def test_rollout_sample_hooks_run_in_order_before_the_reward(engines: Engines, tmp_path: Path) -> None:
+    """--rollout-sample-hook-path, given twice on the command line: each generated sample goes
+    through both hooks in order (a slime-API one changing slime's Sample in place, a plain one
+    returning a Sample), with the keywords their signatures take, before its reward."""
+    from tether.config import resolve
+
+    sample_hooks = tmp_path / "sample_hooks.py"
+    sample_hooks.write_text(
+        "from slime.utils.types import Sample\n"
+        "async def first(args, sample, *, rollout_id=None, evaluation=False):\n"
+        "    assert isinstance(sample, Sample)\n"
+        "    sample.metadata['trail'] = [f'first:{rollout_id}:{evaluation}']\n"
+        "def second(args, sample, **kwargs):\n"
+        "    sample.metadata['trail'] = sample.metadata['trail'] + [f'second:{sorted(kwargs)}']\n"
+        "    return sample\n"
+        "async def reward(args, sample):\n"
+        "    return float(len(sample.metadata['trail']))\n"
+    )
+    parsed = resolve(
+        [
+            "--rollout-sample-hook-path", f"{sample_hooks}:first",
+            "--rollout-sample-hook-path", f"{sample_hooks}:second",
+        ]
+    )  # fmt: skip
+    assert parsed.rollout.rollout_sample_hook_path == [f"{sample_hooks}:first", f"{sample_hooks}:second"]
+    cfg = make_config(
+        rollout={
+            "rollout_max_response_len": 4,
+            "custom_rm_path": f"{sample_hooks}:reward",
+            "rollout_sample_hook_path": parsed.rollout.rollout_sample_hook_path,
+        },
+        data={"rollout_batch_size": 1, "n_samples_per_prompt": 2},
+    )
+    ds = DataSource(records(engines, 2), n_samples_per_prompt=2)
+
+    async def main() -> list[list[Any]]:
+        async with RolloutContext(cfg, _router(engines.fast)) as ctx:
+            with using_context(ctx):
+                return await run_rollout(ctx, 5, ds)
+
+    (group,) = run(main())
+    for s in group:
+        assert s.metadata["trail"] == ["first:5:False", "second:['evaluation', 'rollout_id']"]
+        assert s.reward == 2.0  # the reward saw both hooks' work
+
+
 def test_partial_rollout_continues_across_a_weight_update(engines: Engines) -> None:
     cfg = make_config(
         rollout={"partial_rollout": True, "mask_offpolicy_in_partial_rollout": True},

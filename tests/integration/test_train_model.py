@@ -1,9 +1,13 @@
-"""Megatron model from HF checkpoints on CPU: conversion round trips and logits parity.
+"""Megatron model from HF checkpoints on CPU, built and converted through mbridge: conversion round
+trips and logits parity for every family tether builds.
 
-One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2) x three families
-(Llama; Qwen2 with qkv bias; Qwen3 with qk-norm and tied embeddings): build the actor from HF
-weights, export back to HF names (bit-exact), compare logits with transformers, write an HF
-directory with save_hf. See tests/support/train_checks/check_model.py.
+One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x ten model variants (Llama;
+Qwen2 with qkv bias; Qwen3 with qk-norm, untied and tied; Qwen2-MoE with a gated shared expert and
+unnormalized top-k; Qwen3-MoE; Mixtral; GLM-4.5 MoE with partial RoPE, attention bias, a dense
+first layer and sigmoid routing with a correction bias; DeepSeek-V3 with multi-latent attention,
+grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE): build the actor from HF
+weights, export back to HF names (bit-exact, every HF tensor), compare logits with transformers
+(fp32, 1e-5), write an HF directory with save_hf. See tests/support/train_checks/check_model.py.
 """
 
 from __future__ import annotations
@@ -14,15 +18,30 @@ from typing import Any
 import pytest
 from support.train_checks.launcher import results, torchrun, value
 
+# One launch builds 9 families x 3 layouts and trains two of them (about a minute on 2 cores).
+pytestmark = pytest.mark.timeout(1500)
+
 LAYOUTS = ["dp2", "tp2", "pp2"]
-FAMILIES = ["llama", "qwen2", "qwen3_tied"]
+MOE_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_tied",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+]
 
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     work = tmp_path_factory.mktemp("train_model")
     log = work / "torchrun.log"
-    rc = torchrun("check_model.py", str(work), log=log)
+    rc = torchrun("check_model.py", str(work), log=log, timeout=1200)
     assert rc == 0, log.read_text()[-5000:]
     return [results(work / "results" / f"rank{r}.json") for r in (0, 1)]
 
@@ -54,6 +73,32 @@ def test_save_hf_writes_the_source_checkpoint_back(
 ) -> None:
     got = value(checked[0], f"{layout}/{family}/save_hf")
     assert got == {"diff": [], "names_equal": True, "config": True}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_moe_training_steps_equal_across_layouts(
+    checked: list[dict[str, Any]], layout: str, family: str
+) -> None:
+    # Two SFT steps: the loss (on the last stage) and the global grad norm at TP=2 (MoE there trains
+    # with sequence parallelism) and PP=2 equal DP=2's: every expert's TP shard and every replicated
+    # weight counted once, the gradient of MLA's shared RoPE key summed over the TP ranks.
+    for rank_results in checked:
+        want = value(rank_results, f"dp2/{family}/train")
+        got = value(rank_results, f"{layout}/{family}/train")
+        assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_parallel_build_export_and_logits(checked: list[dict[str, Any]], family: str) -> None:
+    # EP=2 over gloo: each rank holds half the experts (Megatron's alltoall dispatcher); export
+    # gathers them back to every HF expert tensor, bit-exact, and the logits equal transformers'.
+    for rank_results in checked:
+        got = value(rank_results, f"ep2/{family}/round_trip")
+        assert got["mismatched"] == [] and got["missing"] == [] and got["count"] > 0, got
+        assert value(rank_results, f"ep2/{family}/logits") < 1e-5
+    assert value(checked[0], f"ep2/{family}/save_hf") == {"diff": [], "names_equal": True, "config": True}
 
 
 def test_check_script_completed(checked: list[dict[str, Any]]) -> None:

@@ -70,7 +70,7 @@ def test_sft_loss_equals_mean_negative_log_prob(runs: tuple[Path, dict[str, list
 def test_resume_equals_uninterrupted_run(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
     for train, resume in zip(runs[1]["train"], runs[1]["resume"], strict=True):
         state = value(resume, "resume/state")
-        # latest names a directory without run state, and a .tmp save is half-written: both skipped.
+        # The tracker names a directory without run state, and a .tmp save is half-written: both skipped.
         assert state == {"step": 1, "rollout_id": 1, "data": {"next_step": 2}, "weight_version": 1}
         assert value(resume, "resume/digest") == value(train, "train/digest")
         assert value(resume, "resume/ref_equals_actor") is True
@@ -78,17 +78,25 @@ def test_resume_equals_uninterrupted_run(runs: tuple[Path, dict[str, list[dict[s
 
 
 def test_checkpoint_layout_on_disk(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
+    """Megatron-LM's layout: the tracker, a torch_dist checkpoint at the top of iter_0000001,
+    tether's run state, RNG and digests in its tether/ folder."""
     ckpt = runs[0] / "ckpt"
-    assert (ckpt / "iter_0000001" / "run_state.msgpack").is_file()
-    assert sorted(p.name for p in (ckpt / "iter_0000001" / "rng").iterdir()) == [
+    # The save wrote "1"; the check then left a crash behind: the tracker naming an incomplete iter_3.
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    top = ckpt / "iter_0000001"
+    assert {"metadata.json", ".metadata", "common.pt"} <= {p.name for p in top.iterdir()}
+    assert (top / "tether" / "run_state.msgpack").is_file()
+    assert sorted(p.name for p in (top / "tether" / "rng").iterdir()) == [
         "rank_00000.msgpack",
         "rank_00001.msgpack",
     ]
     # Every file, both ranks' shards included, is in the digests the save wrote, and they match.
     from tether.train import checkpoint
 
-    record = (ckpt / "iter_0000001" / checkpoint.DIGESTS).read_bytes()
+    record = (top / "tether" / checkpoint.DIGESTS).read_bytes()
     files = msgspec.msgpack.decode(record, type=checkpoint.CheckpointDigests).files
-    assert {"rng/rank_00001.msgpack", "run_state.msgpack", "model_optim/.metadata"} <= set(files)
-    assert any(name.startswith("model_optim/__1_") for name in files)
-    checkpoint.validate_checkpoint(ckpt / "iter_0000001")
+    assert {"tether/rng/rank_00001.msgpack", "tether/run_state.msgpack", ".metadata", "common.pt"} <= set(
+        files
+    )
+    assert any(name.startswith("__1_") for name in files)
+    checkpoint.validate_checkpoint(top)

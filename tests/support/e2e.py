@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from tether import demo_task
 from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 HERE = Path(__file__).resolve().parent
+STEPS = 3
 
 
 async def spread_reward(args: Any, sample: Any) -> float:
@@ -71,9 +73,9 @@ class Workspace:
         ]
 
 
-def make_workspace(root: Path) -> Workspace:
+def make_workspace(root: Path, spec: TinyModelSpec | None = None) -> Workspace:
     model = write_tiny_model(
-        root / "model", TinyModelSpec(hidden=64, layers=2, heads=4, kv_heads=2, bpe_merges=0)
+        root / "model", spec or TinyModelSpec(hidden=64, layers=2, heads=4, kv_heads=2, bpe_merges=0)
     )
     train, held = demo_task.split()
     demo_task.write_jsonl(root / "train.jsonl", train[:256])
@@ -125,3 +127,26 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)  # polling a file another process writes; the condition is the sync
+
+
+def check_run(run: Path, *, transport: str, steps: int = STEPS) -> list[dict]:
+    ledger = jsonl(run / "ledger.jsonl")
+    assert [e["version"] for e in ledger] == list(range(1, steps + 1))
+    for entry in ledger:
+        assert entry["ok"] and entry["transport"] == transport
+        assert set(entry["engine_versions"].values()) == {entry["version"]}
+    metrics = [m for m in jsonl(run / "metrics.jsonl") if m["step"] >= 0]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    for m in metrics:
+        assert math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"])
+        assert m["train/grad_norm"] > 0  # the spread reward gives every step a gradient
+        assert m["rollout/samples"] == 16
+    events = [e["event"] for e in jsonl(run / "events.jsonl")]
+    assert events[0] == "start" and events[-1] == "finished"
+    # On samples made with the trainer's current weights (no version lag) the trainer's
+    # log-probs equal the engine's on the same tokens: the engine serves exactly the weights the
+    # trainer exported, from every shard and stage. Lagging samples (async) differ by design.
+    on_policy = [m for m in metrics if m["rollout/version_lag_max"] == 0]
+    assert on_policy and all(m["train/train_rollout_logprob_abs_diff"] < 1e-4 for m in on_policy)
+    check_clean_exit(run)
+    return metrics

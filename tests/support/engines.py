@@ -10,6 +10,7 @@ makes one), and `Engine` and `engine_client` send it."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -287,6 +288,37 @@ def hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
     model = _hf_model(model_dir)
     with torch.inference_mode():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def hf_routed_experts(model_dir: str, ids: list[int]) -> dict[int, torch.Tensor]:
+    """The experts transformers' router of each MoE layer picks for every position of `ids`
+    ({layer: [len(ids), top_k]}, each row sorted: the order within a token's top-k means nothing)."""
+    model = _hf_model(model_dir)
+    got: dict[int, torch.Tensor] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if (
+            type(module).__name__.lower().endswith("router")
+        ):  # Qwen/Mixtral TopKRouter, DeepSeek/GLM TopkRouter
+            layer = int(name.split(".")[2])
+            hooks.append(
+                module.register_forward_hook(
+                    lambda _m, _i, out, layer=layer: got.__setitem__(layer, out[2].view(len(ids), -1))
+                )
+            )
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {layer: picked.sort(-1).values for layer, picked in got.items()}
+
+
+def decode_routed_experts(meta: dict[str, Any], layers: int, topk: int) -> torch.Tensor:
+    """`meta_info.routed_experts` (base64 of int32 [rows, layers, top_k], SGLang's encoding)."""
+    raw = base64.b64decode(meta["routed_experts"])
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, layers, topk)
 
 
 def make_models(root: Path) -> tuple[str, str]:

@@ -120,7 +120,7 @@ class FakeTrainer:
         self.disk.latest = rollout_id
         return Path(f"iter_{rollout_id:07d}")
 
-    async def load(self, load_dir: str) -> LoadedState | None:
+    async def load(self, load_dir: str, *, finetune: bool = False, hf: bool = False) -> LoadedState | None:
         if self.disk.latest is None:
             return None
         saved = self.disk.checkpoints[self.disk.latest]

@@ -131,3 +131,43 @@ def test_slime_tensorboard_names_choose_the_event_directory(tmp_path: Path) -> N
         "tensorboard_log/slime-dev/e1"
     )
     assert tensorboard_dir(run, "slime-dev") == Path("tensorboard_log/slime-dev/20260101-000000")
+
+
+def test_wandb_random_suffix_and_train_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slime's defaults: the group gets a random suffix and names the run; with
+    --disable-wandb-random-suffix it is used as given. --wandb-always-use-train-step: the trackers
+    count optimizer steps, metrics.jsonl keeps the rollout."""
+    from tether.config import resolve
+    from tether.run_dir import read_jsonl
+
+    groups = []
+    for extra in ([], ["--disable-wandb-random-suffix"]):
+        fake = FakeWandb()
+        monkeypatch.setitem(sys.modules, "wandb", fake)
+        argv = [
+            "--use-wandb",
+            "--wandb-group",
+            "exp",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "8",
+        ]
+        cfg = resolve([*argv, "--global-batch-size", "16", "--wandb-always-use-train-step", *extra])
+        run = cfg.run
+        sink = MetricsSink(
+            RunDir(tmp_path / f"run{len(groups)}"),
+            use_wandb=True,
+            wandb_group=run.wandb_group,
+            wandb_random_suffix=not run.disable_wandb_random_suffix,
+            tracker_step=cfg.data.train_step_of if run.wandb_always_use_train_step else None,
+        )
+        sink.log(3, {"x": 1.0})
+        sink.close()
+        init_kw = fake.calls[0][1]
+        assert init_kw["name"] == init_kw["group"]
+        groups.append(init_kw["group"])
+        assert fake.calls[1] == ("log", {"data": {"x": 1.0}, "step": 6})  # 3 rollouts x 32 samples / 16
+        assert read_jsonl(tmp_path / f"run{len(groups) - 1}" / "metrics.jsonl")[0]["step"] == 3
+    suffixed, plain = groups
+    assert suffixed.startswith("exp_") and len(suffixed) > len("exp_") and plain == "exp"

@@ -18,6 +18,7 @@ SUBCOMPONENTS = {
     "tether.rollout.sample": "contract",  # the Sample contract train and sync may use
     "tether.rollout.config": "contract",
     "tether.rollout.reward_types": "contract",
+    "tether.rollout.eval_config": "contract",  # the eval datasets file --eval-config names, checked at parse
     "tether.bench": "bench",
 }
 ALLOWED: dict[str, set[str]] = {

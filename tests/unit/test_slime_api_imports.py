@@ -127,6 +127,9 @@ def _hooks(tmp_path: Path) -> Path:
         "async def keep_async(args, samples):\n    return True\n"
         "def pick(args, rollout_id, buffer, num_samples):\n    return []\n"
         "def rollout(args, rollout_id, data_source):\n    return []\n"
+        "def process_all(args, all_samples, data_source):\n    pass\n"
+        "def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time):\n    return False\n"
+        "def log_eval(rollout_id, args, data, extra_metrics):\n    return False\n"
         "NOT_CALLABLE = 3\n"
     )
     return path
@@ -142,6 +145,10 @@ def test_hook_checks_pass_good_hooks(tmp_path: Path) -> None:
                 "dynamic_sampling_filter_path": f"{hooks}:keep",
                 "buffer_filter_path": f"{hooks}:pick",
                 "rollout_function_path": "slime.rollout.sglang_rollout.generate_rollout",
+                "rollout_sample_filter_path": f"{hooks}:keep",
+                "rollout_all_samples_process_path": f"{hooks}:process_all",
+                "custom_rollout_log_function_path": f"{hooks}:log_rollout",
+                "custom_eval_rollout_log_function_path": f"{hooks}:log_eval",
             }
         ).rollout
     )
@@ -161,6 +168,22 @@ def test_hook_checks_pass_good_hooks(tmp_path: Path) -> None:
             r"cannot be called as fn\(args, rollout_id, buffer, num_samples\)",
         ),
         ("rollout_function_path", "{hooks}:rollout", "unexpected keyword argument 'evaluation'"),
+        ("rollout_sample_filter_path", "{hooks}:keep_async", "is async, but it is called without await"),
+        (
+            "rollout_all_samples_process_path",
+            "{hooks}:keep",
+            r"cannot be called as fn\(args, all_samples, data_source\)",
+        ),
+        (
+            "custom_rollout_log_function_path",
+            "{hooks}:log_eval",
+            r"cannot be called as fn\(rollout_id, args, samples, rollout_extra_metrics, rollout_time\)",
+        ),
+        (
+            "custom_eval_rollout_log_function_path",
+            "{hooks}:log_rollout",
+            r"cannot be called as fn\(rollout_id, args, data, extra_metrics\)",
+        ),
     ],
 )
 def test_hook_checks_refuse_naming_flag_path_and_reason(

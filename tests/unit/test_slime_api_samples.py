@@ -106,15 +106,19 @@ def test_slime_rules_at_the_boundary() -> None:
     assert from_slime(s).loss_mask == [1, 1]  # slime: no loss mask means every response token trains
     s.loss_mask = [0, 1]
     assert from_slime(s).rollout_log_probs == [0.0, -0.2]  # nothing trains under a 0: tether wants 0 there
+    s.remove_sample = True  # slime: stays in the batch, trains nothing
+    removed = from_slime(s)
+    assert removed.loss_mask == [0, 0] and removed.rollout_log_probs == [0.0, -0.2]
+    assert to_slime(removed).remove_sample is True
+    assert to_slime(from_slime(SlimeSample(tokens=[1, 2], response_length=1))).remove_sample is False
 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
         ("multimodal_inputs", {"images": ["x.png"]}, "text only"),
-        ("rollout_routed_experts", [[1, 2]], "routing replay"),
+        ("rollout_routed_experts", [[1, 2]], r"is not \[rows, layers, topk\] ints"),
         ("teacher_log_probs", [-0.1], "distillation"),
-        ("remove_sample", True, "per-sample loss removal"),
         ("tokens", [1, "2"], "must be an int"),
         ("status", "done", "is not one of"),
         ("metadata", ["not", "a", "dict"], "must be a dict"),
@@ -127,6 +131,23 @@ def test_what_does_not_fit_is_refused_naming_the_field(field: str, value: Any, m
     with pytest.raises(ConversionError, match=message) as err:
         from_slime(s)
     assert err.value.field in (field, "tokens[1]")
+
+
+def test_routed_experts_convert_both_ways() -> None:
+    import numpy as np
+    import torch
+
+    experts = torch.tensor([[[0, 3]], [[2, 1]]], dtype=torch.int64)  # [len(tokens)-1, layers, topk]
+    s = SlimeSample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_log_probs=[-0.1])
+    s.rollout_routed_experts = experts
+    ours = from_slime(s)
+    assert ours.rollout_routed_experts is not None
+    assert ours.rollout_routed_experts.array().tolist() == experts.tolist()
+    back = to_slime(ours).rollout_routed_experts
+    assert isinstance(back, np.ndarray) and back.dtype == np.int32 and back.tolist() == experts.tolist()
+    s.rollout_routed_experts = [[[0, 3]], [[2, 1]]]  # nested lists, as a hook may build them
+    assert from_slime(s).rollout_routed_experts == ours.rollout_routed_experts
+    assert to_slime(from_slime(SlimeSample(tokens=[1, 2], response_length=1))).rollout_routed_experts is None
 
 
 def _hook_file(tmp_path: Path, body: str, name: str = "slime_hook.py") -> Path:

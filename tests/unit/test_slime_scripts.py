@@ -287,6 +287,45 @@ SEARCH_R1_QWEN25_3B = [
 ]  # fmt: skip
 
 # script path in slime -> (its arguments, the model its MODEL_ARGS describe)
+# slime: examples/fully_async/run-qwen2.5-0.5B-fully_async.sh (train_async.py; MODEL_ARGS:
+# scripts/models/qwen2.5-0.5B.sh), NUM_GPUS=4, ACTOR_GPUS=1
+QWEN25_05B_FULLY_ASYNC = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "3",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "24", "--hidden-size", "896", "--ffn-hidden-size", "4864",
+    "--num-attention-heads", "14", "--use-rotary-position-embeddings", "--disable-bias-linear",
+    "--add-qkv-bias", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+    "--rotary-base", "1000000", "--group-query-attention", "--num-query-groups", "2",
+    "--vocab-size", "151936",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/models/Qwen2.5-0.5B-Instruct",
+    "--ref-load", "/root/models/Qwen2.5-0.5B-Instruct_torch_dist",
+    "--save", "/tmp/slime_fully_async_demo/", "--save-interval", "9999",
+    # ROLLOUT_ARGS
+    "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+    "--prompt-data", "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl",
+    "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
+    "--rm-type", "deepscaler",
+    "--num-rollout", "3", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
+    "--rollout-max-response-len", "1024", "--rollout-temperature", "1",
+    "--global-batch-size", "32", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "1", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "1", "--sglang-mem-fraction-static", "0.55",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
 SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scripts/run-qwen3-4B.sh": (QWEN3_4B, "qwen3-4B"),
     "scripts/run-qwen3-4B-amd.sh": (QWEN3_4B_AMD, "qwen3-4B"),
@@ -294,6 +333,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scripts/run-qwen2.5-0.5B-gb10-smoke.sh": (QWEN25_05B_SMOKE, "qwen2.5-0.5B"),
     "scripts/run-qwen2.5-0.5B-reproducibility.sh": (QWEN25_05B_REPRODUCIBILITY, "qwen2.5-0.5B"),
     "examples/search-r1/run_qwen2.5_3B.sh": (SEARCH_R1_QWEN25_3B, "qwen2.5-3B"),
+    "examples/fully_async/run-qwen2.5-0.5B-fully_async.sh": (QWEN25_05B_FULLY_ASYNC, "qwen2.5-0.5B"),
 }
 
 # Flags whose values are paths, and what the test puts there instead.
@@ -380,3 +420,8 @@ def test_slime_script_plans_unchanged(script: str, tmp_path: Path, search_hooks:
 
 def test_six_scripts_are_kept() -> None:
     assert len(SCRIPTS) >= 6
+
+
+def test_the_fully_async_example_runs_as_the_fully_async_loop(tmp_path: Path, search_hooks: None) -> None:
+    cfg, _ = plan_for(with_local_paths(QWEN25_05B_FULLY_ASYNC, "qwen2.5-0.5B", tmp_path))
+    assert cfg.run.loop == "fully-async"

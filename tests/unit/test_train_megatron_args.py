@@ -50,6 +50,31 @@ ARCH = ModelArch(
 )
 MHA = dataclasses.replace(ARCH, num_query_groups=4)
 TIED = dataclasses.replace(ARCH, tie_word_embeddings=True)
+# A tiny DeepSeek-V3 shape (MLA + MoE with grouped, biased sigmoid routing), as hf_config reads it.
+MOE = dataclasses.replace(
+    ARCH,
+    model_type="deepseek_v3",
+    num_query_groups=4,
+    qk_layernorm=True,
+    head_dim=24,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+    moe_layer_freq=(0, 1, 1, 1),
+    moe_router_score_function="sigmoid",
+    moe_router_pre_softmax=True,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_enable_expert_bias=True,
+    multi_latent_attention=True,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+)
 CPU = Capabilities.cpu()
 GPU = Capabilities.full_gpu()
 # Steps are known (--train-iters derives from --num-rollout), so the default linear schedule builds.
@@ -150,19 +175,14 @@ def test_sequence_parallel_reaches_the_config_at_tp2_and_is_off_at_tp1() -> None
     assert micro(transformer(parse("--tensor-model-parallel-size", "2"))) == 1
 
 
-def test_sequence_parallel_needs_transformer_engine() -> None:
-    refused(
-        ["--cpu-devices", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-        "--sequence-parallel",
-        "needs CUDA and TransformerEngine",
-        "--cpu-devices",
-    )
-    parse("--cpu-devices", "2", "--sequence-parallel")  # TP = 1: off, nothing to refuse
+def test_sequence_parallel_runs_without_transformer_engine() -> None:
+    # The local spec's norms accept sequence parallelism (tether.train.bridge_spec), so CPU plans
+    # and GPU ranks without TE run it as TE's spec does.
+    cfg = parse("--cpu-devices", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    assert transformer(cfg).sequence_parallel
     gpu_without_te = dataclasses.replace(GPU, transformer_engine=False)
-    m = parse("--tensor-model-parallel-size", "2", "--sequence-parallel").megatron
-    with pytest.raises(ConfigError, match="transformer_engine is not installed"):
-        check_capabilities(m, gpu_without_te)
-    check_capabilities(m, GPU)
+    check_capabilities(cfg.megatron, gpu_without_te)
+    check_capabilities(cfg.megatron, Capabilities.cpu())
 
 
 # --- precision and loss scaling ---------------------------------------------------------
@@ -519,9 +539,170 @@ def test_architecture_flags_are_checked_against_the_hf_config() -> None:
 # --- parallel sizes, per-token loss, and flags of other slices ------------------------------
 
 
-def test_context_and_expert_parallelism_are_refused() -> None:
+def test_context_parallelism_is_refused() -> None:
     refused(["--context-parallel-size", "2"], "--context-parallel-size", "not supported")
-    refused(["--expert-model-parallel-size", "2"], "--expert-model-parallel-size", "dense")
+
+
+# --- mixture of experts and multi-latent attention -----------------------------------------
+
+
+def moe_transformer(cfg: Config, arch: ModelArch = MOE, caps: Capabilities = CPU) -> Any:
+    m = cfg.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    resolved = megatron_args.resolve_arch(arch, m, tp_size=tp, pp_size=pp)
+    return megatron_args.transformer_config(resolved, m, caps, tp_size=tp, pp_size=pp)
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "value"),
+    [
+        ([], "moe_router_load_balancing_type", "aux_loss"),  # Megatron's defaults, unset
+        ([], "moe_aux_loss_coeff", 0.0),
+        ([], "moe_token_dispatcher_type", "allgather"),
+        ([], "moe_router_dtype", None),
+        ([], "moe_router_bias_update_rate", 1e-3),
+        ([], "moe_grouped_gemm", False),
+        (["--moe-router-load-balancing-type", "none"], "moe_router_load_balancing_type", "none"),
+        (
+            ["--moe-router-load-balancing-type", "seq_aux_loss"],
+            "moe_router_load_balancing_type",
+            "seq_aux_loss",
+        ),
+        (["--moe-aux-loss-coeff", "0.01"], "moe_aux_loss_coeff", 0.01),
+        (["--moe-token-dispatcher-type", "alltoall"], "moe_token_dispatcher_type", "alltoall"),
+        (["--moe-router-dtype", "fp32"], "moe_router_dtype", "fp32"),
+        (["--moe-router-bias-update-rate", "0.01"], "moe_router_bias_update_rate", 0.01),
+        (["--moe-token-drop-policy", "position"], "moe_token_drop_policy", "position"),
+        (["--moe-router-pre-softmax"], "moe_router_pre_softmax", True),
+        (["--rotary-scaling-factor", "1", "--mscale", "1.0", "--mscale-all-dim", "1.0"], "mscale", 1.0),
+        (["--moe-router-num-groups", "2", "--kv-channels", "128", "--qk-layernorm"], "qk_layernorm", True),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "expert_tensor_parallel_size", 2),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--expert-tensor-parallel-size",
+                "2",
+            ],
+            "expert_tensor_parallel_size",
+            2,
+        ),
+        # Shape flags that agree with the HF config are accepted; the config is the HF one.
+        (["--num-experts", "4", "--moe-router-topk", "2"], "num_moe_experts", 4),
+        (["--moe-ffn-hidden-size", "32"], "moe_ffn_hidden_size", 32),
+        (["--moe-shared-expert-intermediate-size", "32"], "moe_shared_expert_intermediate_size", 32),
+        (["--moe-layer-freq", "[0]*1+[1]*3"], "moe_layer_freq", [0, 1, 1, 1]),
+        (["--moe-router-score-function", "sigmoid"], "moe_router_score_function", "sigmoid"),
+        (["--moe-router-enable-expert-bias"], "moe_router_enable_expert_bias", True),
+        (["--moe-router-topk-scaling-factor", "2.5"], "moe_router_topk_scaling_factor", 2.5),
+        (["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"], "moe_router_group_topk", 1),
+        (["--multi-latent-attention", "--q-lora-rank", "32"], "q_lora_rank", 32),
+        (["--kv-lora-rank", "16"], "kv_lora_rank", 16),
+        (["--qk-head-dim", "16"], "qk_head_dim", 16),
+        (["--qk-pos-emb-head-dim", "8"], "qk_pos_emb_head_dim", 8),
+        (["--v-head-dim", "16"], "v_head_dim", 16),
+    ],
+)
+def test_moe_flags_reach_the_transformer_config(argv: list[str], field: str, value: object) -> None:
+    assert getattr(moe_transformer(parse(*argv)), field) == value
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "words"),
+    [
+        (["--num-experts", "8"], "--num-experts", ("has 4",)),
+        (["--moe-router-topk", "4"], "--moe-router-topk", ("has 2",)),
+        (["--moe-ffn-hidden-size", "64"], "--moe-ffn-hidden-size", ("has 32",)),
+        (
+            ["--moe-shared-expert-intermediate-size", "64"],
+            "--moe-shared-expert-intermediate-size",
+            ("has 32",),
+        ),
+        (["--moe-layer-freq", "1"], "--moe-layer-freq", ("[1, 1, 1, 1]", "[0, 1, 1, 1]")),
+        (["--moe-layer-freq", "[0]*9"], "--moe-layer-freq", ("each of the 4 layers",)),
+        (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq", ("list expression",)),
+        (["--moe-router-score-function", "softmax"], "--moe-router-score-function", ("'sigmoid'",)),
+        (["--moe-router-topk-scaling-factor", "1.0"], "--moe-router-topk-scaling-factor", ("2.5",)),
+        (["--moe-router-num-groups", "4"], "--moe-router-num-groups", ("has 2",)),
+        (
+            ["--moe-router-num-groups", "2", "--moe-router-group-topk", "2"],
+            "--moe-router-group-topk",
+            ("has 1",),
+        ),
+        (["--q-lora-rank", "64"], "--q-lora-rank", ("has 32",)),
+        (["--kv-lora-rank", "64"], "--kv-lora-rank", ("has 16",)),
+        (["--qk-head-dim", "128"], "--qk-head-dim", ("has 16",)),
+        (["--qk-pos-emb-head-dim", "64"], "--qk-pos-emb-head-dim", ("has 8",)),
+        (["--v-head-dim", "128"], "--v-head-dim", ("has 16",)),
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size", ("--sequence-parallel",)),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--expert-tensor-parallel-size",
+                "1",
+            ],
+            "--expert-tensor-parallel-size",
+            ("must equal --tensor-model-parallel-size=2",),
+        ),
+        (
+            ["--expert-model-parallel-size", "3", "--moe-token-dispatcher-type", "alltoall"],
+            "--expert-model-parallel-size",
+            ("4 experts",),
+        ),
+    ],
+)
+def test_moe_shape_flags_must_agree_with_the_hf_config(
+    argv: list[str], flag: str, words: tuple[str, ...]
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        moe_transformer(parse(*argv))
+    assert err.value.key == flag, err.value
+    for word in words:
+        assert word in str(err.value), err.value
+
+
+def test_moe_flags_on_a_dense_model_are_refused() -> None:
+    for argv, flag in (
+        (["--num-experts", "4"], "--num-experts"),
+        (["--multi-latent-attention"], "--multi-latent-attention"),
+        (
+            ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+            "--expert-model-parallel-size",
+        ),
+    ):
+        with pytest.raises(ConfigError) as err:
+            moe_transformer(parse(*argv), ARCH)
+        assert err.value.key == flag, err.value
+    # Dense models keep no MoE field at all (Megatron's defaults).
+    assert moe_transformer(parse("--moe-aux-loss-coeff", "0.1"), ARCH).moe_aux_loss_coeff == 0.0
+
+
+def test_what_cpu_ranks_cannot_run_is_refused() -> None:
+    refused(["--cpu-devices", "2", "--moe-grouped-gemm"], "--moe-grouped-gemm", "TE's GroupedLinear")
+    refused(
+        ["--cpu-devices", "2", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type", "DeepEP"
+    )
+    # Expert parallelism runs on CPU too (gloo all-to-all; tests/integration/test_train_model.py).
+    cpu_ep = (
+        "--cpu-devices",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    )
+    assert moe_transformer(parse(*cpu_ep)).expert_model_parallel_size == 2
+    # Expert parallelism needs a dispatcher that takes uneven token counts per rank.
+    refused(["--expert-model-parallel-size", "2"], "--expert-model-parallel-size", "alltoall")
+    refused(["--moe-router-group-topk", "1"], "--moe-router-group-topk", "--moe-router-num-groups")
+    with pytest.raises(ConfigError, match="TE's GroupedLinear"):
+        check_capabilities(
+            parse("--moe-grouped-gemm").megatron, dataclasses.replace(GPU, transformer_engine=False)
+        )
+    check_capabilities(parse("--moe-grouped-gemm").megatron, GPU)
 
 
 def test_per_token_loss_reaches_megatron() -> None:
@@ -576,6 +757,7 @@ def flag(
 
 FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 PP2 = ("--pipeline-model-parallel-size", "2")
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 CPU_PLAN = ("--cpu-devices", "2")
 # Architecture flags that every model tether builds satisfies (SwiGLU, RoPE, no linear biases): set,
 # they are checked against the HF config; their opposite is refused (asserted below).
@@ -591,12 +773,75 @@ PROBES: dict[str, list[Probe]] = {
     "--decoder-first-pipeline-num-layers": [flag("--decoder-first-pipeline-num-layers", "1", base=PP2)],
     "--decoder-last-pipeline-num-layers": [flag("--decoder-last-pipeline-num-layers", "1", base=PP2)],
     "--context-parallel-size": [flag("--context-parallel-size", "2", expect="refused")],
-    "--expert-model-parallel-size": [flag("--expert-model-parallel-size", "2", expect="refused")],
-    "--expert-tensor-parallel-size": [flag("--expert-tensor-parallel-size", "2", expect="refused")],
+    "--expert-model-parallel-size": [
+        flag("--expert-model-parallel-size", "2", base=("--moe-token-dispatcher-type", "alltoall"), arch=MOE),
+        flag("--expert-model-parallel-size", "2", expect="refused", arch=MOE),
+        flag(
+            "--expert-model-parallel-size",
+            "2",
+            base=("--moe-token-dispatcher-type", "alltoall"),
+            expect="refused",
+        ),
+    ],
+    "--expert-tensor-parallel-size": [
+        flag("--expert-tensor-parallel-size", "2", base=(*TP2_SP,), arch=MOE),
+        flag("--expert-tensor-parallel-size", "1", base=(*TP2_SP,), expect="refused", arch=MOE),
+        flag("--expert-tensor-parallel-size", "2", expect="refused"),
+    ],
     "--sequence-parallel": [
         flag("--sequence-parallel", base=("--tensor-model-parallel-size", "2")),
-        flag("--sequence-parallel", base=(*CPU_PLAN, "--tensor-model-parallel-size", "2"), expect="refused"),
+        flag("--sequence-parallel", base=(*CPU_PLAN, "--tensor-model-parallel-size", "2")),
     ],
+    "--moe-router-load-balancing-type": [flag("--moe-router-load-balancing-type", "none", arch=MOE)],
+    "--moe-aux-loss-coeff": [flag("--moe-aux-loss-coeff", "0.01", arch=MOE)],
+    "--moe-grouped-gemm": [
+        flag("--moe-grouped-gemm", arch=MOE),
+        flag("--moe-grouped-gemm", base=CPU_PLAN, expect="refused", arch=MOE),
+    ],
+    "--moe-token-dispatcher-type": [
+        flag("--moe-token-dispatcher-type", "alltoall", arch=MOE),
+        flag("--moe-token-dispatcher-type", "flex", base=CPU_PLAN, expect="refused", arch=MOE),
+    ],
+    "--moe-router-dtype": [flag("--moe-router-dtype", "fp32", arch=MOE)],
+    "--moe-router-bias-update-rate": [flag("--moe-router-bias-update-rate", "0.01", arch=MOE)],
+    "--moe-permute-fusion": [
+        flag("--moe-permute-fusion", arch=MOE),
+        flag("--moe-permute-fusion", base=CPU_PLAN, expect="refused", arch=MOE),
+    ],
+    "--moe-token-drop-policy": [flag("--moe-token-drop-policy", "position", arch=MOE)],
+    "--moe-router-pre-softmax": [flag("--moe-router-pre-softmax", expect="refused")],
+    "--rotary-scaling-factor": [flag("--rotary-scaling-factor", "40", expect="refused", arch=MOE)],
+    "--mscale": [flag("--mscale", "0.707", expect="refused", arch=MOE)],
+    "--mscale-all-dim": [flag("--mscale-all-dim", "0.707", expect="refused", arch=MOE)],
+    "--num-experts": [
+        flag("--num-experts", "8", expect="refused", arch=MOE),
+        flag("--num-experts", "4", expect="refused"),
+    ],
+    "--moe-router-topk": [flag("--moe-router-topk", "4", expect="refused", arch=MOE)],
+    "--moe-ffn-hidden-size": [flag("--moe-ffn-hidden-size", "64", expect="refused", arch=MOE)],
+    "--moe-shared-expert-intermediate-size": [
+        flag("--moe-shared-expert-intermediate-size", "64", expect="refused", arch=MOE)
+    ],
+    "--moe-layer-freq": [flag("--moe-layer-freq", "1", expect="refused", arch=MOE)],
+    "--moe-router-score-function": [
+        flag("--moe-router-score-function", "softmax", expect="refused", arch=MOE)
+    ],
+    "--moe-router-enable-expert-bias": [flag("--moe-router-enable-expert-bias", expect="refused")],
+    "--moe-router-topk-scaling-factor": [
+        flag("--moe-router-topk-scaling-factor", "1.0", expect="refused", arch=MOE)
+    ],
+    "--moe-router-num-groups": [flag("--moe-router-num-groups", "4", expect="refused", arch=MOE)],
+    "--moe-router-group-topk": [
+        flag(
+            "--moe-router-group-topk", "2", base=("--moe-router-num-groups", "2"), expect="refused", arch=MOE
+        )
+    ],
+    "--multi-latent-attention": [flag("--multi-latent-attention", expect="refused")],
+    "--q-lora-rank": [flag("--q-lora-rank", "64", expect="refused", arch=MOE)],
+    "--kv-lora-rank": [flag("--kv-lora-rank", "64", expect="refused", arch=MOE)],
+    "--qk-head-dim": [flag("--qk-head-dim", "128", expect="refused", arch=MOE)],
+    "--qk-pos-emb-head-dim": [flag("--qk-pos-emb-head-dim", "64", expect="refused", arch=MOE)],
+    "--v-head-dim": [flag("--v-head-dim", "128", expect="refused", arch=MOE)],
     "--use-distributed-optimizer": [flag("--use-distributed-optimizer")],
     "--overlap-grad-reduce": [flag("--overlap-grad-reduce")],
     "--overlap-param-gather": [
@@ -788,3 +1033,148 @@ def test_plan_and_run_refuse_alike(argv: list[str], message: str, capsys: pytest
             main(argv)  # refused while parsing: nothing is planned or started
         assert exit_.value.code == 2
         assert capsys.readouterr().err.startswith(f"{prog}: {message}")
+
+
+@pytest.mark.parametrize(
+    ("config", "extra", "message"),
+    [
+        ({"model_type": "glm4"}, [], "sandwich"),
+        ({"model_type": "gpt2"}, [], "supported: llama"),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+            },
+            ["--tensor-model-parallel-size", "2"],
+            "--sequence-parallel",
+        ),
+    ],
+)
+def test_plan_checks_the_hf_family_before_anything_starts(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], config: dict[str, Any], extra: list[str], message: str
+) -> None:
+    import json
+
+    from tether import plan_command
+
+    shape = {
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**shape, **config}))
+    with pytest.raises(SystemExit) as exit_:
+        plan_command.main_argv(["--hf-checkpoint", str(tmp_path), *extra])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tether plan: ") and message in err, err
+
+
+def test_plan_accepts_moe_flags_that_match_the_hf_config(tmp_path: Any) -> None:
+    # What slime's Qwen3-MoE scripts pass, shaped to a tiny qwen3_moe: planned on CPU at TP=2 with
+    # sequence parallelism, nothing refused.
+    import json
+
+    from tether import plan_command
+
+    config = {
+        "model_type": "qwen3_moe",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = [
+        "--hf-checkpoint", str(tmp_path), "--cpu-devices", "4", "--actor-num-gpus-per-node", "2",
+        "--rollout-num-gpus", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+        "--moe-layer-freq", "[1]*2", "--moe-router-score-function", "softmax",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
+        "--moe-router-load-balancing-type", "none", "--qk-layernorm", "--kv-channels", "16",
+        "--group-query-attention", "--num-query-groups", "2",
+    ]  # fmt: skip
+    assert plan_command.main_argv(argv) == 0
+
+
+SLIME_QWEN3_MOE = """--disable-bias-linear --qk-layernorm --group-query-attention --num-attention-heads 4
+--num-query-groups 2 --kv-channels 16 --num-layers 2 --hidden-size 64 --ffn-hidden-size 128
+--normalization RMSNorm --position-embedding-type rope --norm-epsilon 1e-6 --rotary-percent 1.0 --swiglu
+--untie-embeddings-and-output-weights --vocab-size 320 --rotary-base 1000000 --moe-ffn-hidden-size 32
+--moe-router-score-function softmax --moe-token-dispatcher-type alltoall --moe-router-topk 2
+--moe-layer-freq [1,1] --num-experts 4 --moe-grouped-gemm --moe-token-drop-policy probs
+--moe-router-dtype fp32 --moe-permute-fusion --moe-aux-loss-coeff 0"""
+SLIME_DEEPSEEK_V3 = """--disable-bias-linear --num-layers 2 --hidden-size 64 --ffn-hidden-size 128
+--num-attention-heads 4 --kv-channels 16 --normalization RMSNorm --position-embedding-type rope
+--norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights --vocab-size 320
+--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8
+--v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --rotary-base 10000 --mscale 1.0
+--mscale-all-dim 1.0 --attention-softmax-in-fp32 --no-rope-fusion --num-experts 8 --moe-layer-freq [0,1]
+--moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-shared-expert-intermediate-size 32
+--moe-router-pre-softmax --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0
+--moe-router-bias-update-rate 0 --moe-router-group-topk 1 --moe-router-num-groups 2 --moe-grouped-gemm
+--moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --moe-permute-fusion"""
+TINY = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "model_args"),
+    [
+        (
+            {"model_type": "qwen3_moe", "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+            SLIME_QWEN3_MOE,
+        ),
+        (
+            {"model_type": "deepseek_v3", "num_key_value_heads": 4, "n_routed_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+             "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+             "norm_topk_prob": True, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 8, "v_head_dim": 16,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "mscale": 1.0,
+                                 "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32, "beta_slow": 1}},
+            SLIME_DEEPSEEK_V3,
+        ),
+    ],
+    ids=["qwen3-30B-A3B", "deepseek-v3"],
+)  # fmt: skip
+def test_slime_moe_model_args_agree_with_their_hf_config(
+    tmp_path: Any, config: dict[str, Any], model_args: str
+) -> None:
+    # slime's scripts/models/{qwen3-30B-A3B,deepseek-v3}.sh, every flag kept, the sizes scaled to a
+    # tiny HF config of the same family: parsed (a GPU plan), then checked against the HF config.
+    import json
+
+    from tether.train.hf_config import load_arch
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, **config}))
+    m = parse(*model_args.split()).megatron
+    arch = megatron_args.resolve_arch(load_arch(tmp_path), m, tp_size=1, pp_size=1)
+    kwargs = megatron_args.transformer_config_kwargs(m, GPU, tp_size=1)
+    assert kwargs["moe_grouped_gemm"] and kwargs["moe_permute_fusion"]
+    assert kwargs["moe_token_dispatcher_type"] == "alltoall" and kwargs["moe_router_dtype"] == "fp32"
+    assert arch.is_moe and arch.num_experts == m.num_experts

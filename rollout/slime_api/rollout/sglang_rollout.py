@@ -29,18 +29,23 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from tether.rollout.engine_api.client import EngineUnavailable
-from tether.rollout.evaluation import eval_source
+from tether.rollout.evaluation import dataset_record, eval_datasets, eval_source, generate_dataset
 from tether.rollout.hooks import load_function, maybe_await
 from tether.rollout.rollout_fn import (
     ENGINE_FAILURE,
     RolloutContext,
     current_context,
-    generate_group,
+    rollout_routing,
     run_rollout,
     sampling_params,
+    take_routed_experts,
 )
 from tether.rollout.router import NoEngineError
+from tether.rollout.sample import RoutedExperts
+from tether.rollout.sample import Sample as TetherSample
 from tether.rollout.slime_api.bridge import SlimeDataSource
 from tether.rollout.slime_api.convert import to_slime
 from tether.rollout.slime_api.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
@@ -197,8 +202,14 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     if ctx.stop.is_set():
         sample.status = Sample.Status.ABORTED
         return sample
+    routing = rollout_routing(ctx)  # --use-rollout-routing-replay: slime's payload["return_routed_experts"]
     try:
-        _, resp = await ctx.router.generate(sample.tokens, sampling_params, routing_key=sample.session_id)
+        _, resp = await ctx.router.generate(
+            sample.tokens,
+            sampling_params,
+            routing_key=sample.session_id,
+            return_routed_experts=routing is not None,
+        )
     except (EngineUnavailable, NoEngineError) as exc:
         if not ctx.fault_tolerant:
             raise
@@ -219,6 +230,18 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     sample.append_response_tokens(
         args, tokens=resp.output_ids, log_probs=log_probs, trainable=True, meta_info=meta, text=resp.text
     )
+    if routing is not None:
+        # slime keeps them on the Sample as an int32 [len(tokens)-1, layers, topk] array; the rows
+        # before routed_experts_start_len stay from the previous turn.
+        held = sample.rollout_routed_experts
+        turn = TetherSample(
+            index=sample.index,
+            tokens=list(sample.tokens),
+            rollout_routed_experts=None if held is None else RoutedExperts.from_array(np.asarray(held)),
+        )
+        take_routed_experts(turn, resp, routing, required=resp.finish_type != "abort")
+        if turn.rollout_routed_experts is not None:
+            sample.rollout_routed_experts = turn.rollout_routed_experts.array().copy()
     return sample
 
 
@@ -355,30 +378,17 @@ def _first_index(group: list[Any]) -> int:
 
 
 async def eval_rollout(args: Any, rollout_id: int) -> tuple[RolloutFnEvalOutput, list[list[Sample]]]:
-    """Every --eval-prompt-data dataset generated and scored (tether's evaluation generation), in
-    slime's shape: per dataset name its rewards, truncation flags and samples."""
+    """Every evaluation dataset generated and scored (tether's evaluation generation), in slime's
+    shape: per dataset name its rewards, truncation flags and samples."""
     ctx = current_context()
     if getattr(args, "group_rm", False):
         raise ValueError("eval_rollout: --group-rm is not supported for evaluation (as in slime)")
-    params = sampling_params(ctx.rollout, evaluation=ctx.data)
     data: dict[str, dict[str, Any]] = {}
-    for name, path in ctx.data.eval_datasets():
-        source = await asyncio.to_thread(eval_source, ctx, path)
-        groups = source.get_samples(len(source))
-        for group in groups:
-            for s in group:
-                s.rollout_id = rollout_id
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(generate_group(ctx, g, params, evaluation=True)) for g in groups]
-        samples = sorted(
-            (s for t in tasks for s in t.result() if s.reward is not None), key=lambda s: s.index or 0
-        )
-        key = getattr(args, "eval_reward_key", None) or ctx.rollout.reward_key
-        data[name] = {
-            "rewards": [s.scalar_reward(key) for s in samples],
-            "truncated": [s.status.value == "truncated" for s in samples],
-            "samples": [to_slime(s) for s in samples],
-        }
+    for dataset in eval_datasets(ctx):
+        source = await asyncio.to_thread(eval_source, ctx, dataset)
+        groups = await generate_dataset(ctx, dataset, source, rollout_id)
+        samples = sorted((s for g in groups for s in g if s.reward is not None), key=lambda s: s.index or 0)
+        data[dataset.name] = dataset_record(samples, dataset.reward_key)
     return RolloutFnEvalOutput(data=data), []
 
 

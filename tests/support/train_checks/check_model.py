@@ -1,33 +1,108 @@
-"""torchrun --nproc-per-node 2 check_model.py WORK_DIR: model build, HF conversion, logits parity.
+"""torchrun --nproc-per-node 2 check_model.py WORK_DIR [FAMILY ...]: model build, HF conversion
+through mbridge, logits parity.
 
-For each layout (DP=2, TP=2, PP=2) and family (Llama, Qwen2 with qkv bias, Qwen3 with qk-norm
-and tied embeddings): build the actor from HF, export back to HF names (bit-exact check on
-every tensor), compare logits with transformers, and at PP=2 write an HF directory with
-save_hf and compare it with the source. Results go to WORK_DIR/results/rank{N}.json.
+For each layout (DP=2, TP=2, PP=2; EP=2 for the MoE families) and family (`FAMILIES`: dense Llama, Qwen2 with qkv bias, Qwen3
+with qk-norm, tied and untied; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5; DeepSeek-V3 with MLA +
+MoE): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
+logits with transformers, and at PP=2 write an HF directory with save_hf and compare it with the
+source. Results go to WORK_DIR/results/rank{N}.json.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import common
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from tether.train import export, model, parallel, step
 from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.hf_convert import HFWeights
 
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+# layout -> (TP, PP, EP); EP=2 (MoE families only) dispatches tokens with Megatron's alltoall.
+LAYOUTS = {"dp2": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
+MOE_ARCHES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+# Family name -> TinyModelSpec fields (tether init-model's families).
+FAMILIES: dict[str, dict[str, object]] = {
+    "llama": {"arch": "llama"},
+    "qwen2": {"arch": "qwen2"},
+    "qwen3": {"arch": "qwen3"},
+    "qwen3_tied": {"arch": "qwen3", "tie_embeddings": True},
+    "qwen2_moe": {"arch": "qwen2_moe"},
+    "qwen3_moe": {"arch": "qwen3_moe"},
+    "mixtral": {"arch": "mixtral"},
+    "glm4_moe": {"arch": "glm4_moe"},
+    "deepseek_v3": {"arch": "deepseek_v3"},
+    "deepseek_v3_yarn": {"arch": "deepseek_v3"},
+}
+# config.json changes after writing: DeepSeek's YaRN RoPE (mbridge 0.15.1 reads it only from
+# `rope_scaling`; transformers 5 keeps it in `rope_parameters`).
+CONFIG_CHANGES: dict[str, dict[str, object]] = {
+    "deepseek_v3_yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
+    }
+}
 
 
-def reinit(tp: int, pp: int) -> parallel.Topology:
+# Families also trained for two SFT steps per layout: loss and grad norm at TP=2 (with sequence
+# parallelism) and PP=2 must equal DP=2's (experts' TP shards counted once, MLA's shared RoPE key
+# summed over TP).
+TRAINED = ("qwen3_moe", "deepseek_v3")
+SFT = AlgorithmConfig(loss_type="sft_loss", lr=1e-3)
+
+
+def train_steps(actor: model.Actor, topo: parallel.Topology) -> list[dict[str, float]]:
+    out = []
+    for k in range(2):
+        batch = common.make_batch(8, seed=20 + k)
+        shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+        m = step.train_step(actor, shard, plan, SFT)
+        out.append({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])})
+    return out
+
+
+def make_models(root: Path, families: list[str]) -> dict[str, Path]:
+    """Each family's tiny model under root, every weight perturbed (biases and norms start at 0/1
+    in a fresh init, which would hide layout mistakes)."""
+    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+
+    out = {}
+    for name in families:
+        i = list(FAMILIES).index(name)
+        path = root / name
+        if not (path / "config.json").exists():
+            write_tiny_model(path, TinyModelSpec(layers=2, seed=i, **FAMILIES[name]))  # type: ignore[arg-type]
+            if name in CONFIG_CHANGES:
+                config = json.loads((path / "config.json").read_text())
+                (path / "config.json").write_text(json.dumps({**config, **CONFIG_CHANGES[name]}))
+            f = path / "model.safetensors"
+            tensors = load_file(str(f))
+            g = torch.Generator().manual_seed(100 + i)
+            perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
+            save_file(perturbed, str(f), metadata={"format": "pt"})
+        out[name] = path
+    return out
+
+
+def reinit(tp: int, pp: int, ep: int) -> parallel.Topology:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return parallel.init_distributed(tp, pp, seed=1234)
+    return parallel.init_distributed(tp, pp, seed=1234, expert_parallel=ep)
 
 
 def round_trip(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> dict[str, object]:
@@ -85,23 +160,37 @@ def save_hf_check(
 
 def main() -> None:
     work = Path(sys.argv[1])
+    families = sys.argv[2:] or list(FAMILIES)
     import os
 
     rank = int(os.environ["RANK"])
     results = common.Results(work / "results", rank)
     (work / "results").mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        common.make_models(work / "models")
+        make_models(work / "models", families)
     topo = None
-    for layout, (tp, pp) in LAYOUTS.items():
-        topo = reinit(tp, pp)
+    for layout, (tp, pp, ep) in LAYOUTS.items():
+        topo = reinit(tp, pp, ep)
         dist.barrier()
-        models = common.make_models(work / "models")
+        models = make_models(work / "models", families)
         for family, hf_dir in models.items():
+            # Megatron runs MoE layers at TP > 1 with sequence parallelism (the local norms accept it).
+            moe = FAMILIES[family]["arch"] in MOE_ARCHES
+            if ep > 1 and not moe:
+                continue
             opts = model.ModelOptions(
                 hf_checkpoint=str(hf_dir),
                 algorithm=AlgorithmConfig(lr=1e-3),
-                megatron=MegatronConfig(weight_decay=0.0, adam_beta2=0.98, lr_decay_style="constant"),
+                megatron=MegatronConfig(
+                    weight_decay=0.0,
+                    adam_beta2=0.98,
+                    lr_decay_style="constant",
+                    tensor_model_parallel_size=tp,
+                    pipeline_model_parallel_size=pp,
+                    sequence_parallel=moe and tp > 1,
+                    expert_model_parallel_size=ep,
+                    moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
+                ),
             )
             actor = model.build_actor(opts, topo)
             results.record(
@@ -110,12 +199,16 @@ def main() -> None:
             results.record(
                 f"{layout}/{family}/logits", lambda a=actor, h=hf_dir, t=topo: logits_parity(a, h, t)
             )
-            if layout == "pp2" or (layout == "tp2" and family == "qwen3_tied"):
+            if layout in ("pp2", "ep2") or (layout == "tp2" and family == "qwen3_tied"):
                 out = work / "export" / f"{layout}-{family}"
                 results.record(
                     f"{layout}/{family}/save_hf",
                     lambda a=actor, h=hf_dir, o=out, t=topo: save_hf_check(a, h, o, t),
                 )
+            if family in TRAINED:
+                for c in actor.chunks:
+                    c.train()
+                results.record(f"{layout}/{family}/train", lambda a=actor, t=topo: train_steps(a, t))
             dist.barrier()
     results.set("done", True)
     parallel.destroy()

@@ -105,9 +105,9 @@ def checkpoint_run(
         dist.barrier()
         if topo.rank == 0:
             # A crash mid-save of step 2: a partial temp dir; and a directory missing its run state.
-            (ckpt / "iter_0000002.tmp" / "model_optim").mkdir(parents=True)
-            (ckpt / "iter_0000003" / "model_optim").mkdir(parents=True)
-            (ckpt / "latest").write_text("3")
+            (ckpt / "iter_0000002.tmp" / "tether").mkdir(parents=True)
+            (ckpt / "iter_0000003" / "tether").mkdir(parents=True)
+            (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
         dist.barrier()
 
 

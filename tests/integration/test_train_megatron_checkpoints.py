@@ -1,0 +1,96 @@
+"""Megatron-LM's checkpoint layout, on two gloo ranks: what Megatron writes loads in tether at
+another TP/PP, what tether writes loads in Megatron, TransformerEngine names load on CPU, and
+resumes keep the run state. See tests/support/train_checks/check_megatron_ckpt.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.train_checks.launcher import results, torchrun, value
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    work = tmp_path_factory.mktemp("megatron_ckpt")
+    log = work / "torchrun.log"
+    rc = torchrun("check_megatron_ckpt.py", str(work), log=log, timeout=900)
+    assert rc == 0, log.read_text()[-6000:]
+    return work, [results(work / "results" / f"rank{r}.json") for r in (0, 1)]
+
+
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_a_bare_megatron_checkpoint_saved_at_tp2_ref_loads_at_tp1_and_pp2(
+    checked: tuple[Path, list[dict[str, Any]]], layout: str
+) -> None:
+    work, ranks = checked
+    for r in ranks:
+        got = value(r, f"foreign/{layout}")
+        assert got["used"] == str(work / "foreign" / "iter_0000007")
+        assert got["weights"] == []  # every HF-named tensor equals the TP=2 model's
+        assert got["log_probs_equal_hf_built"] is True  # bit for bit, same layout
+        assert got["max_diff_to_tp2"] < 1e-5
+
+
+def test_a_megatron_checkpoint_resumes_at_its_own_tp_and_is_refused_at_another(
+    checked: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for r in checked[1]:
+        got = value(r, "foreign/resume_tp2")
+        assert got == {"rollout_id": 7, "weights": [], "adam": True}
+        refused = value(r, "foreign/resume_tp1_refused")
+        assert "saved at TP=2 PP=1, this run has TP=1 PP=1" in refused and "--ref-load" in refused
+
+
+def test_tether_checkpoint_loads_through_dist_checkpointing_alone(
+    checked: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for r in checked[1]:
+        got = value(r, "tether_save/bare_load")
+        assert got["mismatched"] == [] and got["count"] > 0
+        assert got["tracker"] == "3" and got["iteration"] == 3 and got["checkpoint_version"] == 3.0
+        layers, hidden, heads, tp, pp, dp, add_pos, vocab = got["args"]
+        assert [layers, hidden, heads] == got["config"]
+        assert (tp, pp, dp, add_pos) == (1, 1, 2, False) and vocab > 0
+        assert "num_steps" in got["scheduler"]
+        assert got["content_metadata"] == "dp_reshardable" and got["has_optimizer"] is True
+
+
+def test_resume_from_the_new_layout_keeps_state_weights_adam_and_rng(
+    checked: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for r in checked[1]:
+        got = value(r, "resume/new_layout")
+        state = got["state"]
+        assert (state["step"], state["rollout_id"], state["weight_version"]) == (3, 3, 4)
+        assert state["data_position"] == {"next": 4}
+        assert got["weights"] == [] and got["adam"] is True and got["rng"] is True
+
+
+def test_tethers_previous_layout_still_resumes(checked: tuple[Path, list[dict[str, Any]]]) -> None:
+    for r in checked[1]:
+        got = value(r, "resume/legacy_layout")
+        assert got["state"] is not None and got["state"]["rollout_id"] == 3
+        assert got["weights"] == [] and got["adam"] is True
+
+
+@pytest.mark.parametrize("variant", ["te", "local"])
+def test_checkpoints_under_either_specs_names_load_into_the_cpu_model(
+    checked: tuple[Path, list[dict[str, Any]]], variant: str
+) -> None:
+    for r in checked[1]:
+        got = value(r, f"te_names/{variant}")
+        assert got["weights"] == []
+        # The "local" checkpoint really holds the old local names (loaded through the alias).
+        assert bool(got["local_keys_in_ckpt"]) == (variant == "local")
+
+
+def test_every_check_ran(checked: tuple[Path, list[dict[str, Any]]]) -> None:
+    for r in checked[1]:
+        for name in ("foreign", "tether_save", "te_names"):
+            assert value(r, f"{name}/done") is True
+        assert value(r, "done") is True

@@ -1,0 +1,402 @@
+"""torchrun --nproc-per-node 2 check_megatron_ckpt.py WORK_DIR: Megatron-LM's checkpoint layout.
+
+1. "foreign": at TP=2, a model with weights moved off its HF source is saved by bare Megatron
+   calls (GPTModel.sharded_state_dict + the distributed optimizer's + dist_checkpointing.save,
+   Megatron-LM's layout: tracker "7", iter_0000007/) and exported to HF. tether's --ref-load
+   (`load_weights_only`) reads it at TP=1 (DP=2) and at PP=2: the weights equal the export's,
+   and the log-probs equal a model built from the exported HF weights (bit for bit) and the
+   TP=2 model's (float tolerance). A resume (`load_checkpoint`) of it at TP=1 is refused,
+   naming both layouts; at TP=2 it resumes after iteration 7, optimizer included.
+2. "tether_save": at DP=2 a trained actor is saved by `checkpoint.save`; a fresh GPTModel built
+   with bare Megatron calls loads it through dist_checkpointing alone (no tether code) with
+   equal weights, and its common state says what Megatron-LM's load reads.
+3. "resume": a fresh actor resumes that checkpoint: run state, weights, Adam state and each
+   rank's RNG stream as saved; tether's previous layout (model_optim/, `latest`) still resumes.
+4. "te_names": checkpoints written under TransformerEngine names (TE `_extra_state` objects in
+   place of the local ones) and under the older local names (input_layernorm, pre_mlp_layernorm)
+   load into the CPU model with equal weights.
+Results go to WORK_DIR/results/rank{N}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import common
+import msgspec
+import torch
+import torch.distributed as dist
+
+from tether.train import checkpoint, export, model, parallel, step
+from tether.train.config import AlgorithmConfig, MegatronConfig
+
+SFT = AlgorithmConfig(loss_type="sft_loss")
+FAMILY = "qwen2"  # qkv bias, untied embeddings
+
+
+def options(hf_dir: Path) -> model.ModelOptions:
+    return model.ModelOptions(
+        hf_checkpoint=str(hf_dir),
+        algorithm=AlgorithmConfig(lr=3e-3),
+        megatron=MegatronConfig(
+            weight_decay=0.0, adam_beta2=0.98, lr_decay_style="constant", use_distributed_optimizer=True
+        ),
+    )
+
+
+def reinit(tp: int, pp: int) -> parallel.Topology:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    topo = parallel.init_distributed(tp, pp, seed=1234)
+    dist.barrier()
+    return topo
+
+
+def log_probs(chunks: list[Any], config: Any, vocab: int) -> list[float]:
+    batch = common.make_batch(4, seed=9)
+    for c in chunks:
+        c.eval()
+    lp, _ = step.compute_log_probs(chunks, config, vocab, batch, [[0, 1], [2, 3]])
+    return [float(x) for x in lp]
+
+
+def hf_tensors(chunks: list[Any], arch: Any) -> dict[str, torch.Tensor]:
+    """Every full HF-named weight of the model, gathered on every rank."""
+    mine = {name: t.clone() for name, t in export.iter_hf_weights(chunks, arch)}
+    every: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out: dict[str, torch.Tensor] = {}
+    for part in every:
+        out.update(part or {})
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ (or that only one side has)."""
+    return sorted(n for n in {*a, *b} if n not in a or n not in b or not torch.equal(a[n], b[n]))
+
+
+def bare_megatron_save(actor: model.Actor, root: Path, iteration: int) -> None:
+    """What Megatron-LM's save_checkpoint writes, with megatron.core calls only (no tether code)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    meta = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
+    gpt = model.unwrap(actor.chunks[0])
+    model_sd = gpt.sharded_state_dict(metadata=meta)
+    state = {
+        "model": model_sd,
+        "optimizer": actor.optimizer.sharded_state_dict(model_sd, metadata=meta),
+        "opt_param_scheduler": actor.scheduler.state_dict(),
+        "iteration": iteration,
+        "checkpoint_version": 3.0,
+        "args": argparse.Namespace(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            num_layers=actor.config.num_layers,
+            hidden_size=actor.config.hidden_size,
+        ),
+    }
+    target = root / f"iter_{iteration:07d}"
+    if dist.get_rank() == 0:
+        target.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(target), content_metadata=meta)
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+
+
+def foreign(work: Path, hf: Path, results: common.Results) -> None:
+    opts = options(hf)
+    topo = reinit(2, 1)
+    actor = model.build_actor(opts, topo)
+    with torch.no_grad():  # weights of their own, so a load from HF would not pass
+        for p in model.unwrap(actor.chunks[0]).parameters():
+            p.mul_(1.01).add_(0.003)
+    batch = common.make_batch(8, seed=3)
+    shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+    step.train_step(actor, shard, plan, SFT)  # Adam state to save
+    ckpt, source = work / "foreign", work / "foreign_hf"
+    bare_megatron_save(actor, ckpt, 7)
+    export.save_hf(actor.chunks, actor.arch, topo, source, base_dir=hf)
+    want = hf_tensors(actor.chunks, actor.arch)
+    tp2_lp = log_probs(actor.chunks, actor.config, actor.arch.vocab_size)
+    resumed = model.build_actor(opts, topo, load_weights=False)
+    state = checkpoint.load(resumed, ckpt, named=True)
+    assert state is not None
+    results.set(
+        "foreign/resume_tp2",
+        {
+            "rollout_id": state.rollout_id,
+            "weights": same(hf_tensors(resumed.chunks, resumed.arch), want),
+            "adam": optimizer_equal(actor, resumed),
+        },
+    )
+    del actor, resumed
+    for layout, (tp, pp) in {"tp1": (1, 1), "pp2": (1, 2)}.items():
+        topo = reinit(tp, pp)
+        ref = model.build_reference(opts, topo, load_weights=False)
+        used = checkpoint.load_weights_only(ref.chunks, ckpt)
+        from_hf = model.build_reference(options(source), topo)
+        got_lp = log_probs(ref.chunks, ref.config, ref.arch.vocab_size)
+        results.set(
+            f"foreign/{layout}",
+            {
+                "used": str(used),
+                "weights": same(hf_tensors(ref.chunks, ref.arch), want),
+                "log_probs_equal_hf_built": got_lp
+                == log_probs(from_hf.chunks, from_hf.config, ref.arch.vocab_size),
+                "max_diff_to_tp2": max(abs(a - b) for a, b in zip(got_lp, tp2_lp, strict=True)),
+            },
+        )
+    topo = reinit(1, 1)
+    actor = model.build_actor(opts, topo, load_weights=False)
+    try:
+        checkpoint.load(actor, ckpt, named=True)
+        results.set("foreign/resume_tp1_refused", "loaded")
+    except RuntimeError as exc:
+        results.set("foreign/resume_tp1_refused", str(exc))
+
+
+def optimizer_equal(a: model.Actor, b: model.Actor) -> bool:
+    """Adam's exp_avg / exp_avg_sq of every parameter shard are equal."""
+    sa = [inner.state for inner in checkpoint._inner_optimizers(a)]
+    sb = [inner.state for inner in checkpoint._inner_optimizers(b)]
+    ok = True
+    for x, y in zip(sa, sb, strict=True):
+        vx, vy = list(x.values()), list(y.values())
+        ok = ok and len(vx) == len(vy) > 0
+        for p, q in zip(vx, vy, strict=True):
+            ok = (
+                ok
+                and torch.equal(p["exp_avg"], q["exp_avg"])
+                and torch.equal(p["exp_avg_sq"], q["exp_avg_sq"])
+            )
+    return bool(ok)
+
+
+def bare_gpt(config_src: Any, gpt_src: Any) -> Any:
+    """A GPTModel built with megatron.core alone, the shape of `gpt_src` (no tether code)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    c = config_src
+    config = TransformerConfig(
+        num_layers=c.num_layers,
+        hidden_size=c.hidden_size,
+        ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_query_groups,
+        kv_channels=c.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.layernorm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=c.add_qkv_bias,
+        qk_layernorm=c.qk_layernorm,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=c.qk_layernorm, normalization="RMSNorm"),
+        vocab_size=gpt_src.vocab_size,
+        max_sequence_length=gpt_src.max_sequence_length,
+        share_embeddings_and_output_weights=gpt_src.share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=gpt_src.rotary_base,
+    )
+
+
+def tether_save(work: Path, hf: Path, results: common.Results) -> None:
+    from megatron.core import dist_checkpointing
+
+    topo = reinit(1, 1)
+    actor = model.build_actor(options(hf), topo)
+    batch = common.make_batch(8, seed=4)
+    shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+    step.train_step(actor, shard, plan, SFT)
+    ckpt = work / "saved"
+    state = checkpoint.RunState(step=3, rollout_id=3, weight_version=4, data_position={"next": 4})
+    path = checkpoint.save(actor, ckpt, state)
+    rng_after_save = torch.rand(4).tolist()
+    results.set("tether_save/rng_after_save", rng_after_save)
+    gpt_src = model.unwrap(actor.chunks[0])
+    fresh = bare_gpt(actor.config, gpt_src)
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, str(path))
+    fresh.load_state_dict(loaded["model"], strict=False)
+    src = dict(gpt_src.state_dict())
+    mism = [
+        k
+        for k, v in fresh.state_dict().items()
+        if torch.is_tensor(v) and (k not in src or not torch.equal(v, src[k]))
+    ]
+    common_sd = dist_checkpointing.load_common_state_dict(str(path))
+    args = common_sd["args"]
+    results.set(
+        "tether_save/bare_load",
+        {
+            "mismatched": mism,
+            "count": sum(1 for v in fresh.state_dict().values() if torch.is_tensor(v)),
+            "tracker": (ckpt / "latest_checkpointed_iteration.txt").read_text(),
+            "iteration": common_sd["iteration"],
+            "checkpoint_version": common_sd["checkpoint_version"],
+            "args": [
+                args.num_layers,
+                args.hidden_size,
+                args.num_attention_heads,
+                args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size,
+                args.data_parallel_size,
+                args.add_position_embedding,
+                args.padded_vocab_size,
+            ],
+            "config": [actor.config.num_layers, actor.config.hidden_size, actor.config.num_attention_heads],
+            "scheduler": sorted(common_sd["opt_param_scheduler"]),
+            "content_metadata": common_sd["content_metadata"]["distrib_optim_sharding_type"],
+            "has_optimizer": any(
+                k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(str(path))
+            ),
+        },
+    )
+    # resume: the same actor state back, in a fresh actor
+    want = hf_tensors(actor.chunks, actor.arch)
+    fresh_actor = model.build_actor(options(hf), topo, load_weights=False)
+    loaded_state = checkpoint.load(fresh_actor, ckpt)
+    assert loaded_state is not None
+    results.set(
+        "resume/new_layout",
+        {
+            "state": msgspec.to_builtins(loaded_state),
+            "weights": same(hf_tensors(fresh_actor.chunks, fresh_actor.arch), want),
+            "adam": optimizer_equal(actor, fresh_actor),
+            "rng": torch.rand(4).tolist() == rng_after_save,
+        },
+    )
+    # tether's previous layout, written as the previous save wrote it, still resumes
+    legacy = work / "legacy"
+    write_legacy(actor, legacy, state)
+    other = model.build_actor(options(hf), topo, load_weights=False)
+    got = checkpoint.load(other, legacy)
+    results.set(
+        "resume/legacy_layout",
+        {
+            "state": None if got is None else msgspec.to_builtins(got),
+            "weights": same(hf_tensors(other.chunks, other.arch), want),
+            "adam": optimizer_equal(actor, other),
+        },
+    )
+
+
+def write_legacy(actor: model.Actor, root: Path, state: checkpoint.RunState) -> None:
+    """iter_N/{model_optim/, rng/, run_state.msgpack, digests.msgpack} + `latest`, as before."""
+    from megatron.core import dist_checkpointing
+
+    d = root / checkpoint.iter_dir_name(state.step)
+    if dist.get_rank() == 0:
+        (d / "model_optim").mkdir(parents=True)
+        (d / "rng").mkdir()
+    dist.barrier()
+    dist_checkpointing.save(checkpoint._sharded_state(actor, is_loading=False), str(d / "model_optim"))
+    rng = checkpoint.capture_rng()
+    (d / "rng" / f"rank_{dist.get_rank():05d}.msgpack").write_bytes(msgspec.msgpack.encode(rng))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        state.scheduler = actor.scheduler.state_dict()
+        state.optimizer_step = checkpoint._adam_step(actor)
+        (d / "run_state.msgpack").write_bytes(msgspec.msgpack.encode(state))
+        checkpoint.write_digests(d, name="digests.msgpack")
+        (root / "latest").write_text(str(state.step))
+    dist.barrier()
+
+
+TE_TO_LOCAL = {
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+}
+
+
+def te_names(work: Path, hf: Path, results: common.Results) -> None:
+    """Checkpoints under the other spec's names, written with bare dist_checkpointing.save."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    topo = reinit(1, 1)
+    src = model.build_reference(options(hf), topo)
+    with torch.no_grad():
+        for p in src.chunks[0].parameters():
+            p.add_(0.01)
+    want = hf_tensors(src.chunks, src.arch)
+    for variant in ("te", "local"):
+        sd = model.unwrap(src.chunks[0]).sharded_state_dict()
+        out: dict[str, Any] = {}
+        for name, value in sd.items():
+            if isinstance(value, ShardedObject):
+                if variant == "te":  # TE's FP8 metadata: a BytesIO, for modules the local spec lacks too
+                    value.data = io.BytesIO(b"te-fp8-meta")
+                    out[name] = value
+                    extra = name.replace("linear_proj._extra_state", "core_attention._extra_state")
+                    if extra != name:
+                        out[extra] = ShardedObject(
+                            value.key.replace("linear_proj", "core_attention"),
+                            io.BytesIO(b"te-attn"),
+                            value.global_shape,
+                            value.global_offset,
+                            replica_id=value.replica_id,
+                        )
+                continue  # the local-name variant: written by a converter without extra state
+            if variant == "local" and isinstance(value, ShardedTensor) and value.key in TE_TO_LOCAL:
+                value.key = TE_TO_LOCAL[value.key]
+            out[name] = value
+        root = work / f"named_{variant}"
+        target = root / "release"
+        if dist.get_rank() == 0:
+            target.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": out, "iteration": 0, "checkpoint_version": 3.0}, str(target))
+        if dist.get_rank() == 0:
+            (root / "latest_checkpointed_iteration.txt").write_text("release")
+        dist.barrier()
+        keys = set(dist_checkpointing.load_tensors_metadata(str(target)))
+        dst = model.build_reference(options(hf), topo, load_weights=False)
+        checkpoint.load_weights_only(dst.chunks, root)
+        results.set(
+            f"te_names/{variant}",
+            {
+                "local_keys_in_ckpt": sorted(k for k in keys if k in TE_TO_LOCAL.values()),
+                "weights": same(hf_tensors(dst.chunks, dst.arch), want),
+            },
+        )
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    results = common.Results(work / "results", rank)
+    parallel.init_distributed(1, 1, seed=1234)
+    if rank == 0:
+        common.make_models(work / "models")
+    dist.barrier()
+    hf = common.make_models(work / "models")[FAMILY]
+    for name, fn in (("foreign", foreign), ("tether_save", tether_save), ("te_names", te_names)):
+        results.record(f"{name}/done", lambda f=fn: f(work, hf, results) or True)
+        dist.barrier()
+    results.set("done", True)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""slime's flags tether does not implement are refused by name with the reason, never accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tether.config import flag_specs, resolve
+from tether.runtime.errors import ConfigError
+from tether.slime_flags import NOT_IMPLEMENTED
+
+
+def test_no_refused_flag_is_also_a_tether_flag() -> None:
+    ours = {s.flag for s in flag_specs()}
+    assert sorted(set(NOT_IMPLEMENTED) & ours) == []
+    assert all(flag.startswith("--") and reason for flag, reason in NOT_IMPLEMENTED.items())
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "value", "reason"),
+    [
+        (["--use-opd", "--opd-type", "sglang"], "--use-opd", True, "on-policy distillation"),
+        (["--opd-kl-coef", "0.5"], "--opd-kl-coef", "0.5", "on-policy distillation"),
+        (["--data-source-path=m.C"], "--data-source-path", "m.C", "custom data source"),
+    ],
+)
+def test_a_slime_flag_tether_lacks_is_refused_with_its_reason(
+    argv: list[str], key: str, value: object, reason: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"is slime's flag, not supported by tether: .*{reason}") as err:
+        resolve(argv)
+    assert (err.value.key, err.value.value) == (key, value)
+
+
+def test_an_unknown_flag_is_still_named() -> None:
+    with pytest.raises(ConfigError, match="is not a tether, slime or Megatron flag"):
+        resolve(["--no-such-flag-anywhere"])
+
+
+def test_slimes_fully_async_rollout_function_selects_the_fully_async_loop() -> None:
+    from tether.config import SLIME_FULLY_ASYNC
+
+    cfg = resolve(["--rollout-function-path", SLIME_FULLY_ASYNC])
+    assert cfg.run.loop == "fully-async"
+    assert cfg.rollout.rollout_function_path == "tether.rollout.default_rollout.generate_rollout"
+    with pytest.raises(ConfigError, match="contradicts --rollout-function-path"):
+        resolve(["--rollout-function-path", SLIME_FULLY_ASYNC, "--loop", "sync"])

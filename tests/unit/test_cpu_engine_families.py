@@ -1,0 +1,561 @@
+"""The CPU engine's forward for every model family `tether init-model --arch` writes (MoE blocks,
+multi-latent attention, GLM-4's norms and partial rotary) against transformers, in this process:
+logits and greedy tokens at prefill and decode, the experts each token is routed to (what
+`return_routed_experts` reports) against the experts transformers' routers pick, the scheduler's
+routed_experts answer, weight updates under the families' names, and what is refused by name."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.engines import decode_routed_experts, hf_routed_experts, local_plan_engine
+from tokenizers import Tokenizer
+
+from tether.rollout.cpu_engine import server, tiny_model
+from tether.rollout.cpu_engine.model import (
+    KVCache,
+    ModelConfig,
+    ModelConfigError,
+    Routes,
+    TinyLM,
+    WeightMismatch,
+    read_safetensors_dir,
+)
+from tether.rollout.cpu_engine.sampling import SamplingParams
+from tether.rollout.cpu_engine.scheduler import Request, Scheduler
+from tether.rollout.engine_api.launch import EngineLaunchConfig, build_launch, sglang_flags
+from tether.rollout.engine_api.weights import decode_named_tensors, encode_named_tensors
+from tether.runtime.errors import ConfigError
+
+ARCHES = list(tiny_model.ARCHES)
+MOE_ARCHES = sorted(tiny_model.MOE_ARCHES)
+# Four layers where layer 0 stays dense, so both kinds of layer are served (and split at PP=2).
+LAYERS = {"deepseek_v3": 4, "glm4_moe": 4}
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """The tiny model of a family (built once per module and seed)."""
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(arch: str, seed: int = 0) -> Path:
+        if (arch, seed) not in built:
+            spec = tiny_model.TinyModelSpec(arch=arch, layers=LAYERS.get(arch, 2), seed=seed)  # type: ignore[arg-type]
+            built[arch, seed] = tiny_model.write_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), spec)
+        return built[arch, seed]
+
+    return get
+
+
+def _hf(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _engine(path: Path) -> tuple[ModelConfig, TinyLM, KVCache]:
+    cfg = ModelConfig.from_dir(path)
+    return cfg, TinyLM(cfg, read_safetensors_dir(path)), KVCache(cfg)
+
+
+def _hf_routes(path: Path, ids: list[int]) -> dict[int, torch.Tensor]:
+    return hf_routed_experts(str(path), ids)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_family_forward_equals_transformers(family: Callable[..., Path], arch: str) -> None:
+    """Two prompts of different lengths in one batch: prefill, then three batched decode steps;
+    every step's logits equal transformers' over the whole sequence, and greedy picks agree."""
+    path = family(arch)
+    cfg, model, cache = _engine(path)
+    assert cfg.model_type == arch
+    hf = _hf(path)
+    prompts = [[1, 5, 6, 7, 8, 40, 41, 200], [9, 3]]
+    slots = [cache.allocate(16) for _ in prompts]
+    seqs = [list(p) for p in prompts]
+    steps: list[torch.Tensor] = []
+    with torch.inference_mode():
+        logits = model.prefill(prompts, slots, cache)
+        for _ in range(3):
+            steps.append(logits)
+            nxt = logits.argmax(-1).tolist()
+            for seq, tok in zip(seqs, nxt, strict=True):
+                seq.append(tok)
+            logits = model.decode(nxt, [len(s) - 1 for s in seqs], slots, cache)
+        steps.append(logits)
+        for row, seq in enumerate(seqs):
+            ref = hf(torch.tensor([seq])).logits[0]
+            start = len(prompts[row]) - 1
+            for j, got in enumerate(steps):
+                want = ref[start + j]
+                assert torch.allclose(got[row], want, atol=TOL), (
+                    arch,
+                    row,
+                    j,
+                    float((got[row] - want).abs().max()),
+                )
+                assert torch.allclose(torch.log_softmax(got[row], -1), torch.log_softmax(want, -1), atol=TOL)
+                if j < 3:
+                    assert seq[start + j + 1] == int(want.argmax()), (arch, row, j)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHES)
+def test_routed_experts_equal_transformers_router(family: Callable[..., Path], arch: str) -> None:
+    """The experts the engine routes each position to, at prefill and at decode, are the ones
+    transformers' router picks for the same tokens; dense layers report none."""
+    path = family(arch)
+    cfg, model, cache = _engine(path)
+    assert cfg.moe is not None
+    seq = torch.randint(0, cfg.vocab, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt, rest = seq[:20], seq[20:]
+    slot = cache.allocate(32)
+    chunks: list[Routes] = []
+    with torch.inference_mode():
+        routes: Routes = {}
+        model.prefill([prompt], [slot], cache, routes)
+        chunks.append(routes)
+        for j, tok in enumerate(rest):
+            routes = {}
+            model.decode([tok], [len(prompt) + j], [slot], cache, routes)
+            chunks.append(routes)
+    want = _hf_routes(path, seq)
+    sparse = [i for i in range(cfg.layers) if cfg.sparse(i)]
+    assert sorted(want) == sparse and all(sorted(c) == sparse for c in chunks)
+    if arch in ("deepseek_v3", "glm4_moe"):
+        assert sparse[0] == 1  # first_k_dense_replace=1: layer 0 is dense
+    for layer in sparse:
+        got = torch.cat([c[layer][0] for c in chunks]).sort(-1).values
+        assert torch.equal(got, want[layer]), (arch, layer)
+        assert len({tuple(r) for r in got.tolist()}) > 1, "routing should depend on the token"
+
+
+def test_deepseek_correction_bias_steers_routing(family: Callable[..., Path]) -> None:
+    """The tiny deepseek_v3's non-zero e_score_correction_bias changes which experts are picked
+    (so the routing checks above would catch an engine that ignored it), and the chosen pair
+    always lies in one expert group (n_group=2, topk_group=1)."""
+    path = family("deepseek_v3")
+    cfg, model, cache = _engine(path)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["n_group"] == 2 and raw["topk_group"] == 1 and raw["n_routed_experts"] == 4
+    seq = torch.randint(0, cfg.vocab, (48,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def routes() -> Routes:
+        out: Routes = {}
+        with torch.inference_mode():
+            model.prefill([seq], [cache.allocate(64)], cache, out)
+        return out
+
+    before = routes()
+    for layer, ids in before.items():
+        pairs = {tuple(sorted(r)) for r in ids[0].tolist()}
+        assert pairs <= {(0, 1), (2, 3)}, (layer, pairs)
+    biases = [n for n in model.params if n.endswith("e_score_correction_bias")]
+    assert biases and all(model.params[n].abs().min() > 0 for n in biases)
+    for name in biases:
+        model.params[name].zero_()
+    after = routes()
+    assert any(not torch.equal(before[i], after[i]) for i in before)
+
+
+def _save_hf(config: Any, out: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # routers wide enough that tokens route differently
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "sparse"),
+    [
+        ("qwen3_moe", {"mlp_only_layers": [1]}, [True, False, True]),
+        ("qwen2_moe", {"decoder_sparse_step": 2}, [False, True, False]),
+        ("qwen2_moe", {"norm_topk_prob": True}, [True] * 3),
+    ],
+)
+def test_dense_and_sparse_layer_layouts(
+    tmp_path: Path, arch: str, extra: dict[str, Any], sparse: list[bool]
+) -> None:
+    """mlp_only_layers and decoder_sparse_step put dense MLPs between MoE layers (and Qwen2-MoE
+    with normalised top-k weights); the engine follows each and still equals transformers."""
+    import transformers
+
+    kind = transformers.Qwen3MoeConfig if arch == "qwen3_moe" else transformers.Qwen2MoeConfig
+    config = kind(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        **extra,
+    )
+    path = _save_hf(config, tmp_path / "m")
+    cfg, model, cache = _engine(path)
+    assert cfg.moe is not None and list(cfg.moe.sparse_layers) == sparse
+    seq = list(range(3, 19))
+    routes: Routes = {}
+    with torch.inference_mode():
+        logits = model.prefill([seq], [cache.allocate(32)], cache, routes)
+    hf = _hf(path)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([seq])).logits[0, -1]
+    assert torch.allclose(logits[0], ref, atol=TOL)
+    want = _hf_routes(path, seq)
+    assert sorted(routes) == sorted(want) == [i for i, s in enumerate(sparse) if s]
+    for layer, ids in routes.items():
+        assert torch.equal(ids[0].sort(-1).values, want[layer])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # Moonlight/Kimi-style: no q_lora_rank (a plain q_proj), no grouping, two shared experts.
+        {
+            "q_lora_rank": None,
+            "n_group": 1,
+            "topk_group": 1,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 0,
+        },
+        # The non-interleaved rope layout, unnormalised top-k weights, 8 experts in 4 groups.
+        {
+            "rope_interleave": False,
+            "norm_topk_prob": False,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+        },
+    ],
+)
+def test_deepseek_variants(tmp_path: Path, extra: dict[str, Any]) -> None:
+    import transformers
+
+    base: dict[str, Any] = {
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 8,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+        "first_k_dense_replace": 1,
+        "num_mtp_layers": 0,
+    }
+    path = _save_hf(transformers.DeepseekV3Config(**{**base, **extra}), tmp_path / "m")
+    named = read_safetensors_dir(path)
+    for name in [n for n in named if n.endswith("e_score_correction_bias")]:  # non-zero, as in init-model
+        named[name] = torch.linspace(-0.3, 0.3, named[name].numel())
+    from safetensors.torch import save_file
+
+    save_file(named, str(path / "model.safetensors"))
+    cfg, model, cache = _engine(path)
+    assert cfg.mla is not None and cfg.mla.q_lora_rank == (extra.get("q_lora_rank", 16) or 0)
+    seq = list(range(3, 19))
+    slot = cache.allocate(32)
+    routes: Routes = {}
+    with torch.inference_mode():
+        first = model.prefill([seq[:12]], [slot], cache)
+        steps = [model.decode([t], [11 + j + 1], [slot], cache) for j, t in enumerate(seq[12:])]
+    hf = _hf(path)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([seq])).logits[0]
+    assert torch.allclose(first[0], ref[11], atol=TOL)
+    for j, step in enumerate(steps):
+        assert torch.allclose(step[0], ref[12 + j], atol=TOL), j
+    cache2 = KVCache(cfg)
+    with torch.inference_mode():
+        model.prefill([seq], [cache2.allocate(32)], cache2, routes)
+    want = _hf_routes(path, seq)
+    assert sorted(routes) == sorted(want)
+    for layer, ids in routes.items():
+        assert torch.equal(ids[0].sort(-1).values, want[layer])
+
+
+def _config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("arch", "change", "named"),
+    [
+        ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn"),
+        ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy'"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
+        ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+        ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("qwen3_moe", {"use_sliding_window": True}, "sliding window"),
+        ("qwen2_moe", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding window"),
+        ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),
+        ("glm4_moe", {"n_group": 3}, "n_group=3"),
+        ("glm4", {"model_type": "glm"}, "model_type='glm'"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(
+    family: Callable[..., Path], tmp_path: Path, arch: str, change: dict[str, Any], named: str
+) -> None:
+    src = family(arch)
+    raw = {**_config(src), **change}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelConfigError, match=named.replace("(", r"\(").replace("[", r"\[")) as err:
+        ModelConfig.from_dir(tmp_path)
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "glm4", "qwen2_moe"])
+def test_weight_updates_take_the_families_names(family: Callable[..., Path], arch: str) -> None:
+    """A full load of another seed's checkpoint (the disk path), a partial update of a few
+    experts, routers and MLA/sandwich-norm tensors through the tensor payload (the tensor and
+    distributed paths check names the same way), and refusals of unknown names and shapes."""
+    v1, v2 = family(arch, 0), family(arch, 1)
+    assert ModelConfig.from_dir(v1) == ModelConfig.from_dir(v2)  # /update_weights_from_disk's check
+    cfg, model, _ = _engine(v1)
+    fresh = read_safetensors_dir(v2)
+    prompt = [[1, 5, 6, 7, 8]]
+
+    def logits(m: TinyLM) -> torch.Tensor:
+        c = KVCache(cfg)
+        with torch.inference_mode():
+            return m.prefill(prompt, [c.allocate(8)], c)
+
+    ref = logits(TinyLM(cfg, fresh))
+    model.load(dict(fresh), complete=True)
+    assert torch.equal(logits(model), ref)
+    back = read_safetensors_dir(v1)
+    picked = {
+        n: t
+        for n, t in back.items()
+        if any(
+            k in n
+            for k in (
+                "experts.1.",
+                "gate.",
+                "kv_b_proj",
+                "q_a_layernorm",
+                "post_mlp_layernorm",
+                "gate_up_proj",
+                "w2",
+            )
+        )
+    }
+    assert picked
+    model.load(dict(decode_named_tensors(encode_named_tensors(list(picked.items()), []))), complete=False)
+    for name, tensor in picked.items():
+        assert torch.equal(model.params[name], tensor), name
+    with pytest.raises(WeightMismatch, match="unknown parameter name"):
+        # Experts 0-3 exist (on MoE layers only); a fifth is no parameter of any family.
+        model.load({"model.layers.1.mlp.experts.4.gate_proj.weight": torch.zeros(32, 64)}, complete=False)
+    if arch == "deepseek_v3":
+        with pytest.raises(WeightMismatch, match="unknown parameter name"):  # layer 0 is dense
+            model.load({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64)}, complete=False)
+    name = next(n for n in picked if n.endswith(".weight") and len(picked[n].shape) == 2)
+    with pytest.raises(WeightMismatch, match="shape"):
+        model.load({name: torch.zeros(3, 3)}, complete=False)
+    with pytest.raises(WeightMismatch, match="missing parameters"):
+        model.load({name: picked[name]}, complete=True)
+
+
+def test_init_model_family_flags_are_checked() -> None:
+    with pytest.raises(ConfigError, match="--kv-heads=2: multi-latent attention"):
+        tiny_model.TinyModelSpec(arch="deepseek_v3", kv_heads=2)
+    with pytest.raises(ConfigError, match="--layers=1: glm4_moe keeps layer 0 dense"):
+        tiny_model.TinyModelSpec(arch="glm4_moe", layers=1)
+    with pytest.raises(ConfigError, match="--intermediate=130"):
+        tiny_model.TinyModelSpec(arch="qwen3_moe", intermediate=130)
+    parser = argparse.ArgumentParser()
+    tiny_model.add_arguments(parser)
+    for arch in ARCHES:
+        assert parser.parse_args(["--out", "x", "--arch", arch]).arch == arch
+    assert tiny_model.TinyModelSpec(arch="deepseek_v3").num_kv_heads == 4
+    assert tiny_model.TinyModelSpec(arch="qwen3_moe").num_kv_heads == 2
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_init_model_shapes_of_moe_families(family: Callable[..., Path], tmp_path: Path, arch: str) -> None:
+    """What `tether init-model` promises: 4 experts top-2, a quarter-size expert FFN, layer 0
+    dense, float32 weights, a non-zero correction bias on every MoE layer; the same seed writes
+    the same weights, another seed others."""
+    path = family(arch)
+    raw = _config(path)
+    assert raw["n_routed_experts"] == 4 and raw["num_experts_per_tok"] == 2
+    assert raw["moe_intermediate_size"] == 32 and raw["first_k_dense_replace"] == 1
+    named = read_safetensors_dir(path)
+    assert all(t.dtype == torch.float32 for t in named.values())
+    biases = sorted(n for n in named if n.endswith("e_score_correction_bias"))
+    assert biases == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]
+    assert all(bool(named[n].abs().min() > 0) for n in biases)
+    again = read_safetensors_dir(
+        tiny_model.write_tiny_model(tmp_path / "again", tiny_model.TinyModelSpec(arch=arch, layers=4))
+    )  # type: ignore[arg-type]
+    assert sorted(again) == sorted(named) and all(torch.equal(again[n], named[n]) for n in named)
+    other = read_safetensors_dir(family(arch, 1))
+    assert not torch.equal(other[biases[0]], named[biases[0]])
+
+
+# ----- routed experts through the scheduler (what /generate returns) -----
+
+
+def _request(rid: str, prompt: list[int], n: int, *, routed: bool = True, start: int = 0) -> Request:
+    return Request(
+        rid=rid,
+        prompt=prompt,
+        params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+        return_logprob=True,
+        generator=torch.Generator().manual_seed(0),
+        return_routed_experts=routed,
+        routed_experts_start_len=start,
+    )
+
+
+def _scheduler(path: Path) -> Scheduler:
+    cfg = ModelConfig.from_dir(path)
+    return Scheduler(
+        cfg,
+        TinyLM(cfg, read_safetensors_dir(path)),
+        Tokenizer.from_file(str(path / "tokenizer.json")),
+        weight_version="v1",
+        context_length=256,
+        max_running=8,
+        original_logprob=False,
+        seed=0,
+        return_routed_experts=True,
+    )
+
+
+@pytest.fixture
+def event_loop_runner() -> Iterator[Callable[[Any], Any]]:
+    loop = asyncio.new_event_loop()
+    try:
+        yield loop.run_until_complete
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_scheduler_returns_routed_experts_like_sglang(
+    family: Callable[..., Path], arch: str, event_loop_runner: Callable[[Any], Any]
+) -> None:
+    """meta_info.routed_experts: base64 of int32 [prompt + completion - 1, layers, top_k], row i
+    the experts position i was routed to (transformers' router picks for the same tokens), dense
+    layers 0; routed_experts_start_len drops the rows before it; a request that did not ask gets
+    none; rows stay right when a prefill shares a step with another request's decode, and
+    after a retract mid-generation (re-prefill of prompt + output)."""
+    path = family(arch)
+    sched = _scheduler(path)
+    assert sched.cfg.moe is not None
+    layers, topk = sched.cfg.layers, sched.cfg.moe.top_k
+    prompt = [1, 5, 6, 7, 8, 40, 41, 200, 17]
+    full, late, plain, retracted = (
+        _request("full", prompt, 6),
+        _request("late", prompt, 6, start=4),
+        _request("plain", prompt, 6, routed=False),
+        _request("retracted", prompt, 6),
+    )
+
+    async def scenario() -> None:
+        task = asyncio.create_task(sched.run())
+        try:
+            sched.submit(full)
+            while len(full.output) < 2:  # the others' prefill then shares a step with its decode
+                full.progress.clear()
+                await full.progress.wait()
+            sched.submit(late)
+            sched.submit(plain)
+            for req in (full, late, plain):
+                await req.done.wait()
+            sched.submit(retracted)
+            while len(retracted.output) < 3:
+                retracted.progress.clear()
+                await retracted.progress.wait()
+
+            async def retract() -> None:
+                sched.pause("retract")
+                sched.resume()
+
+            await sched.between_steps(retract)
+            await retracted.done.wait()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sched.close()
+
+    event_loop_runner(scenario())
+    assert "routed_experts" not in sched.response(plain)["meta_info"]
+    seq = prompt + full.output[:-1]
+    want = _hf_routes(path, seq)
+    for req in (full, retracted):
+        assert req.output == full.output
+        got = decode_routed_experts(sched.response(req)["meta_info"], layers, topk)
+        assert got.shape == (len(prompt) + len(req.output) - 1, layers, topk)
+        for layer in range(layers):
+            rows = got[:, layer].sort(-1).values
+            if layer in want:
+                assert torch.equal(rows, want[layer].to(torch.int32)), (req.rid, layer)
+            else:
+                assert not rows.any(), f"dense layer {layer} reports experts"
+    assert sched.response(late)["meta_info"]["routed_experts_start_len"] == 4
+    assert sched.response(full)["meta_info"]["routed_experts_start_len"] == 0
+    whole = decode_routed_experts(sched.response(full)["meta_info"], layers, topk)
+    assert torch.equal(decode_routed_experts(sched.response(late)["meta_info"], layers, topk), whole[4:])
+
+
+def test_routed_experts_flag_reaches_both_engines_and_is_refused_for_dense(
+    family: Callable[..., Path], event_loop_runner: Callable[[Any], Any]
+) -> None:
+    """EngineLaunchConfig.return_routed_experts (what --use-rollout-routing-replay sets) puts
+    --enable-return-routed-experts on the CPU engine's and on SGLang's command line; the CPU
+    engine refuses the flag for a model without MoE layers before it serves anything."""
+    plan = local_plan_engine()
+    for backend in ("cpu", "sglang"):
+        cfg = EngineLaunchConfig(
+            model_path="/m", backend=backend, device_kind="cpu", api_key="k", return_routed_experts=True
+        )  # type: ignore[arg-type]
+        (spec,) = build_launch(plan, cfg).specs
+        assert "--enable-return-routed-experts" in spec.argv, spec.argv
+        off = msgspec_replace(cfg, return_routed_experts=False)
+        (spec,) = build_launch(plan, off).specs
+        assert "--enable-return-routed-experts" not in spec.argv
+    assert "enable-return-routed-experts" in sglang_flags(plan, plan.parts[0], cfg)
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    args = parser.parse_args(["--model-path", str(family("llama")), "--enable-return-routed-experts"])
+    args.api_key = "k"
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(
+            ConfigError, match="--enable-return-routed-experts=True: model_type='llama' has no MoE"
+        ):
+            event_loop_runner(server.serve(args))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def msgspec_replace(cfg: EngineLaunchConfig, **changes: Any) -> EngineLaunchConfig:
+    import msgspec
+
+    return msgspec.structs.replace(cfg, **changes)
