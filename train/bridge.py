@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tether.train.hf_config import ModelArch
+from tether.train.hf_config import ModelArch, transformer_shape
 from tether.train.hf_convert import HFWeights
 from tether.train.megatron_cpu import quiet_megatron_imports
 
@@ -134,12 +134,7 @@ def _restored_facts(arch: ModelArch) -> dict[str, Any]:
     """The HF facts mbridge's configs drop or set differently from the HF model (each measured
     against transformers' logits in tests/integration/test_train_model.py)."""
     facts: dict[str, Any] = {
-        "num_layers": arch.num_layers,
-        "hidden_size": arch.hidden_size,
-        "ffn_hidden_size": arch.ffn_hidden_size,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_query_groups": arch.num_query_groups,
-        "kv_channels": arch.head_dim,
+        **transformer_shape(arch),
         "layernorm_epsilon": arch.norm_epsilon,
         "add_qkv_bias": arch.qkv_bias,
         "qk_layernorm": arch.qk_layernorm or arch.multi_latent_attention,

@@ -417,16 +417,23 @@ def parse_moe_layer_freq(value: str, num_layers: int, flag: str = "--moe-layer-f
     return tuple(got)
 
 
-def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
-    """Reject Megatron architecture flags (from a slime script) that disagree with the HF config."""
-    yarn = dict(arch.yarn or ())
-    expected: dict[str, object] = {
+def transformer_shape(arch: ModelArch) -> dict[str, int]:
+    """The decoder's shape under the names Megatron's TransformerConfig and its flags share."""
+    return {
         "num_layers": arch.num_layers,
         "hidden_size": arch.hidden_size,
         "ffn_hidden_size": arch.ffn_hidden_size,
         "num_attention_heads": arch.num_attention_heads,
         "num_query_groups": arch.num_query_groups,
         "kv_channels": arch.head_dim,
+    }
+
+
+def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
+    """Reject Megatron architecture flags (from a slime script) that disagree with the HF config."""
+    yarn = dict(arch.yarn or ())
+    expected: dict[str, object] = {
+        **transformer_shape(arch),
         "vocab_size": arch.vocab_size,
         "max_position_embeddings": arch.max_position_embeddings,
         "rotary_base": arch.rope_theta,

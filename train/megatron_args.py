@@ -39,10 +39,8 @@ def params_dtype(megatron: MegatronConfig) -> torch.dtype:
     return torch.float32
 
 
-def resolve_arch(arch: ModelArch, megatron: MegatronConfig, *, tp_size: int, pp_size: int) -> ModelArch:
-    """The HF architecture as this run builds it: architecture flags checked against it, the layout
-    checked against its shape, the vocabulary padding of --make-vocab-size-divisible-by applied."""
-    check_architecture_flags(arch, megatron.architecture())
+def _check_layout(arch: ModelArch, megatron: MegatronConfig, tp_size: int, pp_size: int) -> None:
+    """The parallel layout fits the model's shape (see `check_parallel`)."""
     check_parallel(
         arch,
         tp_size,
@@ -53,6 +51,13 @@ def resolve_arch(arch: ModelArch, megatron: MegatronConfig, *, tp_size: int, pp_
         etp_size=megatron.expert_tensor_parallel_size,
         sequence_parallel=megatron.sequence_parallel,
     )
+
+
+def resolve_arch(arch: ModelArch, megatron: MegatronConfig, *, tp_size: int, pp_size: int) -> ModelArch:
+    """The HF architecture as this run builds it: architecture flags checked against it, the layout
+    checked against its shape, the vocabulary padding of --make-vocab-size-divisible-by applied."""
+    check_architecture_flags(arch, megatron.architecture())
+    _check_layout(arch, megatron, tp_size, pp_size)
     return dataclasses.replace(arch, vocab_multiple=megatron.make_vocab_size_divisible_by or 1)
 
 
@@ -133,15 +138,7 @@ def transformer_config(
     """
     from tether.train import bridge
 
-    check_parallel(
-        arch,
-        tp_size,
-        pp_size,
-        megatron.decoder_first_pipeline_num_layers,
-        megatron.decoder_last_pipeline_num_layers,
-        ep_size=megatron.expert_model_parallel_size,
-        etp_size=megatron.expert_tensor_parallel_size,
-    )
+    _check_layout(arch, megatron, tp_size, pp_size)
     overrides = transformer_config_kwargs(megatron, caps, tp_size=tp_size)
     overrides.update(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
     return bridge.build_config(arch, bridge.config_kwargs(base or {}, arch, overrides))

@@ -10,14 +10,12 @@ source. Results go to WORK_DIR/results/rank{N}.json.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import common
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from tether.train import export, model, parallel, step
 from tether.train.config import AlgorithmConfig, MegatronConfig
@@ -75,26 +73,9 @@ def train_steps(actor: model.Actor, topo: parallel.Topology) -> list[dict[str, f
 
 
 def make_models(root: Path, families: list[str]) -> dict[str, Path]:
-    """Each family's tiny model under root, every weight perturbed (biases and norms start at 0/1
-    in a fresh init, which would hide layout mistakes)."""
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
-
-    out = {}
-    for name in families:
-        i = list(FAMILIES).index(name)
-        path = root / name
-        if not (path / "config.json").exists():
-            write_tiny_model(path, TinyModelSpec(layers=2, seed=i, **FAMILIES[name]))  # type: ignore[arg-type]
-            if name in CONFIG_CHANGES:
-                config = json.loads((path / "config.json").read_text())
-                (path / "config.json").write_text(json.dumps({**config, **CONFIG_CHANGES[name]}))
-            f = path / "model.safetensors"
-            tensors = load_file(str(f))
-            g = torch.Generator().manual_seed(100 + i)
-            perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
-            save_file(perturbed, str(f), metadata={"format": "pt"})
-        out[name] = path
-    return out
+    """The families' tiny models under root (common.make_models, with the config changes above)."""
+    chosen = {name: FAMILIES[name] for name in families}
+    return common.make_models(root, families=chosen, config_changes=CONFIG_CHANGES)
 
 
 def reinit(tp: int, pp: int, ep: int) -> parallel.Topology:

@@ -29,16 +29,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_models(root: Path, layers: int = 2) -> dict[str, Path]:
-    """Write each family's tiny model under root, with every weight perturbed (biases and norms
-    start at 0/1 in a fresh init, which would hide layout mistakes)."""
+def make_models(
+    root: Path,
+    layers: int = 2,
+    families: dict[str, dict[str, Any]] | None = None,
+    config_changes: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Path]:
+    """Write each family's tiny model under root (default: FAMILIES), with every weight perturbed
+    (biases and norms start at 0/1 in a fresh init, which would hide layout mistakes) and its
+    `config_changes` merged into config.json. Models already there are kept."""
     from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
     out = {}
-    for i, (name, kw) in enumerate(FAMILIES.items()):
+    for i, (name, kw) in enumerate((families or FAMILIES).items()):
         path = root / name
         if not (path / "config.json").exists():
             write_tiny_model(path, TinyModelSpec(layers=layers, seed=i, **kw))
+            if config_changes and name in config_changes:
+                config = json.loads((path / "config.json").read_text())
+                (path / "config.json").write_text(json.dumps({**config, **config_changes[name]}))
             f = path / "model.safetensors"
             tensors = load_file(str(f))
             g = torch.Generator().manual_seed(100 + i)
