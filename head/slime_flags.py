@@ -1,4 +1,5 @@
-"""slime's flags that tether does not implement, each with the reason: `tether plan` and `tether run`
+"""slime's flags (and Megatron-LM flags slime's scripts pass) that tether does not implement, each
+with the reason: `tether plan` and `tether run`
 refuse them by name with it (instead of "not a flag"), and the README lists them.
 
 Every other flag of slime's argument parser (slime/utils/arguments.py) is a tether flag with slime's
@@ -94,8 +95,21 @@ NOT_IMPLEMENTED: dict[str, str] = {
 }
 """slime flag -> why tether refuses it."""
 
+MEGATRON_NOT_IMPLEMENTED: dict[str, str] = {
+    "--spec": "layer specs come from the model family (GLM-4's post-sublayer norms are built in); drop it",
+    "--moe-enable-deepep": "DeepEP token dispatch needs CUDA and DeepEP; use --moe-token-dispatcher-type alltoall",
+    "--use-gated-attention": "gated attention layers are not built",
+    "--attention-output-gate": "gated attention layers are not built",
+    "--apply-layernorm-1p": "zero-centred (1p) layer norms are not built",
+}
+"""Megatron-LM flags slime's scripts pass that tether refuses, and why."""
+
 
 def refusal(flag: str) -> str | None:
     """Why `flag` is refused, when it is one of slime's flags tether does not implement."""
-    reason = NOT_IMPLEMENTED.get(flag.split("=", 1)[0])
-    return None if reason is None else f"is slime's flag, not supported by tether: {reason}"
+    name = flag.split("=", 1)[0]
+    if name in NOT_IMPLEMENTED:
+        return f"is slime's flag, not supported by tether: {NOT_IMPLEMENTED[name]}"
+    if name in MEGATRON_NOT_IMPLEMENTED:
+        return f"is Megatron-LM's flag, not supported by tether: {MEGATRON_NOT_IMPLEMENTED[name]}"
+    return None

@@ -7,11 +7,13 @@ TP splits and merges). tether uses them with its own model and loop:
 
 - Config: mbridge's kwargs, then the HF facts its configs drop or get wrong for tether's families
   (`_restored_facts`: norm_topk_prob, n_group/topk_group, first_k_dense_replace and Qwen-MoE's
-  sparse steps, the shared-expert gate, YaRN, partial RoPE, GLM's attention bias), then CPU-safe
-  kernel settings, then the run's own flag kwargs (`megatron_args`): flags keep Megatron's meaning.
+  sparse steps, the shared-expert gate, YaRN, partial and interleaved RoPE, GLM's attention bias),
+  then CPU-safe kernel settings, then the run's own flag kwargs (`megatron_args`): flags keep
+  Megatron's meaning.
 - Layer spec: TransformerEngine's when the rank uses it, else Megatron's local spec with the same
   modules (experts, MLA, qk-norm); its norms accept sequence parallelism and MLA has a core attention
-  (`bridge_spec`).
+  (`bridge_spec`). GLM-4 dense's layers carry their extra output norms under both (`bridge_glm4`).
+- Families: mbridge's registry, plus tether's glm4 bridge (`bridge_glm4`), which mbridge lacks.
 - Names: mbridge maps TransformerEngine's parameter names. The local spec names a few parameters
   differently (separate input/pre-MLP norms, MLA's q/kv norms, SequentialMLP's experts);
   `te_name` rewrites them to the names mbridge knows.
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tether.train.bridge_glm4 import glm4_bridge_class, with_post_sublayer_norms
 from tether.train.hf_config import ModelArch, transformer_shape
 from tether.train.hf_convert import HFWeights
 from tether.train.megatron_cpu import quiet_megatron_imports
@@ -79,7 +82,10 @@ def _mbridge_registry() -> dict[str, Any]:
     with quiet_megatron_imports():
         import mbridge.models  # noqa: F401  (registers the families)
         from mbridge.core.bridge import _MODEL_REGISTRY
-    return dict(_MODEL_REGISTRY)
+    registry = dict(_MODEL_REGISTRY)
+    # mbridge 0.15.1 has no glm4 (dense) bridge: tether's joins this copy, not mbridge's registry.
+    registry.setdefault("glm4", glm4_bridge_class())
+    return registry
 
 
 def hf_config(hf_dir: str | Path) -> Any:
@@ -142,6 +148,7 @@ def _restored_facts(arch: ModelArch) -> dict[str, Any]:
         "gated_linear_unit": True,
         "add_bias_linear": False,
         "rotary_percent": arch.rotary_percent,
+        "rotary_interleaved": arch.rotary_interleaved,
     }
     if arch.is_moe:
         assert arch.moe_layer_freq is not None
@@ -276,9 +283,10 @@ def _fix_mla_without_te() -> None:
         multi_latent_attention.HAVE_TE = False  # type: ignore[attr-defined]
 
 
-def layer_spec(config: Any, transformer_engine: bool, pp_rank: int) -> Any:
+def layer_spec(config: Any, transformer_engine: bool, pp_rank: int, post_sublayer_norms: bool = False) -> Any:
     """Pipeline stage `pp_rank`'s block spec: per layer dense or MoE (moe_layer_freq), MLA or not,
-    qk-norm."""
+    qk-norm, and GLM-4's norms of attention's and the MLP's outputs (`post_sublayer_norms`, under
+    either spec: `bridge_glm4`)."""
     with quiet_megatron_imports():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -293,6 +301,8 @@ def layer_spec(config: Any, transformer_engine: bool, pp_rank: int) -> Any:
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=transformer_engine, normalization="RMSNorm", pp_rank=pp_rank
     )
+    if post_sublayer_norms:
+        spec = with_post_sublayer_norms(spec)
     return spec if transformer_engine else local_spec(spec, bool(config.multi_latent_attention))
 
 

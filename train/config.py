@@ -348,12 +348,15 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "seq_length",
     "rotary_base",
     "rotary_percent",
+    "rotary_interleaved",
     "norm_epsilon",
     "normalization",
     "swiglu",
     "disable_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",
+    "post_self_attn_layernorm",
+    "post_mlp_layernorm",
     "untie_embeddings_and_output_weights",
     "use_rotary_position_embeddings",
     "position_embedding_type",
@@ -594,6 +597,10 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     rotary_percent: Annotated[
         float | None, Meta(description="Fraction of the head dim that RoPE rotates.")
     ] = None
+    rotary_interleaved: Annotated[
+        bool,
+        Meta(description="RoPE rotates interleaved (adjacent) pairs of dims, not the two halves (GLM-4)."),
+    ] = False
     norm_epsilon: Annotated[float | None, Meta(description="Epsilon of the normalization layers.")] = None
     normalization: Annotated[
         Literal["LayerNorm", "RMSNorm"] | None, Meta(description="Normalization layer.")
@@ -602,6 +609,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     disable_bias_linear: Annotated[bool, Meta(description="No biases in linear layers.")] = False
     add_qkv_bias: Annotated[bool, Meta(description="Bias in the QKV projection (Qwen2).")] = False
     qk_layernorm: Annotated[bool, Meta(description="Normalize queries and keys per head (Qwen3).")] = False
+    post_self_attn_layernorm: Annotated[
+        bool,
+        Meta(description="Normalize attention's output before the residual add (GLM-4's sandwich norm)."),
+    ] = False
+    post_mlp_layernorm: Annotated[
+        bool, Meta(description="Normalize the MLP's output before the residual add (GLM-4's sandwich norm).")
+    ] = False
     untie_embeddings_and_output_weights: Annotated[
         bool, Meta(description="Separate input embedding and output layer weights.")
     ] = False

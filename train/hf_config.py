@@ -17,16 +17,13 @@ from typing import Any
 from tether.runtime.errors import ConfigError
 from tether.train.config import stage_layers
 
-DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 
 # Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
-REFUSED_MODEL_TYPES: dict[str, str] = {
-    "glm4": "GLM-4 dense normalizes each sublayer's output again (post_self_attn_layernorm and "
-    "post_mlp_layernorm, 'sandwich' norms); megatron-core 0.16's TransformerLayer has no norm after "
-    "attention or MLP, and mbridge has no glm4 bridge",
-}
+# (GLM-4 dense was here until its sandwich norms were built: tether.train.bridge_glm4.)
+REFUSED_MODEL_TYPES: dict[str, str] = {}
 
 # Megatron's llama3 RoPE scaling hard-codes these; other values cannot be represented.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -63,7 +60,13 @@ class ModelArch:
     vocab_multiple: int = 1
     """--make-vocab-size-divisible-by: embedding rows are padded to a multiple of this times TP."""
     rotary_percent: float = 1.0
-    """Share of the head dim that RoPE rotates (GLM-4.5's partial_rotary_factor)."""
+    """Share of the head dim that RoPE rotates (GLM's partial_rotary_factor)."""
+    rotary_interleaved: bool = False
+    """RoPE rotates adjacent pairs (GLM-4 dense: Megatron's --rotary-interleaved), not the two halves."""
+    post_sublayer_norms: bool = False
+    """GLM-4 dense's sandwich norms: attention's and the MLP's outputs are normalized again before
+    the residual add (HF post_self_attn_layernorm / post_mlp_layernorm; Megatron's
+    --post-self-attn-layernorm / --post-mlp-layernorm)."""
     # Mixture of experts (num_experts None: dense).
     num_experts: int | None = None
     moe_router_topk: int | None = None
@@ -249,6 +252,8 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
     # (except GLM-4.5) o_proj has one too, which Megatron's add_qkv_bias cannot express.
     if model_type in ("qwen2", "qwen2_moe"):
         qkv_bias = True
+    elif model_type == "glm4":
+        qkv_bias = bool(cfg.get("attention_bias", True))  # transformers' Glm4Config default
     elif model_type == "glm4_moe":
         qkv_bias = bool(cfg.get("attention_bias"))
     elif cfg.get("attention_bias"):
@@ -258,9 +263,16 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
     theta, factor = _rope(cfg, path)
     layers = int(_field(cfg, "num_hidden_layers", path))
     params = cfg.get("rope_parameters") or {}
+    # transformers' Glm4Config rotates half the head dim when the config names no factor.
+    default_rotary = 0.5 if model_type == "glm4" else 1.0
     extra: dict[str, Any] = {
-        "rotary_percent": float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        "rotary_percent": float(
+            params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_rotary))
+        )
     }
+    if model_type == "glm4":
+        # Glm4DecoderLayer's extra norms; Glm4's apply_rotary_pos_emb rotates interleaved pairs.
+        extra.update(post_sublayer_norms=True, rotary_interleaved=True)
     if model_type in MOE_MODEL_TYPES:
         extra.update(_moe_fields(cfg, model_type, path, layers))
     if model_type == "deepseek_v3":
@@ -448,6 +460,9 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         "disable_bias_linear": True,
         "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
         "rotary_percent": arch.rotary_percent,
+        "rotary_interleaved": arch.rotary_interleaved,
+        "post_self_attn_layernorm": arch.post_sublayer_norms,
+        "post_mlp_layernorm": arch.post_sublayer_norms,
         # Mixture of experts and multi-latent attention: properties of the checkpoint too.
         "num_experts": arch.num_experts,
         "moe_router_topk": arch.moe_router_topk,

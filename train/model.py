@@ -73,7 +73,8 @@ def build_chunk(
     """This PP stage's GPTModel (embedding on the first stage, norm + output on the last).
 
     `transformer_engine`: build with TE's layers (default: when CUDA and TE are available). The
-    block spec follows `config` (dense or MoE per layer, MLA, qk-norm; `bridge.layer_spec`).
+    block spec follows `config` (dense or MoE per layer, MLA, qk-norm; `bridge.layer_spec`) and
+    `arch` (GLM-4's norms of attention's and the MLP's outputs).
     """
     with quiet_megatron_imports():
         from megatron.core.models.gpt import GPTModel
@@ -82,7 +83,9 @@ def build_chunk(
         transformer_engine = Capabilities.detect().transformer_engine
     model = GPTModel(
         config=config,
-        transformer_layer_spec=bridge.layer_spec(config, transformer_engine, topo.pp_rank),
+        transformer_layer_spec=bridge.layer_spec(
+            config, transformer_engine, topo.pp_rank, post_sublayer_norms=arch.post_sublayer_norms
+        ),
         vocab_size=arch.padded_vocab_size(topo.tp_size),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         pre_process=topo.is_first_stage,

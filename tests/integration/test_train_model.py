@@ -1,8 +1,10 @@
 """Megatron model from HF checkpoints on CPU, built and converted through mbridge: conversion round
 trips and logits parity for every family tether builds.
 
-One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x ten model variants (Llama;
-Qwen2 with qkv bias; Qwen3 with qk-norm, untied and tied; Qwen2-MoE with a gated shared expert and
+One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x eleven model variants (Llama;
+Qwen2 with qkv bias; Qwen3 with qk-norm, untied and tied; GLM-4 dense with norms after attention and
+the MLP, a fused gate_up_proj, qkv bias and interleaved partial RoPE (at TP=2 with sequence
+parallelism); Qwen2-MoE with a gated shared expert and
 unnormalized top-k; Qwen3-MoE; Mixtral; GLM-4.5 MoE with partial RoPE, attention bias, a dense
 first layer and sigmoid routing with a correction bias; DeepSeek-V3 with multi-latent attention,
 grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE): build the actor from HF
@@ -18,7 +20,7 @@ from typing import Any
 import pytest
 from support.train_checks.launcher import results, torchrun, value
 
-# One launch builds 9 families x 3 layouts and trains two of them (about a minute on 2 cores).
+# One launch builds 11 families x 3 layouts and trains three of them (about a minute on 2 cores).
 pytestmark = pytest.mark.timeout(1500)
 
 LAYOUTS = ["dp2", "tp2", "pp2"]
@@ -28,6 +30,7 @@ FAMILIES = [
     "qwen2",
     "qwen3",
     "qwen3_tied",
+    "glm4",
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
@@ -86,6 +89,18 @@ def test_moe_training_steps_equal_across_layouts(
     for rank_results in checked:
         want = value(rank_results, f"dp2/{family}/train")
         got = value(rank_results, f"{layout}/{family}/train")
+        assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_glm4_training_steps_equal_across_layouts(checked: list[dict[str, Any]], layout: str) -> None:
+    # GLM-4 dense at TP=2 with sequence parallelism and at PP=2: two SFT steps' loss and grad norm
+    # equal DP=2's, so the gradients through the norms of attention's and the MLP's outputs (their
+    # weights sequence-parallel at TP=2, summed over TP) are counted once, like every other weight.
+    for rank_results in checked:
+        want = value(rank_results, "dp2/glm4/train")
+        got = value(rank_results, f"{layout}/glm4/train")
         assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
 

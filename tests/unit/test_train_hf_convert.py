@@ -1,6 +1,7 @@
 """In-process units: HF config mapping (dense, MoE and MLA families, refusals), the conversion through
 mbridge (`tether.train.bridge`: name mapping for the local spec, TP 1/2/4 layouts, the TransformerConfig
-with the HF facts mbridge drops), checkpoint selection on disk, and the CPU patch switch."""
+with the HF facts mbridge drops, GLM-4 dense's bridge and layer spec), checkpoint selection on disk,
+and the CPU patch switch."""
 
 from __future__ import annotations
 
@@ -69,7 +70,6 @@ def test_load_arch_maps_the_families(tmp_path: Path) -> None:
     ("changes", "key"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"model_type": "glm4"}, "sandwich"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
@@ -105,6 +105,59 @@ def test_load_arch_maps_the_families(tmp_path: Path) -> None:
 def test_load_arch_names_the_bad_field(tmp_path: Path, changes: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         load_arch(write_config(tmp_path, **changes))
+
+
+GLM4 = {
+    "model_type": "glm4",
+    "head_dim": 8,
+    "pad_token_id": 0,
+    "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"},
+}
+
+
+def test_load_arch_reads_glm4_dense(tmp_path: Path) -> None:
+    # Without attention_bias / partial_rotary_factor in config.json, transformers' Glm4Config defaults
+    # apply (q/k/v biases, half the head dim rotated); the sandwich norms and interleaved RoPE always.
+    glm = load_arch(write_config(tmp_path, **GLM4))
+    assert (glm.qkv_bias, glm.rotary_percent, glm.rotary_interleaved, glm.post_sublayer_norms) == (
+        True,
+        0.5,
+        True,
+        True,
+    )
+    assert not glm.is_moe
+    params = {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.25}
+    other = load_arch(write_config(tmp_path, **{**GLM4, "attention_bias": False, "rope_parameters": params}))
+    assert (other.qkv_bias, other.rotary_percent) == (False, 0.25)
+    for family in ("qwen2", "glm4_moe"):
+        arch = load_arch(write_config(tmp_path, model_type=family, **MOE.get(family, {})))
+        assert not arch.rotary_interleaved and not arch.post_sublayer_norms
+
+
+def test_glm4_architecture_flags_must_match(tmp_path: Path) -> None:
+    glm = load_arch(write_config(tmp_path, **GLM4))
+    # slime's scripts/models/glm4-9B.sh, shaped to this config.
+    check_architecture_flags(
+        glm,
+        {
+            "post_self_attn_layernorm": True,
+            "post_mlp_layernorm": True,
+            "rotary_interleaved": True,
+            "rotary_percent": 0.5,
+            "add_qkv_bias": True,
+        },
+    )
+    with pytest.raises(
+        ConfigError, match=r"--rotary-percent=1\.0: the Hugging Face config \(glm4\) has 0\.5"
+    ):
+        check_architecture_flags(glm, {"rotary_percent": 1.0})
+    qwen = load_arch(write_config(tmp_path))
+    for flag in ("post_self_attn_layernorm", "post_mlp_layernorm", "rotary_interleaved"):
+        dashed = "--" + flag.replace("_", "-")
+        with pytest.raises(
+            ConfigError, match=f"{dashed}=True: the Hugging Face config \\(qwen2\\) has False"
+        ):
+            check_architecture_flags(qwen, {flag: True})
 
 
 def test_missing_checkpoint_names_the_flag(tmp_path: Path) -> None:
@@ -358,6 +411,84 @@ def test_conversion_round_trips_bit_exact(tmp_path: Path, tp: int) -> None:
         assert names == weights.hf_names(name)
         for want, got in zip(hf, back, strict=True):
             assert torch.equal(want, got), name
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_glm4_bridge_maps_fused_gate_up_and_sandwich_norms(tmp_path: Path, tp: int) -> None:
+    """GLM-4's gate_up_proj is Megatron's fused fc1 ([gate; up]): each TP rank gets its gate rows and
+    its up rows, and the merge gives the HF tensor back bit-exact; the two extra norms keep their names."""
+    arch, b = _open(write_config(tmp_path, **GLM4), tp)
+    weights = _weights(arch, b, tp)
+    layer = "model.layers.2."
+    assert weights.hf_names("decoder.layers.2.mlp.linear_fc1.weight") == [layer + "mlp.gate_up_proj.weight"]
+    assert weights.hf_names("decoder.layers.2.mlp.linear_fc1.layer_norm_weight") == [
+        layer + "post_attention_layernorm.weight"
+    ]
+    assert weights.hf_names("decoder.layers.2.post_mlp_layernorm.weight") == [
+        layer + "post_mlp_layernorm.weight"
+    ]
+    assert weights.hf_names("decoder.layers.2.post_self_attn_layernorm.weight") == [
+        layer + "post_self_attn_layernorm.weight"
+    ]
+    assert weights.hf_names("decoder.layers.2.self_attention.linear_qkv.bias") == [
+        layer + f"self_attn.{p}_proj.bias" for p in "qkv"
+    ]
+    f, h = arch.ffn_hidden_size, arch.hidden_size
+    gate_up = torch.arange(2 * f * h, dtype=torch.float32).view(2 * f, h)
+    name = "decoder.layers.2.mlp.linear_fc1.weight"
+    full = b._weight_to_mcore_format(name, [gate_up])  # type: ignore[attr-defined]
+    param = _marked((2 * f // tp, h), 0)
+    shards = list(b._weight_split_across_tp(name, full, param, tp))  # type: ignore[attr-defined]
+    rows = f // tp
+    for rank, shard in enumerate(shards):
+        want = torch.cat(
+            [gate_up[rank * rows : (rank + 1) * rows], gate_up[f + rank * rows : f + (rank + 1) * rows]]
+        )
+        assert torch.equal(shard, want)
+    merged = b._weight_merge_across_tp(name, shards, param) if tp > 1 else shards[0]  # type: ignore[attr-defined]
+    names, back = b._weight_to_hf_format(name, merged)  # type: ignore[attr-defined]
+    assert names == [layer + "mlp.gate_up_proj.weight"] and torch.equal(back[0], gate_up)
+    config = weights.config  # mbridge's kwargs with the restored HF facts
+    assert config.rotary_interleaved and config.add_qkv_bias and not config.add_bias_linear
+
+
+def test_glm4_layers_carry_the_output_norms_under_both_specs(tmp_path: Path) -> None:
+    """Local spec: the two norms are sequence-parallel torch norms on Megatron's TransformerLayer
+    subclass. TE spec (not buildable without TransformerEngine): they take the block's norm class
+    (TENorm there), checked on a stand-in block."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from tether.train import bridge_glm4, bridge_spec
+
+    arch, b = _open(write_config(tmp_path, **GLM4), 2)
+    fields = bridge.config_kwargs(
+        dict(b.config), arch, {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    )
+    config = bridge.build_config(arch, fields)
+    block = bridge.layer_spec(config, transformer_engine=False, pp_rank=0, post_sublayer_norms=True)
+    for layer in block.layer_specs:
+        assert layer.module is bridge_glm4.post_norm_layer_class()
+        assert issubclass(layer.module, TransformerLayer)
+        assert layer.submodules.post_self_attn_layernorm is bridge_spec.SequenceParallelTorchNorm
+        assert layer.submodules.post_mlp_layernorm is bridge_spec.SequenceParallelTorchNorm
+    plain = bridge.layer_spec(config, transformer_engine=False, pp_rank=0)
+    assert all(layer.module is TransformerLayer for layer in plain.layer_specs)
+
+    class StandInNorm:
+        pass
+
+    te_like = TransformerBlockSubmodules(
+        layer_specs=[
+            ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(mlp=StandInNorm))
+        ],
+        layer_norm=StandInNorm,
+    )
+    layer = bridge_glm4.with_post_sublayer_norms(te_like).layer_specs[0]
+    assert layer.submodules.post_self_attn_layernorm is StandInNorm
+    assert layer.submodules.post_mlp_layernorm is StandInNorm
+    assert layer.submodules.mlp is StandInNorm  # the other submodules are kept
 
 
 def test_qkv_layout_groups_query_heads_with_their_kv_head(tmp_path: Path) -> None:

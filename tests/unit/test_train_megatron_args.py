@@ -49,6 +49,15 @@ ARCH = ModelArch(
     qk_layernorm=False,
 )
 MHA = dataclasses.replace(ARCH, num_query_groups=4)
+# A tiny GLM-4 dense shape: sandwich norms, interleaved half RoPE, q/k/v biases.
+GLM4 = dataclasses.replace(
+    ARCH,
+    model_type="glm4",
+    qkv_bias=True,
+    rotary_percent=0.5,
+    rotary_interleaved=True,
+    post_sublayer_norms=True,
+)
 TIED = dataclasses.replace(ARCH, tie_word_embeddings=True)
 # A tiny DeepSeek-V3 shape (MLA + MoE with grouped, biased sigmoid routing), as hf_config reads it.
 MOE = dataclasses.replace(
@@ -944,6 +953,20 @@ PROBES: dict[str, list[Probe]] = {
     "--seq-length": [flag("--seq-length", "512")],
     "--rotary-base": [flag("--rotary-base", "500000", expect="refused")],
     "--rotary-percent": [flag("--rotary-percent", "0.5", expect="refused")],
+    # GLM-4's architecture flags: refused where the HF config disagrees; where it agrees they change
+    # nothing (the HF config already builds the layer that way).
+    "--rotary-interleaved": [
+        flag("--rotary-interleaved", expect="refused"),
+        flag("--rotary-interleaved", expect="ignored", arch=GLM4),
+    ],
+    "--post-self-attn-layernorm": [
+        flag("--post-self-attn-layernorm", expect="refused"),
+        flag("--post-self-attn-layernorm", expect="ignored", arch=GLM4),
+    ],
+    "--post-mlp-layernorm": [
+        flag("--post-mlp-layernorm", expect="refused"),
+        flag("--post-mlp-layernorm", expect="ignored", arch=GLM4),
+    ],
     "--norm-epsilon": [flag("--norm-epsilon", "1e-5", expect="refused")],
     "--normalization": [flag("--normalization", "LayerNorm", expect="refused")],
     "--swiglu": [flag("--swiglu", expect="asserted")],
@@ -1038,8 +1061,28 @@ def test_plan_and_run_refuse_alike(argv: list[str], message: str, capsys: pytest
 @pytest.mark.parametrize(
     ("config", "extra", "message"),
     [
-        ({"model_type": "glm4"}, [], "sandwich"),
         ({"model_type": "gpt2"}, [], "supported: llama"),
+        (
+            {"model_type": "glm4"},
+            ["--rotary-percent", "1.0"],
+            "--rotary-percent=1.0: the Hugging Face config (glm4) has 0.5",
+        ),
+        ({"model_type": "glm4"}, ["--context-parallel-size", "2"], "--context-parallel-size=2:"),
+        (
+            {"model_type": "llama"},
+            ["--rotary-interleaved"],
+            "--rotary-interleaved=True: the Hugging Face config (llama) has False",
+        ),
+        (
+            {"model_type": "qwen2"},
+            ["--post-self-attn-layernorm"],
+            "--post-self-attn-layernorm=True: the Hugging Face config (qwen2) has False",
+        ),
+        (
+            {"model_type": "qwen3"},
+            ["--post-mlp-layernorm"],
+            "--post-mlp-layernorm=True: the Hugging Face config (qwen3) has False",
+        ),
         (
             {
                 "model_type": "qwen3_moe",
@@ -1108,6 +1151,44 @@ def test_plan_accepts_moe_flags_that_match_the_hf_config(tmp_path: Any) -> None:
         "--group-query-attention", "--num-query-groups", "2",
     ]  # fmt: skip
     assert plan_command.main_argv(argv) == 0
+
+
+# slime's scripts/models/glm4-9B.sh (every flag but --spec, which names slime's layer-spec plugin; tether
+# builds the layer through its bridge) with scripts/run-glm4-9B.sh's TP=2 + sequence parallelism, the
+# sizes scaled to a tiny glm4 config.
+SLIME_GLM4 = """--swiglu --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+--group-query-attention --num-query-groups 2 --use-rotary-position-embeddings --disable-bias-linear
+--add-qkv-bias --normalization RMSNorm --norm-epsilon 1e-5 --rotary-base 10000 --vocab-size 320
+--post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved --rotary-percent 0.5 --no-rope-fusion
+--untie-embeddings-and-output-weights --tensor-model-parallel-size 2 --sequence-parallel"""
+
+
+def test_plan_accepts_slime_glm4_flags_that_match_the_hf_config(tmp_path: Any) -> None:
+    import json
+
+    from tether import plan_command
+    from tether.train.hf_config import load_arch
+
+    config = {
+        "model_type": "glm4",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cpu = ["--cpu-devices", "4", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]
+    assert plan_command.main_argv(["--hf-checkpoint", str(tmp_path), *cpu, *SLIME_GLM4.split()]) == 0
+    m = parse(*SLIME_GLM4.split()).megatron
+    assert (m.post_self_attn_layernorm, m.post_mlp_layernorm, m.rotary_interleaved) == (True, True, True)
+    arch = megatron_args.resolve_arch(load_arch(tmp_path), m, tp_size=2, pp_size=1)
+    assert arch.post_sublayer_norms and arch.rotary_interleaved and arch.rotary_percent == 0.5
 
 
 SLIME_QWEN3_MOE = """--disable-bias-linear --qk-layernorm --group-query-attention --num-attention-heads 4

@@ -2,8 +2,8 @@
 through mbridge, logits parity.
 
 For each layout (DP=2, TP=2, PP=2; EP=2 for the MoE families) and family (`FAMILIES`: dense Llama, Qwen2 with qkv bias, Qwen3
-with qk-norm, tied and untied; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5; DeepSeek-V3 with MLA +
-MoE): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
+with qk-norm, tied and untied, GLM-4 with sandwich norms, fused gate_up_proj and interleaved partial
+RoPE; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5; DeepSeek-V3 with MLA + MoE): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
 logits with transformers, and at PP=2 write an HF directory with save_hf and compare it with the
 source. Results go to WORK_DIR/results/rank{N}.json.
 """
@@ -30,6 +30,7 @@ FAMILIES: dict[str, dict[str, object]] = {
     "qwen2": {"arch": "qwen2"},
     "qwen3": {"arch": "qwen3"},
     "qwen3_tied": {"arch": "qwen3", "tie_embeddings": True},
+    "glm4": {"arch": "glm4"},
     "qwen2_moe": {"arch": "qwen2_moe"},
     "qwen3_moe": {"arch": "qwen3_moe"},
     "mixtral": {"arch": "mixtral"},
@@ -57,8 +58,11 @@ CONFIG_CHANGES: dict[str, dict[str, object]] = {
 
 # Families also trained for two SFT steps per layout: loss and grad norm at TP=2 (with sequence
 # parallelism) and PP=2 must equal DP=2's (experts' TP shards counted once, MLA's shared RoPE key
-# summed over TP).
-TRAINED = ("qwen3_moe", "deepseek_v3")
+# summed over TP, GLM-4's sequence-parallel output norms' gradients summed over TP).
+TRAINED = ("qwen3_moe", "deepseek_v3", "glm4")
+# Families built with --sequence-parallel at TP=2: MoE (Megatron requires it) and GLM-4 (slime's
+# GLM-4-9B script runs with it).
+SEQUENCE_PARALLEL = ("glm4",)
 SFT = AlgorithmConfig(loss_type="sft_loss", lr=1e-3)
 
 
@@ -157,6 +161,7 @@ def main() -> None:
         for family, hf_dir in models.items():
             # Megatron runs MoE layers at TP > 1 with sequence parallelism (the local norms accept it).
             moe = FAMILIES[family]["arch"] in MOE_ARCHES
+            sequence_parallel = (moe or family in SEQUENCE_PARALLEL) and tp > 1
             if ep > 1 and not moe:
                 continue
             opts = model.ModelOptions(
@@ -168,7 +173,7 @@ def main() -> None:
                     lr_decay_style="constant",
                     tensor_model_parallel_size=tp,
                     pipeline_model_parallel_size=pp,
-                    sequence_parallel=moe and tp > 1,
+                    sequence_parallel=sequence_parallel,
                     expert_model_parallel_size=ep,
                     moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
                 ),
