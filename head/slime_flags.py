@@ -86,6 +86,12 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "--log-correct-samples": "needs the trainer's per-sample entropy, which is not logged",
     "--check-weight-update-equal": "the engines' log-probs are compared with the trainer's every step instead "
     "(train/train_rollout_logprob_abs_diff)",
+    # Megatron flags slime's parser redefines
+    "--async-save": "checkpoints are written synchronously (atomically, with digests)",
+    "--no-save-optim": "checkpoints always hold the optimizer state, which a resume needs",
+    "--ref-ckpt-step": "--ref-load loads the checkpoint its tracker names",
+    "--distributed-backend": "the backend follows the device: NCCL on GPUs, gloo on CPU",
+    "--padded-vocab-size": "the vocabulary is padded by --make-vocab-size-divisible-by",
     # slime's CI switches
     "--ci-test": "slime's own CI checks",
     "--ci-disable-kl-checker": "slime's own CI checks",
