@@ -11,6 +11,7 @@ the result serialises to JSON for the run's receipt and loads back equal.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import types
@@ -24,9 +25,16 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from tether.critic_checks import check_critic
 from tether.placement.config import ClusterConfig
 from tether.rollout.config import DataConfig, RolloutConfig
+from tether.rollout.custom_data_source import (
+    check_data_source_class,
+    check_global_dataset_flags,
+    is_custom_source,
+)
 from tether.runtime.config import FaultToleranceConfig
+from tether.runtime.custom_config import read_custom_config
 from tether.runtime.errors import ConfigError
 from tether.slime_flags import refusal
 from tether.sync.config import WeightSyncConfig
@@ -36,6 +44,8 @@ from tether.train.config import (
     AlgorithmConfig,
     MegatronConfig,
     check_algorithm_against_megatron,
+    check_checkpoint_flags,
+    check_layer_spec,
     check_routing_replay,
 )
 
@@ -71,6 +81,16 @@ class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         ),
     ] = None
 
+    check_weight_update_equal: Annotated[
+        bool,
+        Meta(
+            description="Before training, check that a weight update reproduces the engines' weights, as slime "
+            "does: each engine snapshots its weights and overwrites them with noise (SGLang's /weights_checker), "
+            "the trainer publishes its weights, and every engine compares them with the snapshot; any tensor "
+            "that differs fails the run, named."
+        ),
+    ] = False
+
     def __post_init__(self) -> None:
         if self.dump_details is not None:  # slime's defaults under the details directory
             base = self.dump_details.rstrip("/")
@@ -82,9 +102,12 @@ class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 msgspec.structs.force_setattr(
                     self, "save_debug_train_data", f"{base}/train_data/{{rollout_id}}.msgpack"
                 )
-        if self.debug_train_only and self.load_debug_rollout_data is None:
+        if self.check_weight_update_equal and (self.debug_train_only or self.debug_rollout_only):
+            flag = "--debug-train-only" if self.debug_train_only else "--debug-rollout-only"
             raise ConfigError(
-                "--debug-train-only", True, "needs --load-debug-rollout-data to train on saved rollouts"
+                "--check-weight-update-equal",
+                True,
+                f"compares the engines' weights after a weight update; {flag} has none",
             )
 
 
@@ -247,10 +270,37 @@ def check_contradictions(cfg: Config) -> None:
     """Checks that span slices; each names the flags involved and their values."""
     if cfg.debug.debug_rollout_only and cfg.debug.debug_train_only:
         raise ConfigError("--debug-rollout-only", True, "contradicts --debug-train-only (nothing would run)")
+    debug = cfg.debug
+    if (
+        debug.debug_train_only
+        and debug.load_debug_rollout_data is None
+        and not cfg.rollout.rollout_function_path
+    ):
+        # slime's --debug-train-only starts no engines; the default rollout generates on them.
+        raise ConfigError(
+            "--debug-train-only",
+            True,
+            "starts no engines: train on saved rollouts (--load-debug-rollout-data) or give a "
+            "--rollout-function-path that generates nothing (slime.rollout.sft_rollout.generate_rollout)",
+        )
     cfg.weight_sync.check_colocate(cfg.cluster.colocate)
     check_algorithm_against_megatron(cfg.algorithm, cfg.megatron)
     check_routing_replay(cfg.algorithm, cfg.megatron, cfg.rollout.hf_checkpoint)
+    check_checkpoint_flags(cfg.algorithm, auto_resume=cfg.run.auto_resume)
     check_megatron_against_run(cfg)
+    check_critic(cfg)
+    if cfg.algorithm.log_probs_max_tokens_per_gpu is not None and not cfg.data.use_dynamic_batch_size:
+        raise ConfigError(
+            "--log-probs-max-tokens-per-gpu",
+            cfg.algorithm.log_probs_max_tokens_per_gpu,
+            "is the token budget of dynamic micro-batches; it needs --use-dynamic-batch-size",
+        )
+    check_global_dataset_flags(
+        cfg.data.disable_rollout_global_dataset,
+        cfg.data.prompt_data,
+        cfg.rollout.rollout_function_path,
+        cfg.rollout.data_source_path,
+    )
     if cfg.run.save_hf is not None:
         save_hf_path(cfg.run.save_hf, 0)  # a template `format` cannot fill is refused now
     if cfg.run.loop != "sync" and cfg.cluster.colocate:
@@ -281,35 +331,15 @@ def check_contradictions(cfg: Config) -> None:
 
 
 def check_megatron_against_run(cfg: Config) -> None:
-    """The Megatron flags against the rest of the run: the devices it plans on, the LR schedule's
-    horizon, the sample lengths rollouts produce, and the HF config when it is readable here."""
+    """The Megatron flags against the rest of the run: the devices it plans on, the sample lengths
+    rollouts produce, and the HF config when it is readable here."""
     megatron = cfg.megatron
     if cfg.cluster.cpu_devices is not None and not cfg.debug.debug_rollout_only:
         check_capabilities(
             megatron, Capabilities.cpu(), where="; this run plans on CPU devices (--cpu-devices)"
         )
-    # The LR schedule's horizon (--lr-decay-iters, default --train-iters, which build_config derives
-    # from --num-rollout) must be known when the trainer starts, before the prompts are read.
-    decays = megatron.lr_decay_style != "constant" or megatron.lr_warmup_fraction is not None
-    counted_by_epochs = cfg.data.num_rollout is None and cfg.data.num_epoch is not None
-    if (
-        decays
-        and megatron.lr_decay_horizon is None
-        and counted_by_epochs
-        and not cfg.debug.debug_rollout_only
-    ):
-        flag, value = (
-            ("--lr-decay-style", megatron.lr_decay_style)
-            if megatron.lr_decay_style != "constant"
-            else ("--lr-warmup-fraction", megatron.lr_warmup_fraction)
-        )
-        raise ConfigError(
-            flag,
-            value,
-            "needs the schedule's horizon when the trainer starts, and --num-epoch counts the steps only "
-            "once the prompts are read: set --lr-decay-iters, --train-iters or --num-rollout, or use "
-            "--lr-decay-style constant",
-        )
+    # A decaying schedule's horizon with --num-epoch (and no --num-rollout) is counted from the
+    # prompts when `tether run` starts, before the trainer does (`with_counted_epochs`).
     rollout = cfg.rollout
     longest = rollout.rollout_max_context_len
     if longest is None and rollout.rollout_max_prompt_len and rollout.rollout_max_response_len:
@@ -337,6 +367,51 @@ def check_megatron_against_run(cfg: Config) -> None:
             etp_size=megatron.expert_tensor_parallel_size,
             sequence_parallel=megatron.sequence_parallel,
         )
+
+
+def counts_epochs(cfg: Config) -> bool:
+    """Whether the run's length is --num-epoch passes over prompts not read yet (no --num-rollout)."""
+    return cfg.data.num_rollout is None and cfg.data.num_epoch is not None
+
+
+def with_counted_epochs(cfg: Config, prompts: int) -> Config:
+    """`cfg` with --num-rollout counted from --num-epoch as slime counts it before its trainer
+    starts: (prompts // --rollout-batch-size) x --num-epoch, `prompts` being the data source's
+    length after tether's filtering. --train-iters (so the LR horizon and a --lr-warmup-fraction)
+    then follows from it as from a given --num-rollout. Unchanged when --num-rollout is set."""
+    if not counts_epochs(cfg):
+        return cfg
+    data = cfg.data
+    assert data.num_epoch is not None
+    per_epoch = prompts // data.rollout_batch_size
+    if per_epoch * data.num_epoch <= 0:
+        raise ConfigError(
+            "--num-epoch",
+            data.num_epoch,
+            f"counts whole rollout batches of the prompts, and the {prompts} prompts (after filtering) "
+            f"make none of --rollout-batch-size={data.rollout_batch_size}",
+        )
+    counted = msgspec.structs.replace(data, num_rollout=per_epoch * data.num_epoch)
+    return msgspec.structs.replace(cfg, data=counted, megatron=_with_train_iters(cfg.megatron, counted))
+
+
+def check_epoch_source(cfg: Config) -> None:
+    """`tether plan`/`run`, --debug-train-only included: a --data-source-path class that --num-epoch
+    counts by its len() (slime's `len(data_source) // rollout_batch_size`) imports and has slime's
+    DataSource methods, `__len__` among them. Imports the class, so not at resolve."""
+    if counts_epochs(cfg) and is_custom_source(cfg.rollout.data_source_path):
+        check_data_source_class(cfg.rollout.data_source_path)
+
+
+def horizon_note(cfg: Config) -> str | None:
+    """What `tether plan` says of a horizon it cannot count without reading every prompt."""
+    if not counts_epochs(cfg):
+        return None
+    return (
+        f"--num-epoch {cfg.data.num_epoch}: --num-rollout (and from it --train-iters, the LR schedule's "
+        f"horizon) is counted from the prompts when the run starts: "
+        f"(prompts // --rollout-batch-size {cfg.data.rollout_batch_size}) x {cfg.data.num_epoch}"
+    )
 
 
 def _with_train_iters(megatron: MegatronConfig, data: DataConfig) -> MegatronConfig:
@@ -605,6 +680,7 @@ def resolve(argv: Sequence[str]) -> Config:
     for s in specs:
         by_field.setdefault(s.field, []).append(s)
     argv, sglang_cli = split_sglang_args(argv, set(by_flag))
+    _check_spec_first(argv)
     parser = _Parser(prog="tether run", add_help=False, allow_abbrev=False)
     add_config_arguments(parser)
     namespace = parser.parse_args(list(argv))
@@ -622,7 +698,45 @@ def resolve(argv: Sequence[str]) -> Config:
         slice_name, field = dest.split(".", 1)
         values[(slice_name, field)] = value
         origin[(slice_name, field)] = "--" + field.replace("_", "-")
+    _apply_custom_config(values, origin, by_field)
     return build_config(values, origin, sglang + sglang_cli)
+
+
+def _check_spec_first(argv: Sequence[str]) -> None:
+    """A script whose layers come from a slime plugin spec tether does not build is refused for that
+    first, naming the module: its other model flags (gated attention, ...) follow from those layers."""
+    for i, arg in enumerate(argv):
+        if arg == "--spec":
+            values = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1 :]))
+            check_layer_spec(values)
+
+
+def _apply_custom_config(
+    values: dict[tuple[str, str], Any],
+    origin: dict[tuple[str, str], str],
+    by_field: dict[str, list[FlagSpec]],
+) -> None:
+    """--custom-config-path: a key naming a flag sets it, over the command line (slime sets every key on
+    its args after parsing); a key naming a slime flag tether refuses is refused; other keys are left
+    for the hooks' `args` (tether.runtime.custom_config)."""
+    path = values.get(("algorithm", "custom_config_path"))
+    if not path:
+        return
+    for key, value in read_custom_config(path).items():
+        specs = by_field.get(key)
+        if specs:
+            values[(specs[0].slice, key)] = value
+            origin[(specs[0].slice, key)] = f"--custom-config-path {path}: {key}"
+            continue
+        why = refusal("--" + key.replace("_", "-"))
+        if why is not None:
+            raise ConfigError(f"--custom-config-path {path}: {key}", value, why)
+        if key.startswith("sglang_"):  # slime would pass it to SGLang; tether passes --sglang-* flags only
+            raise ConfigError(
+                f"--custom-config-path {path}: {key}",
+                value,
+                "names an SGLang flag; give it as --" + key.replace("_", "-") + " or in --config",
+            )
 
 
 def build_config(

@@ -20,7 +20,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tether.config import Config
+import msgspec
+
+from tether.config import Config, counts_epochs, with_counted_epochs
+from tether.critic_checks import uses_critic
 from tether.engine_pool import EnginePool, EngineRestartsExhausted
 from tether.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
 from tether.metrics import MetricsSink
@@ -30,6 +33,8 @@ from tether.placement.plan import Plan, plan_from_config
 from tether.ports import PortClaims, plan_with_free_ports
 from tether.progress import RunProgress
 from tether.retention import CheckpointRetention
+from tether.rollout import slime_data_state
+from tether.rollout.data_source import DataSource
 from tether.rollout.engine_api.auth import run_key
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.router import Router
@@ -44,11 +49,33 @@ from tether.runtime.signals import StopRequest, StopRequested, handle_signals
 from tether.runtime.supervisor import LOCAL, Heartbeat, Supervisor
 from tether.sync.ledger import VersionLedger
 from tether.sync.local_store import LocalCheckpointStore
-from tether.train.checkpoint_layout import save_hf_path, start_attempts
+from tether.train.checkpoint_layout import StartChoice, StartKind, save_hf_path, start_attempts
+from tether.train.config import AlgorithmConfig
+from tether.train.protocol import LoadedState
 from tether.trainer_pool import TrainerPool
 
 log = logging.getLogger(__name__)
 E = TypeVar("E", bound=BaseException)
+
+
+async def _start_trainers(stack: contextlib.AsyncExitStack, pools: list[TrainerPool]) -> None:
+    """Start the trainer jobs (the actor's, and PPO's critic's) side by side: each start is
+    mostly waiting for torchrun and the model build. A started pool is left on `stack`; one
+    whose start fails stops what it started, and the others' starts are cancelled."""
+
+    async def start(pool: TrainerPool) -> None:
+        await pool.__aenter__()
+        stack.push_async_exit(pool.__aexit__)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for pool in pools:
+                tg.create_task(start(pool))
+    except* Exception as group:  # the first failure as the user needs it, not the task group
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from group
 
 
 def make_plan(cfg: Config, claims: PortClaims | None = None) -> Plan:
@@ -58,7 +85,11 @@ def make_plan(cfg: Config, claims: PortClaims | None = None) -> Plan:
     return plan_with_free_ports(
         cfg.cluster,
         lambda cluster: plan_from_config(
-            cluster, cfg.debug.debug_rollout_only, cfg.debug.debug_train_only, inventory
+            cluster,
+            cfg.debug.debug_rollout_only,
+            cfg.debug.debug_train_only,
+            inventory,
+            use_critic=uses_critic(cfg),
         ),
         claims=claims,
     )
@@ -296,7 +327,13 @@ class Steps:
             self.run_dir.event("checkpoint_skipped", reason=reason, completed=None)
             return
         started = time.monotonic()
-        path = await self.trainer.save(self.completed, self.version, self.position)
+        # --async-save: the run's last checkpoint (and a signal's: the run stops) completes before
+        # the answer; the others complete on the ranks before the next save or weight update.
+        last = reason == "signal" or self._stop_after_checkpoint or self.completed + 1 >= self.total
+        path = await self.trainer.save(self.completed, self.version, self.position, finalize=last)
+        if self._writes_slime_data_state():
+            await asyncio.to_thread(self._save_slime_data_state)
+        await self.rollouts.save_source(self.completed)  # a --data-source-path class saves its own state
         self.run_dir.event(
             "checkpoint",
             reason=reason,
@@ -309,6 +346,22 @@ class Steps:
         if self.cfg.run.save_hf is not None:
             await self.export_hf(self.completed)
         await self.retention.prune()
+
+    def _writes_slime_data_state(self) -> bool:
+        """Whether a checkpoint gets slime's data-position file: the run draws from tether's own
+        data source (a --data-source-path class writes its own, as in slime)."""
+        from tether.rollout.custom_data_source import HookDataSource
+        from tether.rollout.data_source import DataSource
+
+        data = self.rollouts.data
+        return isinstance(data, DataSource) and not isinstance(data, HookDataSource)
+
+    def _save_slime_data_state(self) -> None:
+        """slime's data-position file beside the checkpoint (`tether.rollout.slime_data_state`), so
+        slime can resume a tether --save directory."""
+        save = self.cfg.algorithm.save
+        if save is not None and self.completed is not None:
+            slime_data_state.write_state(save, self.completed, self.position)
 
     async def export_hf(self, rollout_id: int) -> None:
         """--save-hf: the actor's weights as an HF directory at `save_hf.format(rollout_id=...)`
@@ -401,19 +454,38 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                 router = Router.from_config(
                     cfg.rollout, engines.urls, router_url=router_url, api_key=engine_key
                 )
+            rollouts: RolloutManager | None = None
+            if counts_epochs(cfg):
+                # --num-epoch without --num-rollout: slime counts the rollouts from the loaded
+                # prompts before its trainer starts, which needs the LR schedule's horizon. The
+                # prompts load here, once; the trainers, the loop and the receipt get the count.
+                rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
+                cfg = await _count_epochs(cfg, rollouts, run_dir, plan, argv)
+                progress.set_total(cfg.data.num_rollout or 0, 0)
+                progress.message(
+                    f"--num-epoch {cfg.data.num_epoch}: {cfg.data.num_rollout} rollouts, "
+                    f"--train-iters {cfg.megatron.train_iters}"
+                )
             trainer: TrainerPool | None = None
             if not cfg.debug.debug_rollout_only:
                 progress.phase("starting trainer")
-                trainer = await stack.enter_async_context(
-                    TrainerPool(sup, plan, cfg, run_dir, secret, names, engine_key=engine_key)
-                )
-            rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
+                trainer = TrainerPool(sup, plan, cfg, run_dir, secret, names, engine_key=engine_key)
+                if plan.train_group("critic") is not None:  # --advantage-estimator ppo
+                    trainer.critic = TrainerPool(sup, plan, cfg, run_dir, secret, names, role="critic")
+                await _start_trainers(stack, [p for p in (trainer.critic, trainer) if p is not None])
+            if rollouts is None:
+                rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
             steps = Steps(cfg, run_dir, trainer, engines, rollouts, sink, progress, notifier)
             steps.stop_request = stop
             holder.append(steps)
             if engines is not None and router is not None:
                 await engines.start_monitoring(router, steps.catch_up)
-            start = await resume(cfg, steps)
+            if cfg.debug.check_weight_update_equal:
+                from tether.weight_update_check import resume_checking_weight_update
+
+                start = await resume_checking_weight_update(steps, lambda: resume(cfg, steps))
+            else:
+                start = await resume(cfg, steps)
             if start == 0 and rollouts.eval_before_train():
                 progress.phase("eval before training")
                 before = await rollouts.evaluate(-1)
@@ -544,13 +616,51 @@ def _is_loopback(host: str) -> bool:
 
 
 def total_rollouts(cfg: Config, rollouts: RolloutManager) -> int:
-    """--num-rollout, or --num-epoch passes over the prompts."""
+    """--num-rollout, or --num-epoch passes over the prompts (counted as `_count_epochs` does)."""
     data = cfg.data
     if data.num_rollout is not None:
         return data.num_rollout
     if data.num_epoch is not None and rollouts.data is not None:
-        return max(1, data.num_epoch * len(rollouts.data) // data.rollout_batch_size)
+        counted = with_counted_epochs(cfg, prompt_count(rollouts.data, cfg)).data.num_rollout
+        assert counted is not None
+        return counted
     raise ConfigError("--num-rollout", None, "must be set (or --num-epoch with --prompt-data)")
+
+
+def prompt_count(data: DataSource, cfg: Config) -> int:
+    """The data source's length (slime's `len(data_source)`); a --data-source-path class without a
+    usable `__len__` cannot be counted in epochs."""
+    try:
+        return len(data)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            "--data-source-path",
+            cfg.rollout.data_source_path,
+            f"has no usable len() ({type(exc).__name__}: {exc}), which --num-epoch {cfg.data.num_epoch} "
+            "counts rollouts from (len // --rollout-batch-size, as slime does): give the class "
+            "__len__ or set --num-rollout",
+        ) from exc
+
+
+async def _count_epochs(
+    cfg: Config, rollouts: RolloutManager, run_dir: RunDir, plan: Plan, argv: list[str]
+) -> Config:
+    """`cfg` with --num-rollout and --train-iters counted from the loaded prompts, recorded in the
+    receipt (rewritten) and the events before anything trains."""
+    assert rollouts.data is not None  # --disable-rollout-global-dataset refuses --num-epoch
+    prompts = prompt_count(rollouts.data, cfg)
+    cfg = with_counted_epochs(cfg, prompts)
+    rollouts.config = cfg
+    await asyncio.to_thread(run_dir.write_receipt, cfg, plan, argv=argv)
+    run_dir.event(
+        "epochs_counted",
+        prompts=prompts,
+        num_epoch=cfg.data.num_epoch,
+        num_rollout=cfg.data.num_rollout,
+        train_iters=cfg.megatron.train_iters,
+        lr_decay_iters=cfg.megatron.lr_decay_horizon,
+    )
+    return cfg
 
 
 async def resume(cfg: Config, steps: Steps) -> int:
@@ -570,7 +680,12 @@ async def resume(cfg: Config, steps: Steps) -> int:
     state = None
     for choice in attempts:
         assert choice.path is not None
-        state = await steps.trainer.load(choice.path, finetune=choice.finetune, hf=choice.hf)
+        state = await steps.trainer.load(
+            choice.path,
+            finetune=choice.finetune or algorithm.finetune,
+            hf=choice.hf,
+            **_ckpt_step(choice, algorithm),
+        )
         if state is not None:
             break
         steps.run_dir.event("resume_skipped", load=choice.path, flag=choice.flag)
@@ -597,8 +712,9 @@ async def resume(cfg: Config, steps: Steps) -> int:
         return 0
     _discard_after(steps, state.rollout_id, f"resumed from {state.path}")
     steps.completed = state.rollout_id
-    steps.position = state.data_position
-    steps.rollouts.load_position(state.data_position)
+    position = state.data_position or await _slime_position(steps, state)
+    steps.position = position
+    steps.rollouts.load_position(position)
     steps.run_dir.event(
         "resumed",
         load=choice.path,
@@ -622,6 +738,34 @@ async def resume(cfg: Config, steps: Steps) -> int:
         f"resumed from {choice.path} after step {state.rollout_id}, weights v{steps.version}"
     )
     return state.rollout_id + 1
+
+
+def _ckpt_step(choice: StartChoice, algorithm: AlgorithmConfig) -> dict[str, Any]:
+    """The step flag of a load, as slime applies them: --ckpt-step to --load; to --ref-load its
+    --ref-ckpt-step, else --ckpt-step (slime_validate_args, load_other_checkpoint)."""
+    if choice.hf:
+        return {}
+    if choice.kind is StartKind.REF_LOAD and algorithm.ref_ckpt_step is not None:
+        return {"ckpt_step": algorithm.ref_ckpt_step, "ckpt_step_flag": "--ref-ckpt-step"}
+    return {"ckpt_step": algorithm.ckpt_step, "ckpt_step_flag": "--ckpt-step"}
+
+
+async def _slime_position(steps: Steps, state: LoadedState) -> dict[str, Any]:
+    """The data position of a checkpoint without tether's run state (slime's, Megatron-LM's):
+    slime's data-state file beside it, read as slime reads it (the loaded iteration's), mapped
+    onto tether's data source; {} (the data from its start) when there is none."""
+    if not steps._writes_slime_data_state():  # no data source of tether's own to position
+        return {}
+    data = steps.rollouts.data
+    assert data is not None
+    root = Path(state.path).parent
+    path = slime_data_state.state_path(root, state.rollout_id)
+    found = await asyncio.to_thread(slime_data_state.read_state, root, state.rollout_id, len(data))
+    if found is None:
+        steps.progress.message(f"no slime data state {path}: the prompts start over")
+        return {}
+    steps.run_dir.event("slime_data_state", path=str(path), rollout_id=state.rollout_id)
+    return dict(msgspec.to_builtins(found))
 
 
 def _discard_after(steps: Steps, rollout_id: int, reason: str) -> None:

@@ -23,11 +23,13 @@ def main_argv(argv: Sequence[str]) -> int:
         )
         print(help_text())
         return 0
+    from tether.config import check_epoch_source, horizon_note
     from tether.job import make_plan
     from tether.run_command import parse
 
     cfg = parse(args, prog="tether plan")
     try:
+        check_epoch_source(cfg)  # --num-epoch counts a --data-source-path class by its len()
         if not cfg.debug.debug_train_only:
             check_hooks(cfg.rollout)  # every hook imports and takes the call it will get
             check_train_data_hooks(cfg.algorithm)
@@ -43,4 +45,7 @@ def main_argv(argv: Sequence[str]) -> int:
         sys.stdout.write(plan.to_json().decode() + "\n")
     else:
         print_plan(plan)
+        note = horizon_note(cfg)
+        if note is not None:
+            print(note)
     return 0

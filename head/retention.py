@@ -15,6 +15,7 @@ from pathlib import Path
 from tether.config import Config
 from tether.run_dir import RunDir
 from tether.train.checkpoint_retention import DeletedCheckpoint, prune_checkpoints, resolve_protected
+from tether.train.critic_work import critic_checkpoint_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +41,21 @@ class CheckpointRetention:
         goes on with more checkpoints on disk, and says so in events.jsonl)."""
         if not self.enabled or self.save_dir is None:
             return []
-        try:
-            deleted = await asyncio.to_thread(
-                prune_checkpoints,
-                self.save_dir,
-                keep_last=self.keep_last,
-                keep_every=self.keep_every,
-                protected=self.protected,
-            )
-        except OSError as exc:
-            log.warning("pruning checkpoints under %s failed: %s", self.save_dir, exc)
-            self.run_dir.event("checkpoint_prune_failed", save=str(self.save_dir), error=str(exc))
-            return []
+        # The PPO critic's checkpoints (`--save/critic/iter_N`) follow the actor's policy.
+        critic = critic_checkpoint_dir(self.save_dir)
+        deleted: list[DeletedCheckpoint] = []
+        for root in (self.save_dir, *([critic] if critic.is_dir() else [])):
+            try:
+                deleted += await asyncio.to_thread(
+                    prune_checkpoints,
+                    root,
+                    keep_last=self.keep_last,
+                    keep_every=self.keep_every,
+                    protected=self.protected,
+                )
+            except OSError as exc:
+                log.warning("pruning checkpoints under %s failed: %s", root, exc)
+                self.run_dir.event("checkpoint_prune_failed", save=str(root), error=str(exc))
         for gone in deleted:
             self.run_dir.event(
                 "checkpoint_deleted", path=str(gone.path), step=gone.step, interrupted=gone.interrupted

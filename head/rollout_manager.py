@@ -15,6 +15,13 @@ from typing import Any
 import msgspec
 
 from tether.config import Config
+from tether.rollout.custom_data_source import (
+    BlankDataSource,
+    HookDataSource,
+    build_custom_source,
+    check_data_source_class,
+    is_custom_source,
+)
 from tether.rollout.data_source import DataSource, DataSourceState, load_tokenizer
 from tether.rollout.debug_dump import load_rollout, save_rollout
 from tether.rollout.default_rollout import generate_rollout
@@ -72,6 +79,16 @@ class RolloutManager:
         self.config = config
         self.tokenizer: Any = None
         self.data: DataSource | None = None  # loaded on entry, off the event loop
+        debug = config.debug
+        self._replays = debug.debug_train_only and debug.load_debug_rollout_data is not None
+        """Every rollout is a saved one (--load-debug-rollout-data): no data source, no context."""
+        if router is None and debug.debug_train_only and not self._replays:
+            # slime's --debug-train-only with a rollout function that generates nothing (its SFT
+            # rollout): the data source and hooks run, and no engine ever will.
+            router = Router(
+                engineless="--debug-train-only: no engines run, so the rollout function cannot generate "
+                "(slime.rollout.sft_rollout.generate_rollout needs none)"
+            )
         self.router = router
         self.ctx: RolloutContext | None = None
         self.worker: FullyAsyncWorker | None = None
@@ -89,6 +106,8 @@ class RolloutManager:
         """The rollout function is written against slime's API: slime Samples, slime's return shapes."""
         self.front: RouterFront | None = None
         self._stack = contextlib.AsyncExitStack()
+        self._source_loaded = False
+        """--data-source-path: whether the class's `load(start_rollout_id - 1)` has been called."""
 
     def _load(self) -> None:
         """Tokenizer and prompts: seconds of blocking work, so never on the head's event loop
@@ -98,7 +117,11 @@ class RolloutManager:
             self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
             if config.debug.dump_details is not None:  # slime's layout: the tokenizer beside the dumps
                 self.tokenizer.save_pretrained(str(Path(config.debug.dump_details) / "tokenizer"))
-        if not config.debug.debug_train_only:
+        if self._replays or is_custom_source(config.rollout.data_source_path):
+            return  # a --data-source-path class is built on entry, with the hooks' args
+        if config.data.disable_rollout_global_dataset:
+            self.data = BlankDataSource(n_samples_per_prompt=config.data.n_samples_per_prompt)
+        else:
             self.data = DataSource.from_config(config.data, config.rollout, self.tokenizer)
 
     async def __aenter__(self) -> RolloutManager:
@@ -122,6 +145,18 @@ class RolloutManager:
             self._stack.push_async_exit(front)
             self.front = front
             front.abort_when(self.ctx.stop)
+            path = self.config.rollout.data_source_path
+            if is_custom_source(path) and not self._replays:
+                assert path is not None
+                self.data = await asyncio.to_thread(
+                    build_custom_source,
+                    check_data_source_class(path),
+                    self.ctx.args,
+                    path=path,
+                    n_samples_per_prompt=self.config.data.n_samples_per_prompt,
+                    tokenizer=self.tokenizer,
+                    global_dataset=not self.config.data.disable_rollout_global_dataset,
+                )
             if self.data is not None:
                 self.data.buffer_filter = self.ctx.buffer_filter
         return self
@@ -139,6 +174,7 @@ class RolloutManager:
             self.metrics = dict(dump.metrics)
         else:
             assert self.ctx is not None and self.data is not None
+            await self._load_source(rollout_id)
             with using_context(self.ctx):
                 if self._slime_rollout:
                     result, self.ctx.metrics = await slime_rollout(
@@ -163,6 +199,7 @@ class RolloutManager:
             # Started by the first step, not on entry: a resume loads the data position first,
             # and the warm worker must draw from there (it draws ahead as soon as it runs).
             assert self.ctx is not None and self.data is not None
+            await self._load_source(rollout_id)
             self.worker = await self._stack.enter_async_context(
                 FullyAsyncWorker(self.ctx, self.data, weight_version=self.weight_version)
             )
@@ -182,6 +219,19 @@ class RolloutManager:
             self.weight_version = weight_version
         if self.worker is not None:
             await self.worker.resume(weight_version)
+
+    async def _load_source(self, rollout_id: int) -> None:
+        """A --data-source-path class loads its state once, before the first rollout of this run,
+        as slime calls it: `load(start_rollout_id - 1)`."""
+        if isinstance(self.data, HookDataSource) and not self._source_loaded:
+            self._source_loaded = True
+            await asyncio.to_thread(self.data.load_at, rollout_id - 1)
+
+    async def save_source(self, rollout_id: int) -> None:
+        """At a checkpoint of step `rollout_id`: a --data-source-path class saves its state
+        (`save(rollout_id)`, as slime calls it); tether's own position travels in the checkpoint."""
+        if isinstance(self.data, HookDataSource):
+            await asyncio.to_thread(self.data.save_at, rollout_id)
 
     def _after_rollout(self, rollout_id: int, groups: Groups, seconds: float) -> None:
         samples = sum(len(g) for g in groups)
@@ -216,15 +266,20 @@ class RolloutManager:
         return self.ctx.args if self.ctx is not None else flat_args(self.config)
 
     # ----- evaluation and checkpoints -----
+    @property
+    def _evaluates(self) -> bool:
+        return self.ctx is not None and not self.config.debug.debug_train_only
+
     def eval_due(self, rollout_id: int) -> bool:
-        has_data = self.ctx is not None and bool(self.config.data.eval_datasets())
+        # slime does not evaluate under --debug-train-only: there are no engines.
+        has_data = self._evaluates and bool(self.config.data.eval_datasets())
         return should_evaluate(self.config.data.eval_interval, rollout_id, has_data=has_data)
 
     def eval_before_train(self) -> bool:
         """slime evaluates once before the first step unless --skip-eval-before-train."""
         data = self.config.data
         return (
-            self.ctx is not None
+            self._evaluates
             and bool(data.eval_datasets())
             and data.eval_interval is not None
             and not data.skip_eval_before_train

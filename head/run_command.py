@@ -6,7 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from tether.config import Config, help_text, resolve
+from tether.config import Config, check_epoch_source, help_text, resolve
 from tether.rollout.hook_checks import check_hooks
 from tether.runtime.errors import ConfigError
 from tether.train_data_hooks import check_train_data_hooks
@@ -30,6 +30,11 @@ def main_argv(argv: Sequence[str]) -> int:
         print("usage: tether run [--config YAML] [flags]\n\n" + DESCRIPTION + "\n" + help_text())
         return 0
     cfg = parse(argv)
+    try:
+        check_epoch_source(cfg)  # --num-epoch counts a --data-source-path class by its len()
+    except ConfigError as exc:
+        print(f"tether run: {exc}", file=sys.stderr)
+        return 2
     if not cfg.debug.debug_train_only:
         try:
             check_hooks(cfg.rollout)  # before any process starts: every hook imports and fits its call

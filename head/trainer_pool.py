@@ -38,6 +38,7 @@ from tether.runtime.rpc import connect
 from tether.runtime.supervisor import LOCAL, ManagedProcess, Supervisor
 from tether.sync.ledger import LedgerEntry
 from tether.train.batching import TrainBatch
+from tether.train.critic_work import CriticWork, critic_checkpoint_dir
 from tether.train.protocol import (
     ExportRequest,
     InitRequest,
@@ -45,12 +46,17 @@ from tether.train.protocol import (
     LoadRequest,
     LogProbModel,
     LogProbsRequest,
+    LogProbsResult,
     RankClient,
     SaveRequest,
+    TrainRequest,
+    TrainRole,
     UpdateWeightsRequest,
+    ValuesRequest,
     WorkerInfo,
 )
 from tether.train.rank_work import StepWork, WorkOptions, rollout_steps
+from tether.train.slime_train_data import correct_sample_metrics
 from tether.train.worker import read_addresses
 from tether.train_data_hooks import load_train_data_hooks
 from tether.train_dump import save_train_data
@@ -101,8 +107,14 @@ class TrainerPool:
         names: dict[int, str],
         *,
         engine_key: str | None = None,
+        role: TrainRole = "actor",
+        critic: TrainerPool | None = None,
     ) -> None:
-        """`engine_key`: the key engines require; rank 0 (the weight sync source) sends it."""
+        """`engine_key`: the key engines require; rank 0 (the weight sync source) sends it.
+        `role` "critic": this pool drives the plan's critic group (PPO); the actor's pool gets it
+        as `critic` and runs it before each of its own rollouts (`train`)."""
+        self.role = role
+        self.critic = critic
         self.names = names
         self.engine_key = engine_key
         self.sup = sup
@@ -110,7 +122,7 @@ class TrainerPool:
         self.cfg = cfg
         self.run_dir = run_dir
         self.secret = secret
-        self.address_dir = run_dir.path / "trainer"
+        self.address_dir = run_dir.path / ("trainer" if role == "actor" else role)
         self.ranks: list[RankClient] = []
         self.procs: list[ManagedProcess] = []
         self.infos: list[WorkerInfo] = []
@@ -130,6 +142,8 @@ class TrainerPool:
             "tether.train.worker",
             "--rpc-address-dir",
             str(self.address_dir),
+            "--job",
+            self._job_prefix,  # the ranks' RPC and socket names
         ]
         address = next(n.address for n in self.plan.nodes if n.index == node.node)
         argv += ["--node-address", address]
@@ -146,7 +160,7 @@ class TrainerPool:
         if self.engine_key is not None:
             env[ENGINE_KEY_ENV] = self.engine_key  # read by sync.factory.engine_clients
         return ProcessSpec(
-            name=f"trainer-node{node.node_rank}",
+            name=f"{self._job_prefix}-node{node.node_rank}",
             argv=argv,
             env=env,
             node=self.names[node.node],
@@ -159,12 +173,22 @@ class TrainerPool:
         One file per node: a node stopped by signal because another failed must not overwrite
         the report of the one that failed.
         """
-        return self.run_dir.logs / f"trainer-node{node_rank}-error.json"
+        return self.run_dir.logs / f"{self._job_prefix}-node{node_rank}-error.json"
+
+    @property
+    def _critic_shares_devices(self) -> bool:
+        critic = self.plan.train_group("critic")
+        return critic is not None and critic.shares_devices_with == "actor"
+
+    @property
+    def _job_prefix(self) -> str:
+        """The torchrun jobs' name: `trainer` for the actor's, `critic` for the critic's."""
+        return "trainer" if self.role == "actor" else self.role
 
     async def __aenter__(self) -> TrainerPool:
-        group = self.plan.train_group("actor")
+        group = self.plan.train_group(self.role)
         if group is None:
-            raise RuntimeError("the placement plan has no actor group to start")
+            raise RuntimeError(f"the placement plan has no {self.role} group to start")
         hf_checkpoint = self.cfg.rollout.hf_checkpoint
         if hf_checkpoint is None:  # before any rank starts: each would fail to build its model
             raise ConfigError("--hf-checkpoint", None, "the trainer ranks build the model from it")
@@ -191,7 +215,8 @@ class TrainerPool:
             addresses = read_addresses(self.address_dir, world)
             assert addresses is not None
             for r in range(world):
-                handle = await connect(addresses[r], self.secret, name=f"trainer-rank{r}", timeout=60.0)
+                name = f"{self._job_prefix}-rank{r}"
+                handle = await connect(addresses[r], self.secret, name=name, timeout=60.0)
                 self.ranks.append(RankClient(handle, timeout=RPC_TIMEOUT))
             cfg = self.cfg
             init = InitRequest(
@@ -199,8 +224,11 @@ class TrainerPool:
                 algorithm=cfg.algorithm,
                 megatron=cfg.megatron,
                 temperature=cfg.rollout.rollout_temperature,
-                # --colocate implies the offload; on CPU devices there is no device memory to free.
-                offload_train=self.plan.offload_train and cfg.cluster.cpu_devices is None,
+                # --colocate implies the offload, and so does a critic on the actor's devices (slime:
+                # ppo sets offload_train); on CPU devices there is no device memory to free.
+                offload_train=(self.plan.offload_train or self._critic_shares_devices)
+                and cfg.cluster.cpu_devices is None,
+                role=self.role,
             )
             infos = await self._all(lambda rank: rank.init(init))
         except BaseException:
@@ -211,7 +239,7 @@ class TrainerPool:
             raise
         self.infos = infos
         self.run_dir.event(
-            "trainer_ready",
+            "trainer_ready" if self.role == "actor" else f"{self.role}_ready",
             world_size=world,
             seconds=time.monotonic() - started,
             dp_size=infos[0].dp_size,
@@ -311,21 +339,36 @@ class TrainerPool:
 
     # ----- training -----
     async def train(self, rollout_id: int, groups: Groups, *, weight_version: int) -> dict[str, float]:
-        """Train on one rollout (one or more optimizer steps); the last step's metrics."""
+        """Train on one rollout (one or more optimizer steps); the last step's metrics.
+
+        With a critic (ppo), as slime's train loop: the critic's values and steps first, then the
+        actor's steps on GAE advantages from those values, except in the first
+        --num-critic-only-steps rollouts, which train the critic only."""
+        values: np.ndarray | None = None
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            values, critic_metrics = await self.critic.train_critic(rollout_id, groups)
+            if rollout_id < self.cfg.algorithm.num_critic_only_steps:
+                return {**critic_metrics, "train/weight_version": float(weight_version)}
         steps = rollout_steps(
             groups,
             self.cfg.algorithm,
             WorkOptions.from_config(self.cfg.data, self.cfg.rollout.reward_key),
             dp_size=self.dp_size,
             hooks=self._train_data_hooks,
+            values=values,
         )
         metrics: dict[str, float] = {}
         trained: list[list[TrainBatch]] = []
-        for step in steps:
+        for i, step in enumerate(steps):
             await self._attach_log_probs(step)
             requests = step.train_requests(rollout_id)
+            _mark_rollout_bounds(requests, i, len(steps))
             results = await self._per_dp(lambda rank, request: rank.train(request), requests)
             metrics = {f"train/{k}": float(v) for k, v in results[0].metrics.items()}
+            opd_metrics = step.opd_metrics(per_token_loss=self.cfg.megatron.calculate_per_token_loss)
+            metrics.update({f"train/{k}": v for k, v in opd_metrics.items()})  # --use-opd (head-side)
+            metrics.update(step.entropy_metrics())  # --use-rollout-entropy: rollout/entropy, ...
             self.steps_done += 1
             trained.append([r.shard for r in requests])
         if (
@@ -334,22 +377,56 @@ class TrainerPool:
             await asyncio.to_thread(
                 save_train_data, self.cfg.debug.save_debug_train_data, rollout_id, trained
             )
+        max_len = self.cfg.rollout.rollout_max_response_len
+        if self.cfg.rollout.log_correct_samples and max_len is not None:
+            # over the rollout's samples as trained (after --rollout-data-postprocess-path)
+            metrics.update(correct_sample_metrics([s for shards in trained for s in shards], max_len))
+        metrics.update(critic_metrics)
         metrics["train/weight_version"] = float(weight_version)
         return metrics
+
+    async def train_critic(self, rollout_id: int, groups: Groups) -> tuple[np.ndarray, dict[str, float]]:
+        """The critic pool's part of a rollout: its values of every response token (its weights
+        before the rollout), then its value-loss steps. Returns the values in sample order (the
+        actor's GAE baseline) and the last step's metrics under slime's names (train/critic-*)."""
+        work = CriticWork.build(
+            groups,
+            self.cfg.algorithm,
+            WorkOptions.from_config(self.cfg.data, self.cfg.rollout.reward_key),
+            dp_size=self.dp_size,
+            hooks=self._train_data_hooks,
+        )
+        results = await self._per_dp(self._values, work.value_requests())
+        values = work.with_values(self._first_per_dp(results))
+        metrics: dict[str, float] = {}
+        all_requests = work.train_requests(rollout_id)
+        for i, requests in enumerate(all_requests):
+            _mark_rollout_bounds(requests, i, len(all_requests))
+            trained = await self._per_dp(lambda rank, request: rank.train(request), requests)
+            metrics = {f"train/critic-{k}": float(v) for k, v in trained[0].metrics.items()}
+            self.steps_done += 1
+        return values, metrics
+
+    @staticmethod
+    async def _values(rank: RankClient, request: ValuesRequest) -> np.ndarray:
+        return (await rank.compute_values(request)).values
 
     async def _attach_log_probs(self, step: StepWork) -> None:
         """The log-probs the step needs, computed by the ranks with the weights as they are now."""
         if not step.needs_log_probs:
             return
         log_probs: dict[LogProbModel, list[np.ndarray]] = {}
+        entropy: dict[LogProbModel, list[np.ndarray]] = {}  # --use-rollout-entropy
         for model in step.log_prob_models:  # one after the other: each is a collective call
-            results = await self._per_dp(self._log_probs, step.log_prob_requests(model))
-            log_probs[model] = self._first_per_dp(results)
-        step.with_log_probs(log_probs)
+            results = self._first_per_dp(await self._per_dp(self._log_probs, step.log_prob_requests(model)))
+            log_probs[model] = [r.log_probs for r in results]
+            if results and all(r.entropy is not None for r in results):
+                entropy[model] = [r.entropy for r in results if r.entropy is not None]
+        step.with_log_probs(log_probs, entropy)
 
     @staticmethod
-    async def _log_probs(rank: RankClient, request: LogProbsRequest) -> np.ndarray:
-        return (await rank.compute_log_probs(request)).log_probs
+    async def _log_probs(rank: RankClient, request: LogProbsRequest) -> LogProbsResult:
+        return await rank.compute_log_probs(request)
 
     # ----- weights and checkpoints -----
     async def update_weights(
@@ -374,25 +451,72 @@ class TrainerPool:
             raise RuntimeError(f"weight sync v{version}: no trainer rank reported its ledger entry")
         return entry
 
-    async def save(self, rollout_id: int, weight_version: int, position: dict[str, Any]) -> Path:
+    async def save(
+        self, rollout_id: int, weight_version: int, position: dict[str, Any], *, finalize: bool = False
+    ) -> Path:
+        """Checkpoint of step `rollout_id`; `finalize`: with --async-save, return only once it
+        is complete (otherwise the ranks complete it before the next save or weight update)."""
         assert self.cfg.algorithm.save is not None
+        save_dir = self.cfg.algorithm.save
+        if self.role == "critic":
+            save_dir = str(critic_checkpoint_dir(save_dir))
         request = SaveRequest(
-            save_dir=self.cfg.algorithm.save,
+            save_dir=save_dir,
             step=rollout_id,
             rollout_id=rollout_id,
             weight_version=weight_version,
             data_position=position,
+            finalize=finalize,
         )
         results = await self._all(lambda rank: rank.save(request))
+        if self.critic is not None:  # the critic's checkpoint of the same step, beside the actor's
+            await self.critic.save(rollout_id, weight_version, position, finalize=finalize)
         return Path(results[0].path)
 
-    async def load(self, load_dir: str, *, finetune: bool = False, hf: bool = False) -> LoadedState | None:
+    async def load(
+        self,
+        load_dir: str,
+        *,
+        finetune: bool = False,
+        hf: bool = False,
+        ckpt_step: int | None = None,
+        ckpt_step_flag: str = "--ckpt-step",
+    ) -> LoadedState | None:
         """The run state of the checkpoint every rank loaded, or None when there was none.
-        `finetune`/`hf`: weights only (from a checkpoint / an HF directory), see LoadRequest."""
-        request = LoadRequest(load_dir=load_dir, finetune=finetune, hf=hf)
+        `finetune`/`hf`: weights only (from a checkpoint / an HF directory); `ckpt_step`: that
+        iteration exactly (`ckpt_step_flag` asked for it), see LoadRequest."""
+        request = LoadRequest(
+            load_dir=load_dir, finetune=finetune, hf=hf, ckpt_step=ckpt_step, ckpt_step_flag=ckpt_step_flag
+        )
         states = await self._all(lambda rank: rank.load(request))
-        return states[0]
+        state = states[0]
+        if self.critic is not None and state is not None and not (finetune or hf):
+            await self._load_critic(Path(state.path))
+        return state
+
+    async def _load_critic(self, actor_checkpoint: Path) -> None:
+        """The critic's checkpoint of the step the actor resumed from, when the run saved one;
+        otherwise the critic keeps its start (--hf-checkpoint, a fresh value head), as slime's
+        critic re-initialises a value head its checkpoint lacks."""
+        assert self.critic is not None
+        path = critic_checkpoint_dir(actor_checkpoint.parent) / actor_checkpoint.name
+        if not path.is_dir():
+            self.run_dir.event("critic_fresh", actor_checkpoint=str(actor_checkpoint), missing=str(path))
+            log.warning("no critic checkpoint at %s: the critic starts from --hf-checkpoint", path)
+            return
+        states = await self.critic._all(lambda rank: rank.load(LoadRequest(load_dir=str(path))))
+        if states[0] is None:
+            raise RuntimeError(f"the critic's checkpoint {path} could not be loaded")
+        self.run_dir.event("critic_loaded", path=states[0].path)
 
     async def export_hf(self, out_dir: str) -> None:
         request = ExportRequest(out_dir=out_dir)
         await self._all(lambda rank: rank.export_hf(request))
+
+
+def _mark_rollout_bounds(requests: Sequence[TrainRequest], step: int, steps: int) -> None:
+    """Mark where the rollout's steps start and end: the ranks reset the optimizer
+    (--reset-optimizer-states) before the first and update the reference (--ref-update-interval)
+    after the last, once per rollout as slime does."""
+    for request in requests:
+        request.first_of_rollout, request.last_of_rollout = step == 0, step == steps - 1

@@ -532,8 +532,13 @@ def plan_from_config(
     debug_train_only: bool,
     inventory: Inventory,
     resolve: Callable[[str], str | None] = resolve_host,
+    *,
+    use_critic: bool = False,
 ) -> Plan:
-    """The placement plan for these flags on this inventory; impossible requests raise ConfigError."""
+    """The placement plan for these flags on this inventory; impossible requests raise ConfigError.
+
+    `use_critic` (--advantage-estimator ppo): a critic group, by default on the actor's devices
+    with the actor's shape (slime's layout); --critic-num-nodes and friends reshape it."""
     mode = _mode(cluster, debug_rollout_only, debug_train_only)
     kind: DeviceKind = "cpu" if cluster.cpu_devices is not None else "gpu"
     nodes = _plan_nodes(inventory, cluster, resolve)
@@ -553,7 +558,7 @@ def plan_from_config(
         )
         actor = _train_group("actor", slices, nodes, kind, ports)
         train_groups.append(actor)
-        if cluster.critic_num_nodes is not None:
+        if cluster.critic_num_nodes is not None or use_critic:
             train_groups.append(_critic_group(cluster, devices, slices, nodes, kind, ports))
         if cluster.ref_num_nodes is not None:
             per_node = cluster.ref_num_gpus_per_node or cluster.actor_num_gpus_per_node
@@ -602,18 +607,19 @@ def _critic_group(
     kind: DeviceKind,
     ports: _Ports,
 ) -> TrainGroup:
-    assert cluster.critic_num_nodes is not None
+    # slime's default: as many nodes and devices as the actor.
+    num_nodes = cluster.critic_num_nodes or len(actor_slices)
     per_node = cluster.critic_num_gpus_per_node or cluster.actor_num_gpus_per_node
     if cluster.critic_separate_gpus:
-        slices = devices.take_group("critic", "--critic-num-nodes", cluster.critic_num_nodes, per_node)
+        slices = devices.take_group("critic", "--critic-num-nodes", num_nodes, per_node)
         return _train_group("critic", slices, nodes, kind, ports)
     # slime's layout: the critic's ranks share the actor's devices (one process each per device).
-    if cluster.critic_num_nodes > len(actor_slices) or per_node > len(actor_slices[0]):
+    if num_nodes > len(actor_slices) or per_node > len(actor_slices[0]):
         raise ConfigError(
             "--critic-num-nodes",
-            cluster.critic_num_nodes,
-            f"a critic sharing the actor's devices must fit in them: critic {cluster.critic_num_nodes} x {per_node}, "
+            num_nodes,
+            f"a critic sharing the actor's devices must fit in them: critic {num_nodes} x {per_node}, "
             f"actor {len(actor_slices)} x {len(actor_slices[0])}; or pass --critic-separate-gpus",
         )
-    slices = [bundles[:per_node] for bundles in actor_slices[: cluster.critic_num_nodes]]
+    slices = [bundles[:per_node] for bundles in actor_slices[:num_nodes]]
     return _train_group("critic", slices, nodes, kind, ports, shares="actor")

@@ -32,6 +32,14 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     prompt_data: Annotated[
         str | None, Meta(description="Prompt file: JSONL (or parquet with pyarrow installed).")
     ] = None
+    disable_rollout_global_dataset: Annotated[
+        bool,
+        Meta(
+            description="No global prompt dataset (slime's rollout_global_dataset=False): the data source hands "
+            "out blank numbered samples and is never saved or loaded; a custom --rollout-function-path (or "
+            "--data-source-path class) supplies the prompts. Rejects --num-epoch and the default rollout."
+        ),
+    ] = False
     input_key: Annotated[str, Meta(description="Key of the prompt in each data record.")] = "input"
     label_key: Annotated[
         str | None, Meta(description="Key of the label (reference answer) in each record.")
@@ -147,6 +155,13 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     ] = None
 
     def __post_init__(self) -> None:
+        if self.disable_rollout_global_dataset and self.num_epoch is not None and self.num_rollout is None:
+            raise ConfigError(
+                "--num-epoch",
+                self.num_epoch,
+                "counts epochs of the global dataset, which --disable-rollout-global-dataset turns off; "
+                "set --num-rollout (slime's rule)",
+            )
         if self.start_rollout_id is not None:
             raise ConfigError(
                 "--start-rollout-id",
@@ -261,6 +276,15 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             description="Group filter `filter(args, samples)`; built in: tether.rollout.rewards.check_reward_nonzero_std."
         ),
     ] = None
+    data_source_path: Annotated[
+        str | None,
+        Meta(
+            description="slime's data source class, built as cls(args): get_samples(n) groups, add_samples, "
+            "save(rollout_id) at each checkpoint, load(start_rollout_id - 1) before the first rollout, len "
+            "(default, or slime.rollout.data_source.RolloutDataSourceWithBuffer: tether's own, from "
+            "--prompt-data)."
+        ),
+    ] = None
     buffer_filter_path: Annotated[
         str | None,
         Meta(
@@ -301,6 +325,15 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         Meta(
             description="Log pass@k of each rollout (k = 1, 2, 4, ... up to the group size; unbiased "
             "estimator over each prompt's samples, a sample passing when its reward is 1)."
+        ),
+    ] = False
+    log_correct_samples: Annotated[
+        bool,
+        Meta(
+            description="Log, each step, the samples with raw reward 1: the fraction of them per quarter of "
+            "--rollout-max-response-len (rollout/correct_length/p25 ... p100) and their mean negative "
+            "log-prob under the trainer (rollout/correct_entropy, when the step computes log-probs) "
+            "(slime's meaning)."
         ),
     ] = False
     rollout_sample_hook_path: Annotated[
@@ -428,6 +461,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             ("--custom-rm-path", self.custom_rm_path),
             ("--dynamic-sampling-filter-path", self.dynamic_sampling_filter_path),
             ("--buffer-filter-path", self.buffer_filter_path),
+            ("--data-source-path", self.data_source_path),
             ("--rollout-sample-filter-path", self.rollout_sample_filter_path),
             ("--rollout-all-samples-process-path", self.rollout_all_samples_process_path),
             ("--custom-rollout-log-function-path", self.custom_rollout_log_function_path),
@@ -437,6 +471,12 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         ):
             if value is not None and "." not in value and ":" not in value:
                 raise ConfigError(path_flag, value, "must be `package.module.function` or `file.py:function`")
+        if self.log_correct_samples and self.rollout_max_response_len is None:
+            raise ConfigError(
+                "--log-correct-samples",
+                True,
+                "bins correct responses by quarters of --rollout-max-response-len, which must be set",
+            )
         if self.rollout_max_context_len is not None and self.rollout_max_response_len is not None:
             if self.rollout_max_response_len >= self.rollout_max_context_len:
                 raise ConfigError(

@@ -110,11 +110,23 @@ def render_prompt(
             messages, tools=tools, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
         )
         return str(text), list(tokenizer.encode(str(text), add_special_tokens=False))
+    if _is_messages(raw):
+        # Kept as messages, as slime's dataset keeps them without --apply-chat-template: an SFT rollout
+        # (slime.rollout.sft_rollout) renders the whole conversation itself. The tokens are the
+        # templated prompt, what a generating rollout would send.
+        text = tokenizer.apply_chat_template(
+            raw, tools=tools, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
+        return raw, list(tokenizer.encode(str(text), add_special_tokens=False))
     if not isinstance(raw, str):
         raise DataError(
-            f"{where}: prompt must be text (or pass --apply-chat-template for messages), got {raw!r:.80}"
+            f"{where}: prompt must be text or a list of messages (role/content objects), got {raw!r:.80}"
         )
     return raw, list(tokenizer.encode(raw, add_special_tokens=False))
+
+
+def _is_messages(raw: Any) -> bool:
+    return isinstance(raw, list) and bool(raw) and all(isinstance(m, dict) and "role" in m for m in raw)
 
 
 def load_prompts(

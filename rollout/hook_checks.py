@@ -19,6 +19,7 @@ The calls, as slime makes them (tether makes the same ones):
     --custom-eval-rollout-log-function-path   fn(rollout_id, args, data, extra_metrics)
     --eval-function-path             fn(args, rollout_id, data_source, evaluation=True)
     --rollout-sample-hook-path       fn(args, sample, *, rollout_id=None, evaluation=False)  (each)
+    --data-source-path               cls(args), with get_samples, add_samples, save, load, __len__
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether.rollout.config import RolloutConfig
+from tether.rollout.custom_data_source import check_data_source_class
 from tether.rollout.hooks import load_function
 from tether.rollout.slime_api.convert import uses_slime_api
 from tether.runtime.errors import ConfigError
@@ -142,6 +144,7 @@ def check_hooks(rollout: RolloutConfig) -> None:
     for path, spec in hooks:
         if path:
             check_hook(path, spec)
+    check_data_source_class(rollout.data_source_path)  # a class, cls(args), slime's DataSource methods
 
 
 def _name(fn: Callable[..., Any]) -> str:

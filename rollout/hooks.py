@@ -13,20 +13,17 @@ that makes `import slime` work where slime is not installed.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from tether.rollout.hook_loader import (
+    load_function as load_function,  # re-exported: hooks are loaded from here
+)
 from tether.rollout.sample import TRAINABLE, Sample, SampleContractError, SampleStatus, validate_sample
-from tether.rollout.slime_api import finder as slime_finder
 from tether.rollout.slime_api.convert import ConversionError, copy_back, from_slime, to_slime, uses_slime_api
-from tether.runtime.errors import ConfigError
 
 
 class HookError(RuntimeError):
@@ -95,52 +92,6 @@ def _field_names(obj: Any) -> tuple[str, ...]:
     if fields is not None:
         return tuple(fields)
     return tuple(k for k in vars(obj) if not k.startswith("_")) if hasattr(obj, "__dict__") else ()
-
-
-def load_function(path: str, flag: str = "hook") -> Callable[..., Any]:
-    """Import `package.module.attr`, `package.module:attr` or `some/file.py:attr`.
-
-    Raises ConfigError naming `flag` and the path when it cannot be imported or is not callable.
-    First installs the import hook for `slime.*` (unless slime itself is installed).
-    """
-    slime_finder.install()
-    try:
-        if ":" in path:
-            module_part, attr = path.rsplit(":", 1)
-            if module_part.endswith(".py"):
-                module = _import_file(Path(module_part))
-            else:
-                module = importlib.import_module(module_part)
-        else:
-            module_name, _, attr = path.rpartition(".")
-            if not module_name:
-                raise ConfigError(flag, path, "must be `package.module.function` or `file.py:function`")
-            module = importlib.import_module(module_name)
-    except ConfigError:
-        raise
-    except Exception as exc:  # any import-time failure is the user's file; say which flag pointed at it
-        raise ConfigError(flag, path, f"cannot be imported: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(flag, path, f"module {module.__name__} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ConfigError(flag, path, f"{attr!r} is not callable")
-    return fn  # type: ignore[no-any-return]
-
-
-def _import_file(file: Path) -> Any:
-    if not file.is_file():
-        raise FileNotFoundError(f"no such file {file}")
-    name = f"tether_hook_{abs(hash(str(file.resolve())))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {file}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 async def maybe_await(value: Any) -> Any:

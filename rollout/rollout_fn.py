@@ -678,14 +678,17 @@ def rollout_metrics(
     samples = [s for g in groups for s in g]
     if not samples:
         return {"rollout/seconds": seconds}
-    rewards = [s.scalar_reward(reward_key) for s in samples]
+    # A dict reward without --reward-key is made scalar by --custom-reward-post-process-path on the
+    # trainer's side (slime's on-policy distillation: the teacher server's answer): no mean here.
+    unkeyed = reward_key is None and any(isinstance(s.reward, dict) for s in samples)
+    rewards = [] if unkeyed else [s.scalar_reward(reward_key) for s in samples]
     lengths = [s.response_length for s in samples]
     passrate = passrate_metrics(groups, reward_key) if log_passrate else {}
     return {
         **passrate,
         "rollout/seconds": seconds,
         "rollout/samples": float(len(samples)),
-        "rollout/reward_mean": sum(rewards) / len(rewards),
+        **({"rollout/reward_mean": sum(rewards) / len(rewards)} if rewards else {}),
         "rollout/response_len_mean": sum(lengths) / len(lengths),
         "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
         "rollout/samples_per_second": len(samples) / seconds if seconds > 0 else 0.0,

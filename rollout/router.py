@@ -92,8 +92,12 @@ class Router:
         policy: RoutingPolicy = "least_in_flight",
         concurrency_per_engine: int = 512,
         clock: Callable[[], float] = time.monotonic,
+        engineless: str | None = None,
     ) -> None:
         self.policy: RoutingPolicy = policy
+        self.engineless = engineless
+        """Why no engine will ever be routed (a run without engines): asking for one fails at once
+        with this reason instead of waiting for an engine that never comes."""
         self._concurrency = concurrency_per_engine
         self._clock = clock
         self._slots: dict[str, _Slot] = {}
@@ -175,6 +179,8 @@ class Router:
 
     async def wait_for_engine(self) -> None:
         """Return once at least one engine is routed (all of them may be restarting)."""
+        if self.engineless is not None:
+            raise NoEngineError(self.engineless)
         await self._has_engine.wait()
 
     # ----- choosing -----
@@ -183,7 +189,7 @@ class Router:
 
     def _pick_slot(self, routing_key: str | None) -> _Slot:
         if not self._slots:
-            raise NoEngineError("no engine is registered with the router")
+            raise NoEngineError(self.engineless or "no engine is registered with the router")
         if self.policy == "consistent_hash" and routing_key:
             h = xxhash.xxh64_intdigest(routing_key.encode())
             pos = bisect.bisect_left(self._ring, (h, ""))

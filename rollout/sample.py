@@ -110,6 +110,9 @@ class Sample(msgspec.Struct, kw_only=True):
     rollout_routed_experts: RoutedExperts | None = None
     """MoE models with --use-rollout-routing-replay: the experts the engine routed each token to,
     [len(tokens) - 1, layers, topk] (the last token is sampled, never routed)."""
+    teacher_log_probs: list[float] | None = None
+    """On-policy distillation with --opd-type sglang: per response token, the teacher's log-probability
+    of that token (slime's field; set during the rollout by its on_policy_distillation hooks)."""
 
     def extend_response(
         self, tokens: Sequence[int], text: str, *, log_probs: Sequence[float] | None = None
@@ -243,6 +246,17 @@ def validate_sample(
             raise fail(f"rollout_log_probs[{pos}]", lp, "must be a finite float <= 0")
         if m == 0 and lp != 0:
             raise fail(f"rollout_log_probs[{pos}]", lp, "must be exactly 0 where loss_mask is 0")
+    teacher = sample.teacher_log_probs
+    if teacher is not None:
+        if len(teacher) != n:
+            raise fail(
+                "teacher_log_probs",
+                _short(teacher),
+                f"must have response_length={n} entries (has {len(teacher)})",
+            )
+        for pos, lp in enumerate(teacher):
+            if not isinstance(lp, int | float) or not math.isfinite(lp):
+                raise fail(f"teacher_log_probs[{pos}]", lp, "must be a finite float")
     _check_reward(sample, fail)
     check_routed_experts(sample)
     return trainable

@@ -1,15 +1,17 @@
 """Advantage estimators with slime's names and semantics.
 
 Two stages, as in slime:
-1. `process_rewards` (on the head, over the whole rollout, where groups are complete): grpo, gspo and
-   reinforce_plus_plus_baseline subtract the group mean; grpo and gspo also divide by the group std
+1. `process_rewards` (on the head, over the whole rollout, where groups are complete): grpo, gspo, cispo
+   and reinforce_plus_plus_baseline subtract the group mean; grpo, gspo and cispo also divide by the group std
    (unless --disable-grpo-std-normalization); --disable-rewards-normalization keeps raw rewards.
 2. `token_advantages` (on the trainer, once log-probs are known): per response token.
-   - grpo / gspo: the sample's (normalised) reward on every token (GSPO differs in the loss, where the
-     ratio is per sequence; see `tether.train.losses.sequence_mean_log_ratio`);
+   - grpo / gspo / cispo: the sample's (normalised) reward on every token (GSPO and CISPO differ in the
+     loss: see `tether.train.losses.sequence_mean_log_ratio` and `cispo_loss`);
    - reinforce_plus_plus: discounted returns of token rewards -kl_coef * KL (trainable tokens only)
      plus the scalar reward on the last trainable token;
-   - reinforce_plus_plus_baseline: (reward - group mean) - kl_coef * KL on every token.
+   - reinforce_plus_plus_baseline: (reward - group mean) - kl_coef * KL on every token;
+   - ppo: GAE (gamma, lambd) over token rewards -kl_coef * KL plus the reward on the last response
+     token, with the critic's values (`tether.train.gae`).
    Then, with --normalize-advantages, `whiten` over the step's trainable tokens across DP ranks.
 """
 
@@ -21,10 +23,11 @@ import numpy as np
 import torch
 
 from tether.train.config import AdvantageEstimator, AlgorithmConfig
+from tether.train.gae import gae, ppo_token_rewards
 from tether.train.losses import approx_kl
 
-GROUP_NORMALISED: frozenset[str] = frozenset({"grpo", "gspo", "reinforce_plus_plus_baseline"})
-STD_NORMALISED: frozenset[str] = frozenset({"grpo", "gspo"})
+GROUP_NORMALISED: frozenset[str] = frozenset({"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"})
+STD_NORMALISED: frozenset[str] = frozenset({"grpo", "gspo", "cispo"})
 
 
 def group_normalize(
@@ -82,6 +85,8 @@ def token_advantages(
     kl_coef: float = 0.0,
     gamma: float = 1.0,
     kl: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    lambd: float = 1.0,
 ) -> torch.Tensor:
     """Per-response-token advantages (flat, sample order) before any whitening.
 
@@ -96,8 +101,13 @@ def token_advantages(
     if loss_mask.shape != (total,):
         raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}; expected ({total},)")
     per_token_reward = torch.repeat_interleave(rewards.float(), lengths)
-    if estimator in ("grpo", "gspo"):
+    if estimator in ("grpo", "gspo", "cispo"):
         return per_token_reward
+    if estimator == "ppo":
+        if values is None:
+            raise ValueError("advantage_estimator='ppo' needs the critic's values")
+        token_rewards = ppo_token_rewards(rewards, response_lengths, kl=kl, kl_coef=kl_coef)
+        return gae(token_rewards, values, response_lengths, gamma=gamma, lambd=lambd)[0]
     shaped_kl = torch.zeros(total, device=rewards.device) if kl is None or kl_coef == 0 else kl.float()
     if estimator == "reinforce_plus_plus_baseline":
         return per_token_reward - kl_coef * shaped_kl
@@ -152,6 +162,8 @@ def compute_advantages(
     log_probs: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    before_whitening: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The trainer's whole advantage computation for its shard (flat per response token).
 
@@ -171,7 +183,11 @@ def compute_advantages(
         kl_coef=cfg.kl_coef,
         gamma=cfg.gamma,
         kl=kl,
+        values=values,
+        lambd=cfg.lambd,
     )
+    if before_whitening is not None:  # on-policy distillation's penalty, as slime orders it
+        adv = before_whitening(adv)
     if cfg.normalize_advantages:
         adv = whiten(adv, loss_mask, all_reduce)
     return adv.float()

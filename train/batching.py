@@ -67,9 +67,16 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     """float32 [sum(response_lengths)]: the trainer's log-probs before the step."""
     ref_log_probs: np.ndarray | None = None
     """float32 [sum(response_lengths)]: the reference model's log-probs."""
+    teacher_log_probs: np.ndarray | None = None
+    """float32 [sum(response_lengths)]: the on-policy distillation teacher's log-probs (--use-opd):
+    from the Samples (--opd-type sglang) or the trainer's teacher model (--opd-type megatron)."""
     routed_experts: np.ndarray | None = None
     """int32 [num_tokens, layers, topk]: the experts the rollout engine routed each token to
     (--use-rollout-routing-replay); UNROUTED (-1) on each sample's last token."""
+    values: np.ndarray | None = None
+    """float32 [sum(response_lengths)]: the critic's values before its step (ppo)."""
+    returns: np.ndarray | None = None
+    """float32 [sum(response_lengths)]: the critic's GAE returns, its value-loss target (ppo)."""
 
     @property
     def num_samples(self) -> int:
@@ -152,6 +159,9 @@ class TrainBatch(msgspec.Struct, kw_only=True):
             advantages=per_token(self.advantages),
             old_log_probs=per_token(self.old_log_probs),
             ref_log_probs=per_token(self.ref_log_probs),
+            teacher_log_probs=per_token(self.teacher_log_probs),
+            values=per_token(self.values),
+            returns=per_token(self.returns),
             routed_experts=None
             if self.routed_experts is None
             else gather(self.routed_experts, self.offsets[:-1], self.offsets[1:]),
@@ -173,7 +183,8 @@ class TrainBatch(msgspec.Struct, kw_only=True):
                 "response_lengths must satisfy 0 < response_length < total length for every sample"
             )
         r = int(self.response_lengths.sum())
-        for name in ("loss_masks", "rollout_log_probs", "advantages", "old_log_probs", "ref_log_probs"):
+        per_token = ("loss_masks", "rollout_log_probs", "advantages", "old_log_probs", "ref_log_probs")
+        for name in (*per_token, "values", "returns", "teacher_log_probs"):
             col = getattr(self, name)
             if col is not None and col.shape != (r,):
                 raise ValueError(f"{name} has shape {col.shape}; expected ({r},) (one per response token)")
@@ -262,6 +273,7 @@ def build_train_batch(
         )
 
     routed_experts = _routed_experts(samples, lengths)
+    teacher_log_probs = _teacher_log_probs(samples, int(resp.sum()))
     used = {s.rollout_id for s in samples if s.rollout_id is not None}
     fresh = 0
     rollout_ids = np.empty(n, dtype=np.int64)
@@ -288,11 +300,37 @@ def build_train_batch(
         ),
         loss_weights=np.zeros(n, dtype=np.float64),
         rollout_log_probs=rollout_log_probs,
+        teacher_log_probs=teacher_log_probs,
         routed_experts=routed_experts,
     )
     batch.loss_weights = step_loss_weights(batch, per_rollout_loss_mean=per_rollout_loss_mean)
     batch.validate()
     return batch
+
+
+def _teacher_log_probs(samples: Sequence[Sample], total: int) -> np.ndarray | None:
+    """The samples' teacher log-probs (on-policy distillation) as one per-response-token column, or
+    None when no sample has them; every sample must have them, one per response token, if any does."""
+    have = [s.teacher_log_probs is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = [s.index for s, h in zip(samples, have, strict=True) if not h]
+        raise SampleContractError(
+            "teacher_log_probs", None, f"missing on samples {missing[:8]} but set on others"
+        )
+    for s in samples:
+        assert s.teacher_log_probs is not None
+        if len(s.teacher_log_probs) != s.response_length:
+            raise SampleContractError(
+                "teacher_log_probs",
+                len(s.teacher_log_probs),
+                f"entries for response_length={s.response_length}",
+                sample_index=s.index,
+            )
+    return np.fromiter(
+        (lp for s in samples for lp in s.teacher_log_probs or ()), dtype=np.float32, count=total
+    )
 
 
 def _routed_experts(samples: Sequence[Sample], lengths: np.ndarray) -> np.ndarray | None:
@@ -525,6 +563,8 @@ class MicroBatchTensors:
     ref_log_probs: torch.Tensor | None
     num_tokens: int  # real (unpadded) tokens
     routed_experts: torch.Tensor | None = None  # int32 [s, b, layers, topk]: the router's token order
+    values: torch.Tensor | None = None  # the critic's values before the step (ppo)
+    returns: torch.Tensor | None = None  # the critic's value targets (ppo)
 
     def to(self, device: torch.device | str) -> MicroBatchTensors:
         def mv(t: Any) -> Any:
@@ -588,6 +628,8 @@ def micro_batch_tensors(
         ref_log_probs=opt(mb.ref_log_probs),
         num_tokens=int(lengths.sum()),
         routed_experts=routed,
+        values=opt(mb.values),
+        returns=opt(mb.returns),
     )
 
 

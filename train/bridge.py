@@ -43,6 +43,23 @@ from tether.train.megatron_cpu import quiet_megatron_imports
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+# An MTP layer's own weights (beside its transformer layer), by family: HF name under the layer's prefix.
+_MTP_OWN = {
+    "mimo": {
+        "enorm.weight": "token_layernorm.weight",
+        "hnorm.weight": "hidden_layernorm.weight",
+        "eh_proj.weight": "input_proj.weight",
+        "final_layernorm.weight": "final_layernorm.weight",
+    },
+    "deepseek_v3": {
+        "enorm.weight": "enorm.weight",
+        "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "eh_proj.weight",
+        "final_layernorm.weight": "shared_head.norm.weight",
+    },
+}
+_MTP_OWN["glm4_moe"] = _MTP_OWN["deepseek_v3"]
 
 # Settings mbridge asks for that need TransformerEngine/CUDA kernels or change training; tether sets
 # them from the flags (megatron_args) and the rank's capabilities instead.
@@ -64,7 +81,8 @@ _CPU_SAFE: dict[str, Any] = {
     "variable_seq_lengths": False,  # step.run_schedule sets it per schedule (PP exchanges shapes)
     # Megatron's default "full" means [] and warns on every config it builds.
     "cuda_graph_scope": [],
-    # Multi-token prediction layers are not trained by tether (transformers drops them too).
+    # Multi-token prediction layers: built only with --mtp-num-layers (megatron_args sets it), not
+    # from the checkpoint's num_nextn_predict_layers as mbridge would.
     "mtp_num_layers": None,
 }
 # mbridge's RL-flavoured MoE knobs; tether takes them from the flags, with Megatron's defaults.
@@ -94,13 +112,29 @@ def hf_config(hf_dir: str | Path) -> Any:
     transformers 5 keeps RoPE's base in `rope_parameters`; mbridge reads `config.rope_theta`.
     Set on this config object only.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig, Qwen2Config
 
-    cfg = AutoConfig.from_pretrained(str(hf_dir))
+    if load_arch_type(hf_dir) == "mimo":
+        # MiMo has no transformers config class (its checkpoints ship remote code); its decoder is
+        # Qwen2's, and mbridge's mimo bridge reads Qwen2's fields plus num_nextn_predict_layers.
+        cfg = Qwen2Config.from_pretrained(str(hf_dir))  # the bridge is picked by ModelArch.model_type
+    else:
+        cfg = AutoConfig.from_pretrained(str(hf_dir))
     params = getattr(cfg, "rope_parameters", None) or {}
     if getattr(cfg, "rope_theta", None) is None and "rope_theta" in params:
         cfg.rope_theta = params["rope_theta"]
     return cfg
+
+
+def load_arch_type(hf_dir: str | Path) -> str | None:
+    """config.json's model_type (None when absent or unreadable: transformers then explains)."""
+    import json
+
+    try:
+        value = json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def parallel_states(*, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int | None = None) -> Any:
@@ -306,6 +340,72 @@ def layer_spec(config: Any, transformer_engine: bool, pp_rank: int, post_sublaye
     return spec if transformer_engine else local_spec(spec, bool(config.multi_latent_attention))
 
 
+def mtp_block_spec(config: Any, spec: Any, transformer_engine: bool, pp_rank: int) -> Any:
+    """Megatron's MTP block spec for --mtp-num-layers (None when unset, and on every stage but the
+    last): each MTP layer's transformer layer is shaped like `spec`'s last decoder layer."""
+    if not config.mtp_num_layers:
+        return None
+    with quiet_megatron_imports():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from tether.train.bridge_spec import local_spec
+
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=transformer_engine, pp_rank=pp_rank)
+    # The MTP layers' own norms come from Megatron's local provider: swap them like the decoder's
+    # (their transformer layer is the decoder's, already local).
+    return mtp if transformer_engine or mtp is None else local_spec(mtp, multi_latent_attention=False)
+
+
+def mtp_proxy_name(name: str, num_layers: int) -> str:
+    """An MTP layer's transformer-layer weight under the name of the decoder layer that follows the
+    last one (`mtp.layers.{i}.transformer_layer.X` → `decoder.layers.{num_layers + i}.X`), which is
+    where DeepSeek-V3 and GLM-4.5 keep it in HF (MiMo: `model.mtp_layers.{i}`, see `mtp_hf_name`), so
+    mbridge's decoder-layer conversions apply; other names are returned as they are."""
+    m = _MTP.match(name)
+    if m and m.group(2).startswith("transformer_layer."):
+        return (
+            f"decoder.layers.{num_layers + int(m.group(1))}.{m.group(2).removeprefix('transformer_layer.')}"
+        )
+    return name
+
+
+def mtp_hf_name(hf_name: str, arch: ModelArch) -> str:
+    """MiMo keeps MTP layer i's transformer layer under `model.mtp_layers.{i}` instead of the HF
+    decoder layer `num_layers + i` (`mtp_proxy_name`); the other families keep it there."""
+    if arch.model_type != "mimo" or not hf_name.startswith("model.layers."):
+        return hf_name
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    if int(layer) < arch.num_layers:
+        return hf_name
+    return f"model.mtp_layers.{int(layer) - arch.num_layers}.{rest}"
+
+
+def mtp_eh_proj_layout(name: str, tensor: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """MiMo's `input_proj` reads [hidden_layernorm(h), token_layernorm(e)] (SGLang's MiMo MTP
+    layer), Megatron's `eh_proj` [enorm(e), hnorm(h)] (as DeepSeek's eh_proj): for MiMo the two
+    column halves swap between the layouts (the same swap both ways). slime's and mbridge's MiMo
+    conversions copy the tensor as it is; then Megatron's MTP layer would not compute the
+    checkpoint's. Other tensors are returned as they are."""
+    if arch.model_type != "mimo" or not (_MTP.match(name) and name.endswith(".eh_proj.weight")):
+        return tensor
+    half = tensor.shape[-1] // 2
+    return torch.cat([tensor[..., half:], tensor[..., :half]], dim=-1)
+
+
+def mtp_own_hf_name(name: str, arch: ModelArch) -> str | None:
+    """HF name of an MTP layer's own weight (`mtp.layers.{i}.{enorm,hnorm,eh_proj,final_layernorm}`),
+    None for any other name."""
+    m = _MTP.match(name)
+    if not m or m.group(2).startswith("transformer_layer."):
+        return None
+    own = _MTP_OWN.get(arch.model_type, {})
+    if m.group(2) not in own:
+        raise ValueError(f"{name}: no HF name for this MTP weight in {arch.model_type}")
+    i = int(m.group(1))
+    prefix = f"model.mtp_layers.{i}." if arch.model_type == "mimo" else f"model.layers.{arch.num_layers + i}."
+    return prefix + own[m.group(2)]
+
+
 @dataclass(frozen=True)
 class Layout:
     """This rank's place in the groups that shard weights."""
@@ -429,12 +529,18 @@ class WeightBridge:
         if name == "output_layer.weight" and self.arch.tie_word_embeddings:
             # With tied embeddings the last PP stage holds its own copy of the embedding.
             return ["model.embed_tokens.weight"]
-        return list(self.bridge._weight_name_mapping_mcore_to_hf(name))
+        own = mtp_own_hf_name(name, self.arch)
+        if own is not None:
+            return [own]
+        return [mtp_hf_name(n, self.arch) for n in self.bridge._weight_name_mapping_mcore_to_hf(name)]
 
     def names(self, chunk: Any, layout: Layout) -> list[tuple[str, str, torch.Tensor]]:
         """(local name, mbridge name, tensor) of every weight of `chunk`."""
         tensors = chunk_tensors(chunk)
-        global_names = _global_names(chunk, [n for n, _ in tensors])
+        global_names = {
+            n: mtp_proxy_name(g, self.arch.num_layers)
+            for n, g in _global_names(chunk, [n for n, _ in tensors]).items()
+        }
         moe = _moe_layers(list(global_names.values()))
         per_rank = (self.arch.num_experts or 0) // max(layout.ep_size, 1)
         offset = layout.ep_rank * per_rank
@@ -446,7 +552,13 @@ class WeightBridge:
         with torch.no_grad():
             for local, name, tensor in self.names(chunk, layout):
                 hf = [weights.get(n) for n in self.hf_names(name)]
-                full = self.bridge._weight_to_mcore_format(name, hf)
+                # An MTP layer's own weights are single HF tensors in Megatron's layout.
+                own = mtp_own_hf_name(name, self.arch) is not None
+                full = (
+                    mtp_eh_proj_layout(name, hf[0], self.arch)
+                    if own
+                    else self.bridge._weight_to_mcore_format(name, hf)
+                )
                 size, rank = (
                     (layout.etp_size, layout.etp_rank)
                     if _is_expert(name)
@@ -465,9 +577,12 @@ class WeightBridge:
     def export(self, chunk: Any, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight of this stage's chunk; collective over the TP group
         (and the expert groups for experts), so every rank of the stage must iterate to the end."""
+        first_stage = bool(getattr(unwrap(chunk), "pre_process", True))
         for _local, name, tensor in self.names(chunk, layout):
             if name == "output_layer.weight" and self.arch.tie_word_embeddings:
                 continue  # the first stage exports the embedding; at PP=1 this tensor does not exist
+            if name == "embedding.word_embeddings.weight" and not first_stage:
+                continue  # the MTP block's copy of the embedding on the last stage (the first exports it)
             if _is_expert(name):
                 yield from self._export_expert(name, tensor, layout)
                 continue
@@ -476,8 +591,12 @@ class WeightBridge:
                 full = self.bridge._weight_merge_across_tp(
                     name, _gather(full, layout.tp_group, layout.tp_size), tensor
                 )
+            own = mtp_own_hf_name(name, self.arch)
+            if own is not None:
+                yield own, mtp_eh_proj_layout(name, full, self.arch)
+                continue
             names, values = self.bridge._weight_to_hf_format(name, full)
-            yield from zip(names, values, strict=True)
+            yield from zip([mtp_hf_name(n, self.arch) for n in names], values, strict=True)
 
     def _export_expert(
         self, name: str, tensor: torch.Tensor, layout: Layout
@@ -501,7 +620,7 @@ class WeightBridge:
                     global_name, _gather(shard.contiguous(), layout.etp_group, layout.etp_size), tensor
                 )
             names, values = self.bridge._weight_to_hf_format(global_name, full)
-            yield from zip(names, values, strict=True)
+            yield from zip([mtp_hf_name(n, self.arch) for n in names], values, strict=True)
 
 
 _ATTR = "_tether_weight_bridge"

@@ -36,6 +36,8 @@ class Capabilities:
     """Megatron's fused masked-softmax CUDA extension (`scaled_masked_softmax_cuda`) imports."""
     fused_wgrad_kernels: bool
     """Apex's fused weight-gradient accumulation extension (`fused_weight_gradient_mlp_cuda`) imports."""
+    deep_ep: bool = False
+    """DeepEP's expert-parallel communication library (`deep_ep`) imports (--moe-enable-deepep)."""
 
     @classmethod
     def cpu(cls) -> Capabilities:
@@ -47,7 +49,13 @@ class Capabilities:
     @classmethod
     def full_gpu(cls) -> Capabilities:
         """A GPU rank with every optional kernel installed."""
-        return cls(cuda=True, transformer_engine=True, fused_softmax_kernels=True, fused_wgrad_kernels=True)
+        return cls(
+            cuda=True,
+            transformer_engine=True,
+            fused_softmax_kernels=True,
+            fused_wgrad_kernels=True,
+            deep_ep=True,
+        )
 
     @classmethod
     def detect(cls) -> Capabilities:
@@ -64,6 +72,7 @@ class Capabilities:
             transformer_engine=importable("transformer_engine"),
             fused_softmax_kernels=importable("scaled_masked_softmax_cuda"),
             fused_wgrad_kernels=importable("fused_weight_gradient_mlp_cuda"),
+            deep_ep=importable("deep_ep"),
         )
 
     def missing(self, *, cuda: bool = False, transformer_engine: bool = False) -> str | None:
@@ -97,6 +106,9 @@ def check_capabilities(megatron: MegatronConfig, caps: Capabilities, *, where: s
         refuse("--moe-grouped-gemm", True, te, "the experts' grouped GEMM is TE's GroupedLinear")
     if megatron.moe_permute_fusion and te:
         refuse("--moe-permute-fusion", True, te, "the fused permutation is a TE kernel")
+    if megatron.moe_enable_deepep and (cuda or not caps.deep_ep):
+        missing = cuda or "needs the deep_ep module (DeepEP), which is not installed"
+        refuse("--moe-enable-deepep", True, missing, "DeepEP's dispatch kernels run on GPUs")
     if megatron.moe_token_dispatcher_type == "flex" and cuda:
         refuse(
             "--moe-token-dispatcher-type",

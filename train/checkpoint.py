@@ -31,7 +31,17 @@ and scheduler; RNG as seeded), `release` gives weights only and the run starts a
 Megatron-LM. Weights reshard across TP/PP (dist_checkpointing); optimizer state does not
 (dp_reshardable: another DP size only), so a resume at another TP/PP is refused, naming both.
 Tensors saved under TransformerEngine's names load into the local-spec model and the other way
-round (`tether.train.checkpoint_names`); `_extra_state` entries are not loaded.
+round (`tether.train.checkpoint_names`); `_extra_state` entries (TE's FP8 scaling state) load
+into a TransformerEngine model when the checkpoint has them, and are left out on the local spec.
+
+Megatron's flags: --no-save-optim saves no optimizer state or LR schedule (a resume from such a
+checkpoint starts a fresh optimizer, as Megatron-LM's load does); --no-load-optim /
+--no-load-rng resume without them; --finetune loads weights only (iteration 0, a fresh run);
+--ckpt-step N loads `iter_N` (`checkpoint_layout.select_checkpoint_step`); --async-save writes
+the files in the background and completes the checkpoint later (`tether.train.checkpoint_async`).
+Another tool's checkpoint resumes with Adam's step from its optimizer param groups and the data
+position from slime's `rollout/global_dataset_state_dict_N.pt` beside it (read by the head,
+`tether.rollout.slime_data_state`, which also writes that file at each of tether's saves).
 
 The digests are checked before anything is unpickled (torch's `.metadata`, `common.pt`). A
 checkpoint without them (saved by an older tether, or by another tool) is loaded only from a
@@ -336,36 +346,58 @@ def check_digests(path: Path) -> None:
             )
 
 
-def save(actor: Actor, save_dir: str | Path, state: RunState) -> Path:
+def save(actor: Actor, save_dir: str | Path, state: RunState, *, save_optim: bool = True) -> Path:
     """Write checkpoint `iter_{state.step}` in Megatron-LM's layout, tether's run state in its
-    `tether/` folder; collective over every rank of the job."""
+    `tether/` folder; collective over every rank of the job. `save_optim=False` (--no-save-optim):
+    the weights without the optimizer state and LR schedule, as Megatron-LM writes them then."""
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
 
-    from tether.train.checkpoint_megatron import common_state
+    root, tmp, final = begin_save(save_dir, state.step)
+    sharded = save_state(actor, state, save_optim=save_optim)
+    dist_checkpointing.save(sharded, str(tmp), content_metadata=dict(CONTENT_METADATA))
+    return finish_save(root, tmp, final, state, capture_rng())
 
+
+def begin_save(save_dir: str | Path, step: int) -> tuple[Path, Path, Path]:
+    """(root, `iter_N.tmp`, `iter_N`) of a save of `step`, with an empty `.tmp` directory made
+    (what an interrupted save left there is removed). Collective."""
     root = Path(save_dir)
-    final = root / iter_dir_name(state.step)
-    tmp = root / f"{iter_dir_name(state.step)}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
+    final = root / iter_dir_name(step)
+    tmp = root / f"{iter_dir_name(step)}.tmp"
+    if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
+    return root, tmp, final
+
+
+def save_state(actor: Actor, state: RunState, *, save_optim: bool) -> dict[str, Any]:
+    """The sharded state dict a save writes (Megatron-LM's keys); fills the run state's
+    scheduler and Adam step (empty without the optimizer)."""
+    from tether.train.checkpoint_megatron import common_state
+
     sync_params(actor.chunks)
-    state.scheduler = actor.scheduler.state_dict()
-    state.optimizer_step = _adam_step(actor)
+    state.scheduler = actor.scheduler.state_dict() if save_optim else {}
+    state.optimizer_step = _adam_step(actor) if save_optim else None
     model_sd = _model_state(actor.chunks, CONTENT_METADATA)
-    sharded: dict[str, Any] = {
-        **model_sd,
-        "optimizer": _optimizer_state(actor, model_sd, is_loading=False, metadata=CONTENT_METADATA),
-        **common_state(actor.chunks, actor.config, iteration=state.step, scheduler=actor.scheduler),
-    }
-    dist_checkpointing.save(sharded, str(tmp), content_metadata=dict(CONTENT_METADATA))
+    sharded: dict[str, Any] = dict(model_sd)
+    if save_optim:
+        sharded["optimizer"] = _optimizer_state(actor, model_sd, is_loading=False, metadata=CONTENT_METADATA)
+    scheduler = actor.scheduler if save_optim else None  # Megatron-LM saves neither without the optimizer
+    sharded.update(common_state(actor.chunks, actor.config, iteration=state.step, scheduler=scheduler))
+    return sharded
+
+
+def finish_save(root: Path, tmp: Path, final: Path, state: RunState, rng: RngState) -> Path:
+    """Complete a save whose torch_dist files are all in `tmp`: each rank's RNG state, the digests
+    of every file, then (rank 0) the run state, fsync, the rename to `final` and the tracker.
+    Until the rename nothing names the new checkpoint: a crash leaves the previous one current."""
+    rank = dist.get_rank()
     rng_dir = tmp / TETHER_DIR / RNG_DIR
     rng_dir.mkdir(parents=True, exist_ok=True)  # after the save: dist_checkpointing wants it empty
-    write_bytes_atomic(rng_dir / f"rank_{rank:05d}.msgpack", msgspec.msgpack.encode(capture_rng()))
+    write_bytes_atomic(rng_dir / f"rank_{rank:05d}.msgpack", msgspec.msgpack.encode(rng))
     dist.barrier()
     # Every rank hashes its own files (spreading the reads); rank 0 gathers and records them.
     mine = _hash_files(tmp, _files_of_rank(tmp, rank))
@@ -600,7 +632,13 @@ def _load_first_loadable(
 
 
 def load_checkpoint(
-    actor: Actor, load_dir: str | Path, *, finetune: bool = False, named: bool = False
+    actor: Actor,
+    load_dir: str | Path,
+    *,
+    finetune: bool = False,
+    named: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
 ) -> Loaded | None:
     """Restore model, optimizer, scheduler and RNG from the newest loadable complete checkpoint.
 
@@ -609,10 +647,16 @@ def load_checkpoint(
     damaged ones). With `finetune` only the weights are loaded and the run starts fresh from
     them (the state says step -1: nothing trained yet). `named`: the user named `load_dir` with
     --load, so its checkpoints without digests are loadable (trusted input); False for
-    --auto-resume. Collective over every rank.
+    --auto-resume. `load_optim=False` (--no-load-optim): a fresh optimizer and LR schedule, the
+    run position still restored; `load_rng=False` (--no-load-rng): RNG as seeded. A checkpoint
+    saved without its optimizer (--no-save-optim) resumes with a fresh one, as in Megatron-LM.
+    Collective over every rank.
     """
     got = _load_first_loadable(
-        load_dir, "--load", lambda path: _load_from(actor, path, finetune=finetune), named=named
+        load_dir,
+        "--load",
+        lambda path: _load_from(actor, path, finetune=finetune, load_optim=load_optim, load_rng=load_rng),
+        named=named,
     )
     if got is None:
         return None
@@ -621,10 +665,18 @@ def load_checkpoint(
 
 
 def load(
-    actor: Actor, load_dir: str | Path, *, finetune: bool = False, named: bool = False
+    actor: Actor,
+    load_dir: str | Path,
+    *,
+    finetune: bool = False,
+    named: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
 ) -> RunState | None:
     """`load_checkpoint`'s run state only (None when there is no checkpoint)."""
-    loaded = load_checkpoint(actor, load_dir, finetune=finetune, named=named)
+    loaded = load_checkpoint(
+        actor, load_dir, finetune=finetune, named=named, load_optim=load_optim, load_rng=load_rng
+    )
     return None if loaded is None else loaded.state
 
 
@@ -653,7 +705,7 @@ def _load_megatron(
     chunks: list[Any], path: Path, optimizer: Callable[[dict[str, Any]], Any] | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """dist_checkpointing.load of the model (each tensor asked under the name the checkpoint has
-    it, `_extra_state` left out) and, when `optimizer` builds its request from the model's, the
+    it, `_extra_state` left out but on a TE model) and, when `optimizer` builds its request from the model's, the
     optimizer state. Returns (loaded state dict, the checkpoint's content metadata)."""
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
@@ -662,14 +714,16 @@ def _load_megatron(
         ask_checkpoint_names,
         content_metadata,
         drop_extra_state,
+        extra_state_to_load,
         tensor_keys,
     )
 
     metadata = content_metadata(path) or dict(CONTENT_METADATA)
     model_sd = _model_state(chunks, metadata)
     available = tensor_keys(path)
+    extra = extra_state_to_load(chunks, path)  # TE's FP8 state, on a TE model only
     for sub in model_sd.values():
-        drop_extra_state(sub)
+        drop_extra_state(sub, keep=extra)
         renamed = ask_checkpoint_names(sub, available)
         if renamed:
             log.info("%s: %d tensors under their other layer spec's names", path, len(renamed))
@@ -696,10 +750,10 @@ def reload_main_params(actor: Actor) -> None:
         reload()
 
 
-def _load_from(actor: Actor, path: Path, *, finetune: bool) -> RunState:
+def _load_from(actor: Actor, path: Path, *, finetune: bool, load_optim: bool, load_rng: bool) -> RunState:
     kind = layout.layout_of(path)
     if kind is Layout.LEGACY:
-        return _load_legacy(actor, path, finetune=finetune)
+        return _load_legacy(actor, path, finetune=finetune, load_optim=load_optim, load_rng=load_rng)
     if finetune:
         _load_model(actor.chunks, path)
         reload_main_params(actor)
@@ -707,14 +761,42 @@ def _load_from(actor: Actor, path: Path, *, finetune: bool) -> RunState:
     if kind is Layout.TETHER:
         from tether.train.checkpoint_megatron import load_common
 
-        _check_same_parallel_sizes(path, load_common(path))
-        loaded, _ = _load_megatron(actor.chunks, path, lambda md: _optimizer_for(actor, md))
-        _apply_model(actor.chunks, loaded)
+        common = load_common(path)
         state = msgspec.msgpack.decode((path / TETHER_DIR / RUN_STATE).read_bytes(), type=RunState)
-        _restore_training_state(actor, loaded["optimizer"], state.scheduler, state.optimizer_step)
-        _restore_rank_rng(path / TETHER_DIR / RNG_DIR, path)
+        if _resumes_optimizer(path, common, load_optim):
+            _check_same_parallel_sizes(path, common)
+            loaded, _ = _load_megatron(actor.chunks, path, lambda md: _optimizer_for(actor, md))
+            _apply_model(actor.chunks, loaded)
+            _restore_training_state(actor, loaded["optimizer"], state.scheduler, state.optimizer_step)
+        else:
+            _load_model(actor.chunks, path)
+            reload_main_params(actor)
+        if load_rng:
+            _restore_rank_rng(path / TETHER_DIR / RNG_DIR, path)
         return state
-    return _load_foreign(actor, path)
+    return _load_foreign(actor, path, load_optim=load_optim)
+
+
+def _holds_optimizer(path: Path, common: Mapping[str, Any]) -> bool:
+    """The checkpoint has optimizer state (not saved with --no-save-optim)."""
+    from tether.train.checkpoint_megatron import tensor_keys
+
+    args = common.get("args")
+    return not getattr(args, "no_save_optim", False) and any(
+        k.startswith("optimizer.") for k in tensor_keys(path)
+    )
+
+
+def _resumes_optimizer(path: Path, common: Mapping[str, Any], load_optim: bool) -> bool:
+    """Whether a resume restores the optimizer and LR schedule: asked for and in the checkpoint.
+    Otherwise they start fresh (Megatron-LM: the scheduler loads only with the optimizer)."""
+    if not load_optim:
+        log.info("%s: --no-load-optim: a fresh optimizer and LR schedule", path)
+        return False
+    if not _holds_optimizer(path, common):
+        log.warning("%s holds no optimizer state (--no-save-optim): resuming with a fresh optimizer", path)
+        return False
+    return True
 
 
 def _optimizer_for(actor: Actor, metadata: dict[str, Any]) -> Any:
@@ -722,29 +804,26 @@ def _optimizer_for(actor: Actor, metadata: dict[str, Any]) -> Any:
     return _optimizer_state(actor, model_sd, is_loading=True, metadata=metadata)
 
 
-def _load_foreign(actor: Actor, path: Path) -> RunState:
+def _load_foreign(actor: Actor, path: Path, *, load_optim: bool = True) -> RunState:
     """A checkpoint Megatron-LM or slime wrote: no run state. `release` (a converted model) gives
     weights only and the run starts at step 0; iteration N resumes after step N (slime saves the
-    rollout id as the iteration) with the optimizer and scheduler it holds, a fresh optimizer when
-    it holds none (--no-save-optim); RNG as seeded, data from the start."""
-    from tether.train.checkpoint_megatron import load_common, tensor_keys
+    rollout id as the iteration) with the optimizer (Adam's step included: Megatron keeps it in
+    the optimizer's param groups) and scheduler it holds, a fresh optimizer when it holds none
+    (--no-save-optim) or --no-load-optim says so; RNG as seeded. The data position is slime's
+    file beside the checkpoints (`tether.rollout.slime_data_state`), which the head reads."""
+    from tether.train.checkpoint_megatron import load_common
 
     iteration = layout.iteration_of(path)
     common = load_common(path)
-    args = common.get("args")
-    has_optim = any(k.startswith("optimizer.") for k in tensor_keys(path)) and not getattr(
-        args, "no_save_optim", False
-    )
-    if iteration is None or not has_optim:
+    if iteration is None:
         _load_model(actor.chunks, path)
         reload_main_params(actor)
-        if iteration is None:
-            log.warning("%s: a release checkpoint: its weights only, the run starts at step 0", path)
-            return fresh_state()
+        log.warning("%s: a release checkpoint: its weights only, the run starts at step 0", path)
+        return fresh_state()
+    if not _resumes_optimizer(path, common, load_optim):
         # As Megatron-LM and slime: the iteration still counts, the optimizer starts fresh.
-        log.warning(
-            "%s holds no optimizer state; resuming after step %d with a fresh optimizer", path, iteration
-        )
+        _load_model(actor.chunks, path)
+        reload_main_params(actor)
         return RunState(step=iteration, rollout_id=iteration)
     _check_same_parallel_sizes(path, common)
     loaded, _ = _load_megatron(actor.chunks, path, lambda md: _optimizer_for(actor, md))
@@ -772,9 +851,39 @@ def _check_same_parallel_sizes(path: Path, common: Mapping[str, Any]) -> None:
         )
 
 
+def saved_adam_step(optimizer_state: Any) -> int | None:
+    """Adam's step count in a loaded Megatron optimizer state: the distributed optimizer keeps it
+    as "step" in each param group (torch's Adam keeps it per parameter, TE's FusedAdam per group).
+    None when no group has one (an SGD state, or a state saved before any step)."""
+    steps: set[float] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            groups = node.get("param_groups")
+            if isinstance(groups, list):
+                for group in groups:
+                    step = group.get("step") if isinstance(group, Mapping) else None
+                    if step is not None:
+                        steps.add(float(step.item() if torch.is_tensor(step) else step))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                walk(value)
+
+    walk(optimizer_state)
+    if not steps:
+        return None
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer state's param groups disagree on Adam's step: {sorted(steps)}")
+    return int(steps.pop())
+
+
 def _restore_training_state(
     actor: Actor, optimizer_state: Any, scheduler: Mapping[str, Any], optimizer_step: int | None
 ) -> None:
+    if optimizer_step is None:  # another tool's checkpoint: Adam's step from its param groups
+        optimizer_step = saved_adam_step(optimizer_state)  # read before the load consumes the state
     with torch.no_grad():  # Megatron copies into leaf main params in place
         actor.optimizer.load_state_dict(optimizer_state)
     if optimizer_step is not None:
@@ -793,7 +902,9 @@ def _restore_rank_rng(rng_dir: Path, path: Path) -> None:
         )
 
 
-def _load_legacy(actor: Actor, path: Path, *, finetune: bool) -> RunState:
+def _load_legacy(
+    actor: Actor, path: Path, *, finetune: bool, load_optim: bool = True, load_rng: bool = True
+) -> RunState:
     """tether's previous layout (model_optim/, run_state.msgpack and rng/ at the top)."""
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
@@ -802,13 +913,18 @@ def _load_legacy(actor: Actor, path: Path, *, finetune: bool) -> RunState:
         _load_model(actor.chunks, path)
         reload_main_params(actor)
         return fresh_state()
-    sharded = _sharded_state(actor, is_loading=True)
-    loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
-    for key, chunk in zip(_model_keys(actor.chunks), actor.chunks, strict=True):
-        unwrap(chunk).load_state_dict(loaded[key], strict=True)
     state = msgspec.msgpack.decode((path / RUN_STATE).read_bytes(), type=RunState)
-    _restore_training_state(actor, loaded["optimizer"], state.scheduler, state.optimizer_step)
-    _restore_rank_rng(path / RNG_DIR, path)
+    if load_optim:
+        sharded = _sharded_state(actor, is_loading=True)
+        loaded = dist_checkpointing.load(sharded, str(path / MODEL_OPTIM))
+        for key, chunk in zip(_model_keys(actor.chunks), actor.chunks, strict=True):
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        _restore_training_state(actor, loaded["optimizer"], state.scheduler, state.optimizer_step)
+    else:
+        _load_model(actor.chunks, path)
+        reload_main_params(actor)
+    if load_rng:
+        _restore_rank_rng(path / RNG_DIR, path)
     return state
 
 

@@ -165,6 +165,30 @@ def candidates(root: Path) -> list[Path]:
     return [first, *(p for p in rest if p != first)]
 
 
+def select_checkpoint_step(load_dir: str | Path, step: int | None, *, flag: str = "--ckpt-step") -> Path:
+    """What a load with a step flag (--ckpt-step, --ref-ckpt-step, --opd-teacher-ckpt-step) reads:
+    `iter_{step}` of the checkpoint root instead of the one its tracker names, as Megatron-LM and
+    slime pick it (`get_load_checkpoint_path_by_args`). A `load_dir` that is itself one checkpoint
+    directory stands for its parent root. A step of None or 0 selects nothing (Megatron and slime
+    test the flag for truth): `load_dir` comes back as it is, for the usual choice.
+
+    FileNotFoundError names `flag` when that directory holds no complete checkpoint (a named step
+    does not fall back to another one).
+    """
+    root = Path(load_dir)
+    if not step:
+        return root
+    if is_checkpoint_dir(root) or ITER_RE.match(root.name) or root.name == RELEASE:
+        root = root.parent
+    chosen = root / iter_dir_name(step)
+    if layout_of(chosen) is None:
+        found = ", ".join(p.name for p in sorted(root.glob("iter_*")) if ITER_RE.match(p.name)) or "none"
+        raise FileNotFoundError(
+            f"{flag}={step}: {chosen} holds no complete checkpoint (checkpoints in {root}: {found})"
+        )
+    return chosen
+
+
 def holds_megatron_checkpoint(path: Path) -> bool:
     """`path` holds a checkpoint to resume from, in any layout: slime's test (a tracker file, or
     an `iter_XXXXXXX` directory), tether's older `latest`, or a complete checkpoint directory."""

@@ -10,7 +10,7 @@ state load), "opt_param_scheduler", and "content_metadata" (how the optimizer st
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +138,51 @@ def _sharded_items(tree: Any) -> Iterator[tuple[Any, Any, Any]]:
             yield tree, key, value
 
 
-def drop_extra_state(sharded: dict[str, Any]) -> int:
+def drop_extra_state(sharded: dict[str, Any], keep: Collection[str] = ()) -> int:
     """Remove `_extra_state` entries (TE's FP8 metadata; the local spec's are empty) from a load
-    request: a checkpoint from the other layer spec (or a converter) need not hold them."""
+    request, but those whose checkpoint key is in `keep`: a checkpoint from the other layer spec
+    (or a converter) need not hold them, and the local spec has nothing to restore from them."""
     with quiet_megatron_imports():
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     dropped = 0
-    for key in [k for k, v in sharded.items() if isinstance(v, ShardedObject) and is_extra_state(v.key)]:
+    for key in [
+        k
+        for k, v in sharded.items()
+        if isinstance(v, ShardedObject) and is_extra_state(v.key) and v.key not in keep
+    ]:
         del sharded[key]
         dropped += 1
     return dropped
+
+
+def uses_transformer_engine(chunks: list[Any]) -> bool:
+    """The model is built from TransformerEngine modules (the GPU layer spec): their
+    `_extra_state` (FP8 scaling factors and amax history) is worth restoring."""
+    return any(
+        cls.__module__.startswith("transformer_engine")
+        for chunk in chunks
+        for module in unwrap(chunk).modules()
+        for cls in type(module).__mro__
+    )
+
+
+def object_keys(ckpt_dir: Path) -> set[str]:
+    """The ShardedObject keys (`_extra_state`, optimizer param groups) a torch_dist checkpoint
+    holds: its index's byte entries, `key/shard_<offset>_<shape>`, without the shard part."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    index = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    return {k.split("/shard_", 1)[0] for k, v in index.items() if isinstance(v, BytesStorageMetadata)}
+
+
+def extra_state_to_load(chunks: list[Any], ckpt_dir: Path) -> set[str]:
+    """The `_extra_state` keys a load asks for: on a TransformerEngine model those the checkpoint
+    holds (TE's `set_extra_state` restores the FP8 state from them); none on the local spec."""
+    if not uses_transformer_engine(chunks):
+        return set()
+    return {k for k in object_keys(ckpt_dir) if is_extra_state(k)}
 
 
 def tensor_keys(ckpt_dir: Path) -> set[str]:

@@ -11,7 +11,8 @@ TE fuses some norms into the linear layer that follows them, so the same weight 
 (megatron-core's dense local spec already maps the first two to TE's names in its sharded state
 dict; its MLA and MoE layers and older versions do not.) TE modules also save `_extra_state`
 objects (FP8 metadata) that carry no weights. A load asks each tensor under the name the
-checkpoint has (`rename_for_checkpoint`) and leaves `_extra_state` out.
+checkpoint has (`rename_for_checkpoint`); `_extra_state` is asked for only by a TE model, and
+only where the checkpoint has it (`tether.train.checkpoint_megatron.extra_state_to_load`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ would load now (`select_checkpoint`: the first candidate whose files validate) o
 than it. So a checkpoint is deleted only once a newer one is complete and verified, and at least
 one loadable checkpoint always remains.
 
-Deletion is crash-safe: `iter_X` is first renamed to `iter_X.deleting`, which the loader's
+slime's data-position file of a deleted checkpoint (`rollout/global_dataset_state_dict_S.pt`)
+is deleted with it. Deletion is crash-safe: `iter_X` is first renamed to `iter_X.deleting`, which the loader's
 `iter_NNNNNNN` pattern does not match, the directory is fsynced, and only then is the tree
 removed. A crash part-way leaves a `.deleting` directory that no load considers; the next prune
 removes it.
@@ -137,6 +138,7 @@ def prune_checkpoints(
         fsync_path(root)
     for step, dst in renamed:
         if _rmtree(dst):
+            _remove_slime_data_state(root, step)
             deleted.append(DeletedCheckpoint(root / iter_dir_name(step), step))
     return deleted
 
@@ -148,8 +150,18 @@ def _remove_leftovers(root: Path) -> list[DeletedCheckpoint]:
         match = _DELETING.match(entry.name)
         if match and entry.is_dir() and not entry.is_symlink() and _rmtree(entry):
             step = int(match.group(1))
+            _remove_slime_data_state(root, step)
             done.append(DeletedCheckpoint(root / iter_dir_name(step), step, interrupted=True))
     return done
+
+
+def _remove_slime_data_state(root: Path, step: int) -> None:
+    """slime's data-position file of a deleted checkpoint goes with it (the name
+    `tether.rollout.slime_data_state` writes; only a resume of that step reads it)."""
+    try:
+        (root / "rollout" / f"global_dataset_state_dict_{step}.pt").unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove slime's data state of step %d under %s: %s", step, root, exc)
 
 
 def _rmtree(path: Path) -> bool:

@@ -14,7 +14,9 @@ from msgspec import Meta
 
 from tether.runtime.errors import ConfigError
 
-AdvantageEstimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+AdvantageEstimator = Literal[
+    "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+]
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
 
@@ -23,11 +25,15 @@ LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
 # hand in __post_init__: field -> (lowest allowed, whether the lowest itself is allowed, highest or None).
 _OPTIONAL_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "eps_clip_high": (0.0, True, None),
+    "log_probs_max_tokens_per_gpu": (1, True, None),
     "save_interval": (1, True, None),
+    "ckpt_step": (0, True, None),
+    "ref_ckpt_step": (0, True, None),
     "keep_last_checkpoints": (1, True, None),
     "keep_every_checkpoints": (1, True, None),
     "expert_tensor_parallel_size": (1, True, None),
     "lr_decay_iters": (1, True, None),
+    "ref_update_interval": (1, True, None),
     "train_iters": (1, True, None),
     "lr_warmup_fraction": (0.0, True, 1.0),
     "lr_wsd_decay_iters": (1, True, None),
@@ -105,6 +111,23 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             "and kl, as in slime; --normalize-advantages still whitens them after."
         ),
     ] = None
+    custom_convert_samples_to_train_data_path: Annotated[
+        str | None,
+        Meta(
+            description="Replace the conversion of a rollout's samples into training data: "
+            "`fn(args, samples) -> dict` with slime's keys (tokens, response_lengths, rewards, loss_masks; "
+            "optionally raw_reward, rollout_ids, sample_indices, rollout_log_probs, truncated, "
+            "rollout_mask_sums), one entry per training sample; replaces the reward post-processing too."
+        ),
+    ] = None
+    rollout_data_postprocess_path: Annotated[
+        str | None,
+        Meta(
+            description="Each step, after the log-prob passes and the advantages: `fn(args, rollout_id, "
+            "rollout_data)` per data-parallel shard, on slime's rollout_data dict; what it changes in "
+            "loss_masks, advantages, log_probs, ref_log_probs and rollout_log_probs is what trains."
+        ),
+    ] = None
     disable_compute_advantages_and_returns: Annotated[
         bool,
         Meta(
@@ -155,6 +178,59 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         ),
     ] = False
     tis_clip_low: Annotated[float, Meta(ge=0.0, description="Lower bound of the TIS weight.")] = 0.0
+    custom_tis_function_path: Annotated[
+        str | None,
+        Meta(
+            description="Replace the built-in TIS (with --use-tis or --get-mismatch-metrics): "
+            "`fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, "
+            "response_lengths) -> (pg_loss, modified_response_masks, metrics)`, as slime calls it "
+            "(e.g. slime's examples/train_infer_mismatch_helper/mis.py)."
+        ),
+    ] = None
+    get_mismatch_metrics: Annotated[
+        bool,
+        Meta(
+            description="Run --custom-tis-function-path on every step for its train/rollout mismatch "
+            "metrics (and the `ois` ratio), even without --use-tis; the actor's log-prob pass runs before "
+            "every step for it (needs the engines' log-probs)."
+        ),
+    ] = False
+    custom_pg_loss_reducer_function_path: Annotated[
+        str | None,
+        Meta(
+            description="Reduce the per-token policy-gradient loss with "
+            "`fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer`, "
+            "reducer(pg_loss) -> scalar, as slime calls it (other terms and metrics keep the default)."
+        ),
+    ] = None
+    use_rollout_entropy: Annotated[
+        bool,
+        Meta(
+            description="Compute the entropy in the actor's and reference's log-prob passes too "
+            "(logged as rollout/entropy, rollout/ref_entropy)."
+        ),
+    ] = False
+    log_probs_chunk_size: Annotated[
+        int,
+        Meta(
+            description="Compute log-probs and entropy over at most this many tokens at a time to bound the "
+            "memory of the vocabulary-wide intermediates (-1: all tokens of a micro-batch at once)."
+        ),
+    ] = -1
+    log_probs_max_tokens_per_gpu: Annotated[
+        int | None,
+        Meta(
+            description="Token budget of a micro-batch in the log-prob passes (with --use-dynamic-batch-size; "
+            "default --max-tokens-per-gpu)."
+        ),
+    ] = None
+    custom_config_path: Annotated[
+        str | None,
+        Meta(
+            description="YAML whose keys become attributes of the `args` every hook gets (slime's meaning); "
+            "a key naming a flag sets that flag, overriding the command line."
+        ),
+    ] = None
     normalize_advantages: Annotated[
         bool, Meta(description="Whiten advantages over the step's trainable tokens (across DP ranks).")
     ] = False
@@ -164,17 +240,28 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     disable_rewards_normalization: Annotated[
         bool, Meta(description="Use raw rewards: no group-mean baseline for grpo/gspo/reinforce++-baseline.")
     ] = False
-    gamma: Annotated[float, Meta(ge=0.0, le=1.0, description="Discount for reinforce_plus_plus returns.")] = (
-        1.0
-    )
+    gamma: Annotated[
+        float, Meta(ge=0.0, le=1.0, description="Discount of reinforce_plus_plus returns and of ppo's GAE.")
+    ] = 1.0
     lambd: Annotated[
         float,
         Meta(
             ge=0.0,
             le=1.0,
-            description="GAE lambda of slime's PPO critic; tether has no critic, so only 1.0 is accepted.",
+            description="GAE lambda of advantage estimator ppo (the critic's); other estimators take none.",
         ),
     ] = 1.0
+    value_clip: Annotated[
+        float,
+        Meta(description="ppo: the critic's value loss clips new values to old values +- this (slime's)."),
+    ] = 0.2
+    num_critic_only_steps: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="ppo: the first N rollouts train the critic only, the actor from rollout N on.",
+        ),
+    ] = 0
     per_rollout_loss_mean: Annotated[
         bool,
         Meta(
@@ -217,19 +304,140 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             "counts them); set alone, only those and the newest are kept."
         ),
     ] = None
+    # Megatron's checkpoint flags as slime passes them (tether.train.checkpoint applies them).
+    no_save_optim: Annotated[
+        bool,
+        Meta(
+            description="Save checkpoints without the optimizer state (and LR schedule); a resume from one "
+            "starts a fresh optimizer (Megatron's meaning)."
+        ),
+    ] = False
+    no_load_optim: Annotated[
+        bool,
+        Meta(
+            description="Resume without the checkpoint's optimizer state and LR schedule: a fresh optimizer, "
+            "the run position still restored."
+        ),
+    ] = False
+    no_load_rng: Annotated[
+        bool, Meta(description="Resume without the checkpoint's RNG states (they stay as seeded).")
+    ] = False
+    finetune: Annotated[
+        bool,
+        Meta(
+            description="Load --load's weights only: no optimizer, LR schedule, RNG or run position; the "
+            "iteration is reset to 0 and the run starts at rollout 0 (Megatron's --finetune)."
+        ),
+    ] = False
+    ckpt_step: Annotated[
+        int | None,
+        Meta(
+            description="Load iter_N of --load instead of the one its tracker names (Megatron/slime; 0 means "
+            "the tracker's, as there). Also --ref-load's step when --ref-ckpt-step is unset (slime)."
+        ),
+    ] = None
+    ref_ckpt_step: Annotated[
+        int | None, Meta(description="Load iter_N of --ref-load instead of the one its tracker names.")
+    ] = None
+    async_save: Annotated[
+        bool,
+        Meta(
+            description="Write checkpoints in the background: the step returns once the tensors are copied; "
+            "the checkpoint is finalised (made complete and named by the tracker) before the next save, "
+            "the next weight update and the trainer's exit."
+        ),
+    ] = False
     seed: Annotated[int, Meta(description="Random seed of the trainer.")] = 1234
+    ref_update_interval: Annotated[
+        int | None,
+        Meta(
+            description="Every N rollouts the reference model's weights become the actor's (slime: once "
+            "rollout r has trained, when r + 1 is a multiple of N); needs a reference model (--use-kl-loss or "
+            "--kl-coef)."
+        ),
+    ] = None
+    reset_optimizer_states: Annotated[
+        bool,
+        Meta(
+            description="Clear the optimizer's history before each rollout's training, as slime does: Adam's "
+            "moments (exp_avg, exp_avg_sq) zeroed and its step count reset to 0."
+        ),
+    ] = False
+    keep_old_actor: Annotated[
+        bool,
+        Meta(
+            description="Keep a copy of the actor as the weights the engines generated with (slime's "
+            "old_actor) and compute the old log-probs with it; it follows each weight update (with "
+            "--update-weights-interval 1 one update behind, for the one-step-off async loop)."
+        ),
+    ] = False
+    only_train_params_name_list: Annotated[
+        list[str] | None,
+        Meta(
+            description="Regex patterns (re.search) of Megatron parameter names to train, e.g. "
+            "'decoder.layers.1.mlp' or 'output_layer'; every other parameter is frozen (no gradient, no "
+            "optimizer state)."
+        ),
+    ] = None
+    freeze_params_name_list: Annotated[
+        list[str] | None,
+        Meta(
+            description="Regex patterns (re.search) of Megatron parameter names to freeze (no gradient, no "
+            "optimizer state), e.g. 'embedding' or 'linear_fc1'; the others train."
+        ),
+    ] = None
+    use_opd: Annotated[
+        bool,
+        Meta(
+            description="On-policy distillation (slime's OPD): subtract --opd-kl-coef x (student - teacher "
+            "log-prob of each sampled response token) from the advantages, on top of any estimator; "
+            "needs --opd-type."
+        ),
+    ] = False
+    opd_type: Annotated[
+        Literal["sglang", "megatron"] | None,
+        Meta(
+            description="Where the teacher's log-probs come from: 'sglang': the Samples carry them from an "
+            "external SGLang teacher server queried during the rollout (slime.rollout.on_policy_distillation "
+            "hooks); 'megatron': a teacher model with the actor's architecture that the trainer ranks load "
+            "from --opd-teacher-load."
+        ),
+    ] = None
+    opd_kl_coef: Annotated[float, Meta(description="Weight of the on-policy distillation KL penalty.")] = 1.0
+    opd_teacher_load: Annotated[
+        str | None,
+        Meta(
+            description="The teacher's checkpoint for --opd-type megatron (required there, refused "
+            "otherwise): a Megatron checkpoint directory or an HF model directory, of the actor's "
+            "architecture."
+        ),
+    ] = None
+    opd_teacher_ckpt_step: Annotated[
+        int | None,
+        Meta(description="Load the teacher from iter_<step> of --opd-teacher-load instead of its latest."),
+    ] = None
 
     def __post_init__(self) -> None:
         _check_optional_ranges(self)
         if self.use_rollout_routing_replay and not self.use_routing_replay:
             msgspec.structs.force_setattr(self, "use_routing_replay", True)  # slime: R3 implies R2
-        if self.lambd != 1.0:
+        if self.lambd != 1.0 and self.advantage_estimator != "ppo":
             raise ConfigError(
                 "--lambd",
                 self.lambd,
-                "is GAE's lambda, used only by slime's PPO critic (advantage estimator ppo), which tether "
-                "does not implement; its estimators (grpo, gspo, reinforce_plus_plus*) take no lambda",
+                "is GAE's lambda, used only by advantage estimator ppo (with its critic); "
+                f"--advantage-estimator {self.advantage_estimator} takes no lambda",
             )
+        if self.advantage_estimator != "ppo":
+            # Critic-only settings without a critic would be accepted and do nothing.
+            for flag, value, default in (
+                ("--value-clip", self.value_clip, 0.2),
+                ("--num-critic-only-steps", self.num_critic_only_steps, 0),
+            ):
+                if value != default:
+                    raise ConfigError(
+                        flag, value, "configures the critic, which only --advantage-estimator ppo has"
+                    )
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ConfigError("--eps-clip-c", self.eps_clip_c, "the dual-clip bound must be greater than 1")
         if self.disable_compute_advantages_and_returns and self.loss_type == "policy_loss":
@@ -238,12 +446,14 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 True,
                 "leaves --loss-type policy_loss without the advantages it trains on; use sft_loss or custom_loss",
             )
-        for flag, value in (
+        for flag, path in (
             ("--custom-reward-post-process-path", self.custom_reward_post_process_path),
             ("--custom-advantage-function-path", self.custom_advantage_function_path),
+            ("--custom-convert-samples-to-train-data-path", self.custom_convert_samples_to_train_data_path),
+            ("--rollout-data-postprocess-path", self.rollout_data_postprocess_path),
         ):
-            if value is not None and "." not in value and ":" not in value:
-                raise ConfigError(flag, value, "must be `package.module.function` or `file.py:function`")
+            if path is not None and "." not in path and ":" not in path:
+                raise ConfigError(flag, path, "must be `package.module.function` or `file.py:function`")
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError(
                 "--custom-loss-function-path",
@@ -266,12 +476,44 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             raise ConfigError(
                 "--use-tis", True, "contradicts --use-rollout-logprobs (the TIS weight would always be 1)"
             )
+        if self.get_mismatch_metrics and self.custom_tis_function_path is None:
+            raise ConfigError(
+                "--get-mismatch-metrics",
+                True,
+                "needs --custom-tis-function-path (the function computing them)",
+            )
+        for flag, hook_path in (
+            ("--custom-tis-function-path", self.custom_tis_function_path),
+            ("--custom-pg-loss-reducer-function-path", self.custom_pg_loss_reducer_function_path),
+        ):
+            if hook_path is not None and "." not in hook_path and ":" not in hook_path:
+                raise ConfigError(flag, hook_path, "must be `package.module.function` or `file.py:function`")
+        if (
+            self.log_probs_max_tokens_per_gpu is not None
+            and self.use_routing_replay
+            and not self.use_rollout_routing_replay
+        ):
+            raise ConfigError(
+                "--log-probs-max-tokens-per-gpu",
+                self.log_probs_max_tokens_per_gpu,
+                "contradicts --use-routing-replay: R2 replays in training the routing of the log-prob pass's "
+                "micro-batches, which must then be the training ones (--max-tokens-per-gpu)",
+            )
+        if self.log_probs_chunk_size == 0 or self.log_probs_chunk_size < -1:
+            raise ConfigError(
+                "--log-probs-chunk-size", self.log_probs_chunk_size, "must be a positive token count, or -1"
+            )
         if self.tis_clip_low > self.tis_clip:
             raise ConfigError("--tis-clip-low", self.tis_clip_low, f"exceeds --tis-clip={self.tis_clip}")
         if self.save_interval is not None and self.save is None:
             raise ConfigError(
                 "--save-interval", self.save_interval, "needs --save (where to write checkpoints)"
             )
+        for flag, on in (("--no-save-optim", self.no_save_optim), ("--async-save", self.async_save)):
+            if on and self.save is None:
+                raise ConfigError(flag, True, "needs --save (it changes how checkpoints are written)")
+        if self.ref_ckpt_step is not None and self.ref_load is None:
+            raise ConfigError("--ref-ckpt-step", self.ref_ckpt_step, "needs --ref-load (the step of which)")
         for flag, keep in (
             ("--keep-last-checkpoints", self.keep_last_checkpoints),
             ("--keep-every-checkpoints", self.keep_every_checkpoints),
@@ -287,6 +529,11 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                 f"must be a multiple of --save-interval={interval} (checkpoints exist only at its multiples)",
             )
 
+        _check_opd(self)
+        from tether.train.trainer_state_checks import check_trainer_state_flags
+
+        check_trainer_state_flags(self)
+
     @property
     def clip_high(self) -> float:
         """The upper PPO clip range, resolved (slime: --eps-clip-high defaults to --eps-clip)."""
@@ -296,6 +543,64 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     def needs_ref_log_probs(self) -> bool:
         """Whether a step needs the frozen reference model's log-probs."""
         return self.use_kl_loss or self.kl_coef != 0
+
+
+def _check_opd(cfg: AlgorithmConfig) -> None:
+    """slime's checks of the on-policy distillation flags, and tether's: no OPD flag goes unused."""
+    import os
+
+    if not cfg.use_opd:
+        for flag, value, default in (
+            ("--opd-teacher-load", cfg.opd_teacher_load, None),
+            ("--opd-type", cfg.opd_type, None),
+            ("--opd-kl-coef", cfg.opd_kl_coef, 1.0),
+            ("--opd-teacher-ckpt-step", cfg.opd_teacher_ckpt_step, None),
+        ):
+            if value != default:
+                raise ConfigError(flag, value, "is set but --use-opd is not enabled: add --use-opd")
+        return
+    if cfg.opd_type is None:
+        raise ConfigError("--opd-type", None, "must be set with --use-opd: 'sglang' or 'megatron'")
+    if cfg.loss_type == "sft_loss" or cfg.disable_compute_advantages_and_returns:
+        raise ConfigError("--use-opd", True, "changes advantages, which this run does not compute")
+    if cfg.opd_type == "sglang":
+        if cfg.opd_teacher_load is not None:
+            raise ConfigError(
+                "--opd-teacher-load",
+                cfg.opd_teacher_load,
+                "must not be set with --opd-type sglang (the teacher's log-probs come from its server "
+                "during the rollout)",
+            )
+        if cfg.opd_teacher_ckpt_step is not None:
+            raise ConfigError(
+                "--opd-teacher-ckpt-step", cfg.opd_teacher_ckpt_step, "needs --opd-type megatron"
+            )
+        return
+    load = cfg.opd_teacher_load
+    if load is None:
+        raise ConfigError(
+            "--opd-teacher-load", None, "is required by --opd-type megatron (the teacher's checkpoint)"
+        )
+    if not os.path.isdir(load):
+        raise ConfigError("--opd-teacher-load", load, "does not exist (or is not a directory)")
+    from pathlib import Path
+
+    from tether.train.checkpoint_layout import holds_megatron_checkpoint, is_hf_checkpoint
+
+    step = cfg.opd_teacher_ckpt_step
+    if step is None and not holds_megatron_checkpoint(Path(load)) and not is_hf_checkpoint(Path(load)):
+        raise ConfigError(
+            "--opd-teacher-load",
+            load,
+            "holds no Megatron checkpoint (latest_checkpointed_iteration.txt, iter_XXXXXXX/ or release/) "
+            "and no HF model (config.json and safetensors)",
+        )
+    if step is not None:
+        iteration = os.path.join(load, f"iter_{step:07d}")
+        if step < 0 or not os.path.isdir(iteration):
+            raise ConfigError(
+                "--opd-teacher-ckpt-step", step, f"names no checkpoint: {iteration} does not exist"
+            )
 
 
 def stage_layers(
@@ -332,10 +637,41 @@ def stage_layers(
     return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
 
 
+# slime's plugin layer specs (Megatron-LM's --spec MODULE FUNCTION) tether builds natively.
+BUILT_LAYER_SPECS: dict[tuple[str, str], str] = {
+    # The GPT layer with the post-sublayer norms its own flags ask for, which tether builds for any family.
+    ("slime_plugins.models.glm4", "get_glm_spec"): "GLM-4's layers",
+}
+UNBUILT_LAYER_SPECS: dict[str, str] = {
+    "slime_plugins.models.qwen3_5": "Qwen3.5's gated delta-net (linear attention) layers are not built",
+    "slime_plugins.models.qwen3_next": "Qwen3-Next's gated delta-net (linear attention) layers are not built",
+    "slime_plugins.models.glm5.glm5": "GLM-5's DeepSeek sparse attention (indexer) layers are not built",
+    "slime_plugins.models.minimax_m2": "MiniMax-M2's layers are not built",
+}
+
+
+def check_layer_spec(spec: list[str]) -> None:
+    """Accept `--spec` only where it names layers tether builds itself; refuse others by module."""
+    value = " ".join(spec)
+    if len(spec) != 2:
+        raise ConfigError("--spec", value, "takes a module and a function name, as Megatron-LM's --spec")
+    module, function = spec
+    if (module, function) in BUILT_LAYER_SPECS:
+        return
+    why = UNBUILT_LAYER_SPECS.get(module, "tether builds the layers of each model family itself")
+    raise ConfigError(
+        "--spec",
+        value,
+        f"names the layer-spec plugin module {module!r}, which tether does not use: {why}; "
+        f"accepted: {', '.join(' '.join(k) for k in BUILT_LAYER_SPECS)}",
+    )
+
+
 # The Megatron flags a slime launch script passes that describe the model. They are accepted here and,
 # where set, checked against the HF config by the model builder (see `MegatronConfig.architecture`).
 ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "num_layers",
+    "mtp_num_layers",
     "hidden_size",
     "ffn_hidden_size",
     "num_attention_heads",
@@ -443,6 +779,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     clip_grad: Annotated[
         float, Meta(ge=0.0, description="Clip gradients to this global L2 norm (0: off).")
     ] = 1.0
+    no_check_for_nan_in_loss_and_grad: Annotated[
+        bool,
+        Meta(
+            description="Do not fail on a NaN/Inf gradient (Megatron's DDP check, on by default); as slime, "
+            "a step whose gradient norm is not finite is skipped instead."
+        ),
+    ] = False
     optimizer_cpu_offload: Annotated[
         bool,
         Meta(
@@ -537,6 +880,26 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "data-parallel ranks) in its schedule, instead of tether's per-token weights."
         ),
     ] = False
+    # Multi-token prediction (slime's MTP flags; tether.train.mtp).
+    mtp_num_layers: Annotated[
+        int | None,
+        Meta(
+            description="Build this many multi-token-prediction layers on the last pipeline stage, loaded "
+            "from the checkpoint's MTP layers (num_nextn_predict_layers: MiMo, DeepSeek-V3, GLM-4.5); "
+            "unset or 0: not built.",
+        ),
+    ] = None
+    enable_mtp_training: Annotated[
+        bool,
+        Meta(
+            description="Train the MTP layers: their loss (scaled by --mtp-loss-scaling-factor) joins each "
+            "training step's loss; without it they are frozen and not run (needs --mtp-num-layers)."
+        ),
+    ] = False
+    mtp_loss_scaling_factor: Annotated[
+        float,
+        Meta(description="Weight of the MTP loss (averaged over the MTP layers) in the training loss."),
+    ] = 0.2
     # Mixture-of-experts knobs (Megatron's defaults; the experts' shape comes from the HF config).
     moe_router_load_balancing_type: Annotated[
         Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
@@ -552,6 +915,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         Literal["allgather", "alltoall", "flex"],
         Meta(description="How tokens reach their experts' ranks (flex needs DeepEP/HybridEP on GPUs)."),
     ] = "allgather"
+    moe_enable_deepep: Annotated[
+        bool,
+        Meta(
+            description="DeepEP as the flex dispatcher's backend (needs --moe-token-dispatcher-type flex, CUDA "
+            "and the deep_ep module)."
+        ),
+    ] = False
     moe_router_dtype: Annotated[
         Literal["fp32", "fp64"] | None,
         Meta(description="Precision of the router's scores and top-k (default: the model's dtype)."),
@@ -616,10 +986,26 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     post_mlp_layernorm: Annotated[
         bool, Meta(description="Normalize the MLP's output before the residual add (GLM-4's sandwich norm).")
     ] = False
+    spec: Annotated[
+        list[str] | None,
+        Meta(
+            description="Megatron-LM's layer-spec module and function. tether builds each family's layers "
+            "itself; slime's GLM-4 spec (slime_plugins.models.glm4 get_glm_spec: the GPT layer with the "
+            "--post-self-attn-layernorm/--post-mlp-layernorm norms) is what it builds and is accepted; "
+            "other specs are refused naming the module."
+        ),
+    ] = None
     untie_embeddings_and_output_weights: Annotated[
         bool, Meta(description="Separate input embedding and output layer weights.")
     ] = False
     use_rotary_position_embeddings: Annotated[bool, Meta(description="Rotary position embeddings.")] = False
+    no_position_embedding: Annotated[
+        bool,
+        Meta(
+            description="No learned absolute position embedding (Megatron-LM's deprecated spelling; accepted "
+            "only with rotary position embeddings, as Megatron-LM)."
+        ),
+    ] = False
     position_embedding_type: Annotated[
         Literal["learned_absolute", "rope", "mrope", "relative", "none"] | None,
         Meta(description="Position embedding type."),
@@ -891,6 +1277,18 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             )
 
     def _check_model_flags(self) -> None:
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
+            raise ConfigError("--mtp-num-layers", self.mtp_num_layers, "must be >= 0")
+        if self.mtp_loss_scaling_factor != 0.2 and not self.enable_mtp_training:
+            raise ConfigError(
+                "--mtp-loss-scaling-factor",
+                self.mtp_loss_scaling_factor,
+                "has no effect without --enable-mtp-training (no MTP loss is computed)",
+            )
+        if self.enable_mtp_training and not self.mtp_num_layers:
+            raise ConfigError(
+                "--enable-mtp-training", True, "needs --mtp-num-layers (the MTP layers to train)"
+            )
         if self.num_query_groups is not None and not self.group_query_attention:
             raise ConfigError(
                 "--num-query-groups",
@@ -926,6 +1324,24 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         if self.use_flash_attn and self.attention_backend not in (None, "flash"):
             raise ConfigError(
                 "--use-flash-attn", True, f"contradicts --attention-backend {self.attention_backend}"
+            )
+        if self.spec is not None:
+            check_layer_spec(self.spec)
+        if self.moe_enable_deepep and self.moe_token_dispatcher_type != "flex":
+            raise ConfigError(
+                "--moe-enable-deepep",
+                True,
+                f"needs --moe-token-dispatcher-type flex (DeepEP is a backend of Megatron's flex dispatcher), "
+                f"not {self.moe_token_dispatcher_type}",
+            )
+        rope = self.position_embedding_type == "rope" or self.use_rotary_position_embeddings
+        if self.no_position_embedding and not rope:
+            # Megatron-LM raises the same at start-up: the flag is deprecated except beside rope.
+            raise ConfigError(
+                "--no-position-embedding",
+                True,
+                "is deprecated in Megatron-LM and accepted only with --position-embedding-type rope "
+                "(every model family tether builds uses rotary embeddings)",
             )
 
     @property
@@ -1000,6 +1416,10 @@ def check_routing_replay(
         raise ConfigError(
             "--moe-router-load-balancing-type", "sinkhorn", f"has no top-k routing for {flag} to replay"
         )
+    if megatron.mtp_num_layers:
+        # The engines report the decoder layers' experts only; an MoE MTP layer's router has no
+        # recorded routing (and tether's replay would hook it as one more layer).
+        raise ConfigError("--mtp-num-layers", megatron.mtp_num_layers, f"is not supported with {flag}")
     if getattr(megatron, "num_experts", None) or hf_checkpoint is None:
         return
     from pathlib import Path
@@ -1014,4 +1434,21 @@ def check_routing_replay(
             True,
             f"replays Mixture-of-Experts routing, but {hf_checkpoint}/config.json is a dense model "
             "(no num_experts, n_routed_experts or num_local_experts) and --num-experts is unset",
+        )
+
+
+def check_checkpoint_flags(algorithm: AlgorithmConfig, *, auto_resume: bool) -> None:
+    """Megatron's load flags need something they apply to: a checkpoint --load names (or --save
+    with --auto-resume); --ckpt-step also applies to --ref-load (slime's rule)."""
+    resumes = algorithm.load is not None or (auto_resume and algorithm.save is not None)
+    for flag, value in (
+        ("--no-load-optim", algorithm.no_load_optim),
+        ("--no-load-rng", algorithm.no_load_rng),
+        ("--finetune", algorithm.finetune),
+    ):
+        if value and not resumes:
+            raise ConfigError(flag, True, "needs --load (or --save with --auto-resume): nothing is resumed")
+    if algorithm.ckpt_step is not None and not resumes and algorithm.ref_load is None:
+        raise ConfigError(
+            "--ckpt-step", algorithm.ckpt_step, "needs --load, --ref-load, or --save with --auto-resume"
         )

@@ -17,9 +17,13 @@ from typing import Any
 from tether.runtime.errors import ConfigError
 from tether.train.config import stage_layers
 
-DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4")
+# mimo: Qwen2 plus multi-token-prediction layers (built with --mtp-num-layers: tether.train.mtp).
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+# Families whose checkpoints carry multi-token-prediction layers (num_nextn_predict_layers):
+# MiMo's under model.mtp_layers.{i}, DeepSeek-V3's and GLM-4.5's as model.layers.{L + i}.
+MTP_MODEL_TYPES = ("mimo", "deepseek_v3", "glm4_moe")
 
 # Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
 # (GLM-4 dense was here until its sandwich norms were built: tether.train.bridge_glm4.)
@@ -93,6 +97,8 @@ class ModelArch:
     v_head_dim: int | None = None
     yarn: tuple[tuple[str, float], ...] | None = None
     """MLA's YaRN rope scaling, as (MLATransformerConfig field, value) pairs; None: plain RoPE."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint holds (num_nextn_predict_layers; MTP_MODEL_TYPES)."""
 
     @property
     def is_moe(self) -> bool:
@@ -250,7 +256,7 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     # Qwen2(-MoE) always has q/k/v biases; the others have them when attention_bias is set, and then
     # (except GLM-4.5) o_proj has one too, which Megatron's add_qkv_bias cannot express.
-    if model_type in ("qwen2", "qwen2_moe"):
+    if model_type in ("qwen2", "qwen2_moe", "mimo"):
         qkv_bias = True
     elif model_type == "glm4":
         qkv_bias = bool(cfg.get("attention_bias", True))  # transformers' Glm4Config default
@@ -275,6 +281,8 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         extra.update(post_sublayer_norms=True, rotary_interleaved=True)
     if model_type in MOE_MODEL_TYPES:
         extra.update(_moe_fields(cfg, model_type, path, layers))
+    if model_type in MTP_MODEL_TYPES:
+        extra["mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
     if model_type == "deepseek_v3":
         q_lora = cfg.get("q_lora_rank")
         extra.update(
@@ -492,6 +500,7 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         # One expert group (n_group=1) is the same routing as none.
         expected["moe_router_num_groups"] = 1 if flags.get("moe_router_num_groups") == 1 else None
         expected["moe_router_group_topk"] = 1 if flags.get("moe_router_group_topk") == 1 else None
+    check_mtp_layers(arch, flags.get("mtp_num_layers"))
     seq_length = flags.get("seq_length")
     if isinstance(seq_length, int) and seq_length > arch.max_position_embeddings:
         raise ConfigError(
@@ -520,3 +529,23 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         if not same:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(flag, value, f"the Hugging Face config ({arch.model_type}) has {want!r}")
+
+
+def check_mtp_layers(arch: ModelArch, mtp_num_layers: object) -> None:
+    """--mtp-num-layers builds that many of the checkpoint's MTP layers, loaded from its weights: the
+    family must have MTP layers and the checkpoint at least that many (0/unset: none built)."""
+    if not mtp_num_layers:
+        return
+    if arch.model_type not in MTP_MODEL_TYPES:
+        raise ConfigError(
+            "--mtp-num-layers",
+            mtp_num_layers,
+            f"the Hugging Face config ({arch.model_type}) has no multi-token-prediction layers; "
+            f"families with them: {', '.join(MTP_MODEL_TYPES)}",
+        )
+    if not isinstance(mtp_num_layers, int) or mtp_num_layers > arch.mtp_layers:
+        raise ConfigError(
+            "--mtp-num-layers",
+            mtp_num_layers,
+            f"the Hugging Face config ({arch.model_type}) has num_nextn_predict_layers={arch.mtp_layers}",
+        )

@@ -97,6 +97,16 @@ def token_entropy(logits: torch.Tensor, tp_group: dist.ProcessGroup | None = Non
     return result
 
 
+def row_chunks(num_rows: int, chunk_size: int) -> list[slice]:
+    """The row ranges a log-prob pass computes at a time: all rows when chunk_size <= 0 (slime's -1),
+    else ceil(num_rows / chunk_size) near-equal ranges of at most chunk_size rows (slime's split)."""
+    if chunk_size <= 0 or num_rows <= chunk_size:
+        return [slice(0, num_rows)]
+    count = -(-num_rows // chunk_size)
+    step = -(-num_rows // count)  # torch.chunk's sizes: equal, the last one shorter
+    return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+
+
 def log_probs_and_entropy(
     logits: torch.Tensor,
     response_index: torch.Tensor,
@@ -105,17 +115,27 @@ def log_probs_and_entropy(
     tp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    chunk_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-response-token log-probs and entropy from the model's logits [b, s, v_local].
 
     `temperature` divides the logits first, matching the engine's sampling distribution
-    (--rollout-temperature), as slime does.
+    (--rollout-temperature), as slime does. `chunk_size` (--log-probs-chunk-size): compute over at
+    most that many response tokens at a time, so the softmax-sized intermediates are [chunk, v]
+    instead of [N, v]; the results are the same.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     rows = response_logits(logits, response_index).float()
     if temperature != 1.0:
         rows = rows / temperature
-    log_probs = token_log_probs(rows, targets, tp_group)
-    entropy = token_entropy(rows, tp_group) if with_entropy else None
-    return log_probs, entropy
+    log_probs: list[torch.Tensor] = []
+    entropy: list[torch.Tensor] = []
+    for part in row_chunks(rows.shape[0], chunk_size):
+        log_probs.append(token_log_probs(rows[part], targets[part], tp_group))
+        if with_entropy:
+            entropy.append(token_entropy(rows[part], tp_group))
+    lp = log_probs[0] if len(log_probs) == 1 else torch.cat(log_probs)
+    if not with_entropy:
+        return lp, None
+    return lp, entropy[0] if len(entropy) == 1 else torch.cat(entropy)

@@ -102,7 +102,17 @@ def transformer_config_kwargs(
     if backend is not None:
         kwargs["attention_backend"] = AttnBackend[backend]
     kwargs.update(moe_config_kwargs(megatron))
+    kwargs.update(mtp_config_kwargs(megatron))
     return kwargs
+
+
+def mtp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
+    """Multi-token prediction: --mtp-num-layers MTP layers on the last stage (0 or unset: none, as
+    in slime), their loss weight --mtp-loss-scaling-factor (tether.train.mtp)."""
+    return {
+        "mtp_num_layers": megatron.mtp_num_layers or None,
+        "mtp_loss_scaling_factor": megatron.mtp_loss_scaling_factor,
+    }
 
 
 def moe_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
@@ -115,6 +125,7 @@ def moe_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
         "moe_aux_loss_coeff": megatron.moe_aux_loss_coeff,
         "moe_grouped_gemm": megatron.moe_grouped_gemm,
         "moe_token_dispatcher_type": megatron.moe_token_dispatcher_type,
+        "moe_enable_deepep": megatron.moe_enable_deepep,
         "moe_router_dtype": megatron.moe_router_dtype,
         "moe_router_bias_update_rate": megatron.moe_router_bias_update_rate,
         "moe_permute_fusion": megatron.moe_permute_fusion,
@@ -130,16 +141,20 @@ def transformer_config(
     tp_size: int,
     pp_size: int,
     base: dict[str, Any] | None = None,
+    mtp: bool = True,
 ) -> Any:
     """The TransformerConfig of one model chunk (actor and reference share it).
 
     `base`: mbridge's HF → Megatron kwargs for the checkpoint (`tether.train.bridge.open_bridge`);
-    the HF facts of `arch` and the flags' kwargs are applied over it.
+    the HF facts of `arch` and the flags' kwargs are applied over it. `mtp`: with the MTP layers of
+    --mtp-num-layers (not for the PPO critic, whose head predicts values).
     """
     from tether.train import bridge
 
     _check_layout(arch, megatron, tp_size, pp_size)
     overrides = transformer_config_kwargs(megatron, caps, tp_size=tp_size)
+    if not mtp:
+        overrides["mtp_num_layers"] = None
     overrides.update(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
     return bridge.build_config(arch, bridge.config_kwargs(base or {}, arch, overrides))
 
@@ -153,6 +168,10 @@ def ddp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
         "overlap_param_gather": megatron.overlap_param_gather,
         "use_distributed_optimizer": megatron.distributed_optimizer,
         "bucket_size": None,
+        # Megatron-LM's args.check_for_nan_in_loss_and_grad: on unless --no-check-..., and off
+        # under fp16's dynamic loss scaling, where an inf/NaN gradient tells the scaler to skip.
+        "check_for_nan_in_grad": not megatron.no_check_for_nan_in_loss_and_grad
+        and not (megatron.fp16 and megatron.loss_scale is None),
     }
 
 

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from tether.train import bridge, megatron_args
+from tether.train import bridge, megatron_args, mtp
 from tether.train.capabilities import Capabilities, check_capabilities, uses_transformer_engine_spec
 from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.hf_config import ModelArch, load_arch
 from tether.train.hf_convert import HFWeights
 from tether.train.megatron_cpu import quiet_megatron_imports
 from tether.train.parallel import Topology
+from tether.train.param_freeze import apply_freeze
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def build_chunk(
     max_sequence_length: int | None = None,
     *,
     transformer_engine: bool | None = None,
+    train_mtp: bool = False,
 ) -> Any:
     """This PP stage's GPTModel (embedding on the first stage, norm + output on the last).
 
@@ -81,11 +83,15 @@ def build_chunk(
 
     if transformer_engine is None:
         transformer_engine = Capabilities.detect().transformer_engine
+    spec = bridge.layer_spec(
+        config, transformer_engine, topo.pp_rank, post_sublayer_norms=arch.post_sublayer_norms
+    )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=bridge.layer_spec(
-            config, transformer_engine, topo.pp_rank, post_sublayer_norms=arch.post_sublayer_norms
-        ),
+        transformer_layer_spec=spec,
+        # --mtp-num-layers: Megatron's MTP block (last stage only), its layers shaped like the
+        # stage's last decoder layer; tether.train.mtp runs it.
+        mtp_block_spec=bridge.mtp_block_spec(config, spec, transformer_engine, topo.pp_rank),
         vocab_size=arch.padded_vocab_size(topo.tp_size),
         max_sequence_length=max_sequence_length or arch.max_position_embeddings,
         pre_process=topo.is_first_stage,
@@ -99,6 +105,7 @@ def build_chunk(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     mark_tensor_parallel_params(model)
+    mtp.install(model, train=train_mtp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
@@ -153,9 +160,12 @@ def mark_tensor_parallel_params(model: Any) -> int:
     return marked
 
 
-def _prepare(opts: ModelOptions, topo: Topology) -> tuple[ModelArch, Any, Any, bridge.WeightBridge]:
+def _prepare(
+    opts: ModelOptions, topo: Topology, *, mtp_block: bool = True, train_mtp: bool = False
+) -> tuple[ModelArch, Any, Any, bridge.WeightBridge]:
     """Refuse what this rank cannot run, then the resolved architecture, its TransformerConfig, the
-    first chunk (weights not loaded) and the bridge that loads and exports its weights."""
+    first chunk (weights not loaded) and the bridge that loads and exports its weights.
+    `mtp_block`: with --mtp-num-layers' MTP layers; `train_mtp`: their loss in training steps."""
     caps = opts.resolved_capabilities()
     check_capabilities(opts.megatron, caps)
     megatron_args.scheduler_kwargs(opts.megatron, opts.algorithm)  # a schedule without horizon fails now
@@ -174,7 +184,7 @@ def _prepare(opts: ModelOptions, topo: Topology) -> tuple[ModelArch, Any, Any, b
         ),
     )
     config = megatron_args.transformer_config(
-        arch, megatron, caps, tp_size=topo.tp_size, pp_size=topo.pp_size, base=hf_bridge.config
+        arch, megatron, caps, tp_size=topo.tp_size, pp_size=topo.pp_size, base=hf_bridge.config, mtp=mtp_block
     )
     chunk = build_chunk(
         arch,
@@ -182,6 +192,7 @@ def _prepare(opts: ModelOptions, topo: Topology) -> tuple[ModelArch, Any, Any, b
         topo,
         megatron_args.max_sequence_length(arch, megatron),
         transformer_engine=uses_transformer_engine_spec(megatron, caps),
+        train_mtp=train_mtp,
     )
     weights = bridge.WeightBridge(arch, hf_bridge, arch.padded_vocab_size(topo.tp_size), config)
     bridge.attach(chunk, weights)
@@ -206,19 +217,34 @@ def load_hf_weights(
         (weights or bridge.weights_of(chunk)).load(chunk, source, layout)
 
 
-def build_actor(opts: ModelOptions, topo: Topology, *, load_weights: bool = True) -> Actor:
+def build_actor(
+    opts: ModelOptions, topo: Topology, *, load_weights: bool = True, value_head: bool = False
+) -> Actor:
     """Actor chunks wrapped in Megatron DDP, with optimizer and LR scheduler.
 
-    `load_weights=False` skips reading HF weights (a checkpoint load follows).
+    `load_weights=False` skips reading HF weights (a checkpoint load follows). `value_head`: the
+    PPO critic, whose output layer is a fresh 1-wide value head (`tether.train.critic`).
     """
     with quiet_megatron_imports():
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
 
     megatron = opts.megatron
-    arch, config, chunk, weights = _prepare(opts, topo)
+    # The critic's value head predicts values, not tokens: no MTP block (its checkpoint's MTP
+    # tensors are not loaded, as without --mtp-num-layers).
+    train_mtp = megatron.enable_mtp_training and not value_head
+    arch, config, chunk, weights = _prepare(opts, topo, mtp_block=not value_head, train_mtp=train_mtp)
     if load_weights:
         load_hf_weights([chunk], arch, opts.hf_checkpoint, topo, weights)
+    if value_head:
+        from tether.train.critic import attach_value_head
+
+        attach_value_head(chunk, config, seed=opts.algorithm.seed)
+    # --freeze/--only-train-params-name-list, before DDP and the optimizer (which skip frozen params)
+    report = topo.dp_rank == 0 and topo.tp_rank == 0
+    apply_freeze(chunk, opts.algorithm, report=report, where=f" pp stage {topo.pp_rank}")
+    if not train_mtp:
+        mtp.freeze(chunk)  # slime: without --enable-mtp-training the MTP layers are not trained
     ddp = DistributedDataParallel(config=config, ddp_config=megatron_args.ddp_config(megatron), module=chunk)
     # DDP copies params into its contiguous buffers; broadcast keeps DP replicas identical.
     ddp.broadcast_params()

@@ -14,8 +14,8 @@ back) travel as raw frames at any depth of a Struct, unchanged by the wrapping.
 
 Ordering contract (Megatron's collectives): the head calls every rank with the same method and
 awaits all of them before the next collective call (`init`, `train`, `compute_log_probs`,
-`update_weights`, `save`, `load`, `export_hf`); ranks of one data-parallel group receive the
-same request. `health` and `shutdown` are not collective.
+`compute_values`, `update_weights`, `save`, `load`, `export_hf`); ranks of one data-parallel
+group receive the same request. `health` and `shutdown` are not collective.
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ from tether.train.config import AlgorithmConfig, MegatronConfig
 MicroBatchPlan = list[list[int]]
 """Sample indices of each micro-batch of a shard, in the order they run."""
 
-LogProbModel = Literal["actor", "ref"]
-"""Whose log-probs: the actor's before the step ("old"), or the frozen reference model's."""
+TrainRole = Literal["actor", "critic"]
+"""What a trainer job trains: the policy, or PPO's critic (advantage estimator ppo)."""
+
+LogProbModel = Literal["actor", "ref", "teacher"]
+"""Whose log-probs: the actor's before the step ("old"), the frozen reference model's, or the
+on-policy distillation teacher's (--opd-type megatron)."""
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -65,6 +69,7 @@ class InitRequest(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     with_reference: bool = False  # build the reference even when the algorithm needs none
     offload_train: bool = False  # --offload-train: device memory to host after each weight update
+    role: TrainRole = "actor"  # "critic": the PPO critic (value head, value loss; no reference)
 
 
 class TrainRequest(msgspec.Struct, kw_only=True):
@@ -73,6 +78,10 @@ class TrainRequest(msgspec.Struct, kw_only=True):
     rollout_id: int
     shard: TrainBatch
     plan: MicroBatchPlan
+    # The rollout's first and last optimizer step: --reset-optimizer-states clears the optimizer
+    # before the first, --ref-update-interval may update the reference after the last.
+    first_of_rollout: bool = True
+    last_of_rollout: bool = True
 
 
 class TrainResult(msgspec.Struct, kw_only=True):
@@ -95,6 +104,19 @@ class LogProbsResult(msgspec.Struct, kw_only=True):
 
     log_probs: np.ndarray
     entropy: np.ndarray | None = None
+
+
+class ValuesRequest(msgspec.Struct, kw_only=True):
+    """The critic's value of every response token of a rank's shard (role "critic" only)."""
+
+    shard: TrainBatch
+    plan: MicroBatchPlan
+
+
+class ValuesResult(msgspec.Struct, kw_only=True):
+    """float32 [sum(response_lengths)], in shard order."""
+
+    values: np.ndarray
 
 
 class UpdateWeightsRequest(msgspec.Struct, kw_only=True):
@@ -124,6 +146,8 @@ class SaveRequest(msgspec.Struct, kw_only=True):
     rollout_id: int
     weight_version: int = 0
     data_position: dict[str, Any] = msgspec.field(default_factory=dict)
+    # --async-save: answer only once the checkpoint is complete (the run's last save, a signal's)
+    finalize: bool = False
 
 
 class SaveResult(msgspec.Struct, kw_only=True):
@@ -135,11 +159,15 @@ class LoadRequest(msgspec.Struct, kw_only=True):
 
     `finetune`: its weights only, the run starts at step 0 (the state says rollout_id -1).
     `hf`: load_dir is a Hugging Face model directory: its weights only (implies finetune).
+    `ckpt_step`: load iter_N of load_dir, not the tracker's (`ckpt_step_flag` names the flag
+    that asked: --ckpt-step or --ref-ckpt-step).
     """
 
     load_dir: str
     finetune: bool = False
     hf: bool = False
+    ckpt_step: int | None = None
+    ckpt_step_flag: str = "--ckpt-step"
 
 
 class DamagedCheckpoint(msgspec.Struct, frozen=True):
@@ -184,6 +212,8 @@ class RankApi(Protocol):
     async def train(self, request: TrainRequest) -> TrainResult: ...
 
     async def compute_log_probs(self, request: LogProbsRequest) -> LogProbsResult: ...
+
+    async def compute_values(self, request: ValuesRequest) -> ValuesResult: ...
 
     async def update_weights(self, request: UpdateWeightsRequest) -> WeightUpdateResult: ...
 
@@ -242,6 +272,9 @@ class RankClient(RankApi):
     async def compute_log_probs(self, request: LogProbsRequest) -> LogProbsResult:
         return await self._call(RankApi.compute_log_probs, LogProbsResult, request)
 
+    async def compute_values(self, request: ValuesRequest) -> ValuesResult:
+        return await self._call(RankApi.compute_values, ValuesResult, request)
+
     async def update_weights(self, request: UpdateWeightsRequest) -> WeightUpdateResult:
         return await self._call(RankApi.update_weights, WeightUpdateResult, request)
 
@@ -283,7 +316,10 @@ __all__ = [
     "SaveResult",
     "TrainRequest",
     "TrainResult",
+    "TrainRole",
     "UpdateWeightsRequest",
+    "ValuesRequest",
+    "ValuesResult",
     "WeightUpdateResult",
     "WorkerInfo",
 ]

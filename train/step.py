@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tether.runtime.errors import ConfigError
-from tether.train import losses, megatron_args
+from tether.train import loss_hooks, losses, megatron_args, mtp
 from tether.train.batching import MicroBatchTensors, TrainBatch, micro_batch_tensors
 from tether.train.config import AlgorithmConfig
 from tether.train.logprobs import log_probs_and_entropy
@@ -67,20 +68,26 @@ def _forward_step(
     *,
     per_token: bool,
     routing: RoutingReplay | None = None,
+    train: bool = False,
 ) -> Callable[[Any, Any], Any]:
     """Megatron's forward-step callback. `per_token` (--calculate-per-token-loss): the loss is a plain
     sum over the micro-batch's trainable tokens, returned with their count, and Megatron divides
     the gradients by the count over the whole step (all micro-batches and DP ranks). `routing`:
-    MoE routing replay, told which router calls are forwards (the rest are recomputes)."""
+    MoE routing replay, told which router calls are forwards (the rest are recomputes). `train`: a
+    training pass, where a model training MTP layers gets their labels (tether.train.mtp)."""
 
     def forward_step(data_iterator: Any, model: Any) -> Any:
         mb = next(data_iterator)
         mask = getattr(mb, "attention_mask", None)
+        extra: dict[str, Any] = {}
+        if train and mtp.training_model(model) is not None:
+            extra = mtp.forward_inputs(mb.tokens.to(device), mb.response_index, mb.loss_mask)
         with routing.forward() if routing is not None else contextlib.nullcontext():
             logits = model(
                 mb.tokens.to(device),
                 mb.position_ids.to(device),
                 None if mask is None else mask.to(device),
+                **extra,
             )
 
         def loss_func(output: torch.Tensor) -> tuple[Any, ...]:
@@ -126,7 +133,9 @@ def run_schedule(
     per_token = bool(config.calculate_per_token_loss) and not forward_only
     fb = get_forward_backward_func()
     out = fb(
-        forward_step_func=_forward_step(loss_fn, scale, device(), per_token=per_token, routing=routing),
+        forward_step_func=_forward_step(
+            loss_fn, scale, device(), per_token=per_token, routing=routing, train=not forward_only
+        ),
         data_iterator=iter(list(microbatches)),
         model=chunks,
         num_microbatches=n,
@@ -182,6 +191,7 @@ class StepOptions:
 
     temperature: float = 1.0
     with_entropy: bool = True
+    chunk_size: int = -1  # --log-probs-chunk-size: response tokens per log-prob/entropy computation
 
 
 def _load_custom_loss(path: str | None) -> Callable[..., losses.LossOutput]:
@@ -197,14 +207,27 @@ def _load_custom_loss(path: str | None) -> Callable[..., losses.LossOutput]:
     return fn  # type: ignore[no-any-return]
 
 
+def micro_batch_total_lengths(mb: MicroBatchTensors) -> list[int]:
+    """Each sample's prompt + response length, from the padded layout: the last query row of the
+    attention mask is blocked exactly at the padding keys."""
+    blocked = mb.attention_mask[:, 0, -1, :]
+    return [int(n) for n in (blocked.shape[-1] - blocked.sum(dim=-1)).tolist()]
+
+
 def rl_loss_fn(
-    algo: AlgorithmConfig, vocab_size: int, opts: StepOptions, *, unit_token_weights: bool = False
+    algo: AlgorithmConfig,
+    vocab_size: int,
+    opts: StepOptions,
+    *,
+    unit_token_weights: bool = False,
+    hooks: losses.LossHooks | None = None,
 ) -> LossFn:
-    """The loss for a micro-batch: policy (PPO/GSPO + KL/entropy/TIS), SFT, or a custom function.
+    """The loss for a micro-batch: policy (PPO/GSPO/CISPO + KL/entropy/TIS), SFT, or a custom function.
 
     A custom function takes `(algo, **columns)` like `losses.policy_loss` and returns a LossOutput.
     `unit_token_weights` (--calculate-per-token-loss): every trainable token weighs 1 and Megatron
-    divides by the step's token count, instead of the step weights the batch carries.
+    divides by the step's token count, instead of the step weights the batch carries. `hooks`:
+    slime's custom TIS function and pg-loss reducer (tether.train.loss_hooks), for the policy loss.
     """
     with quiet_megatron_imports():
         from megatron.core import parallel_state as ps
@@ -223,6 +246,7 @@ def rl_loss_fn(
             tp_group=tp_group,
             temperature=opts.temperature,
             with_entropy=opts.with_entropy,
+            chunk_size=algo.log_probs_chunk_size,
         )
         mbd = mb.to(logits.device)
         if unit_token_weights:
@@ -245,7 +269,12 @@ def rl_loss_fn(
                 "ref_log_probs": mbd.ref_log_probs,
                 "entropy": entropy,
             }
-            out = (custom or losses.policy_loss)(algo, **columns)
+            if custom is not None:
+                out = custom(algo, **columns)
+            else:
+                out = losses.policy_loss(
+                    algo, **columns, hooks=hooks, total_lengths=micro_batch_total_lengths(mbd)
+                )
         out.metrics["trainable_tokens"] = mbd.loss_mask.sum().detach()
         return out.loss, out.metrics
 
@@ -321,6 +350,31 @@ def _max_length(chunks: list[Any]) -> int | None:
     return int(value) if value else None
 
 
+def _step_num_samples(shard: TrainBatch) -> int:
+    """The samples of the whole step (all DP shards; filler copies carry no weight and do not count):
+    slime's step_global_batch_size, the divisor of a custom-reduced pg loss."""
+    count = torch.tensor([float((shard.loss_weights > 0).sum())])
+    return int(_dp_sum(count).item())
+
+
+def optimizer_step(actor: Any) -> tuple[bool, float | None]:
+    """The optimizer step: (applied, grad norm).
+
+    With Megatron's NaN check on (the default) a NaN/Inf gradient fails the step in the DDP
+    gradient sync. Under --no-check-for-nan-in-loss-and-grad, as slime does, the gradient norm is
+    computed first and a step whose norm is not finite is skipped (the gradients are dropped).
+    """
+    ddp_config = getattr(actor.chunks[0], "ddp_config", None)
+    if not getattr(ddp_config, "check_for_nan_in_grad", True):
+        if actor.optimizer.prepare_grads():  # found inf (mixed precision's loss scaler)
+            return False, None
+        norm = actor.optimizer.get_grad_norm()
+        if not math.isfinite(float(norm)):
+            return False, float(norm)
+    ok, grad_norm, _ = actor.optimizer.step()
+    return bool(ok), None if grad_norm is None else float(grad_norm)
+
+
 def train_step(
     actor: Any,
     shard: TrainBatch,
@@ -342,16 +396,26 @@ def train_step(
     actor.optimizer.zero_grad()
     mbs = build_micro_batches(shard, plan, config=actor.config, max_length=_max_length(actor.chunks))
     per_token = bool(actor.config.calculate_per_token_loss)
+    hooks = None
+    if algo.loss_type == "policy_loss":
+        hooks = loss_hooks.load_loss_hooks(
+            algo,
+            calculate_per_token_loss=per_token,
+            step_num_samples=_step_num_samples(shard) if algo.custom_pg_loss_reducer_function_path else 1,
+        )
+    mtp_models = [m for m in (mtp.training_model(c) for c in actor.chunks) if m is not None]
+    for model in mtp_models:
+        mtp.reset(model)
     with _routing_pass(routing, mbs, log_probs=False):
         per_mb = run_schedule(
             actor.chunks,
             actor.config,
             mbs,
-            rl_loss_fn(algo, actor.arch.vocab_size, opts, unit_token_weights=per_token),
+            rl_loss_fn(algo, actor.arch.vocab_size, opts, unit_token_weights=per_token, hooks=hooks),
             forward_only=False,
             routing=routing,
         )
-    ok, grad_norm, _ = actor.optimizer.step()
+    ok, grad_norm = optimizer_step(actor)
     lr = float(actor.optimizer.param_groups[0]["lr"])
     if ok:
         actor.scheduler.step(increment=1)
@@ -364,6 +428,8 @@ def train_step(
             # Unit token weights: the sums are over the step's tokens; their mean is the step value.
             denominator = max(metrics["trainable_tokens"], 1.0)
             metrics = {k: v if k == "trainable_tokens" else v / denominator for k, v in metrics.items()}
+        if mtp_models:
+            metrics.update(_mtp_metrics(mtp_models[0]))
     metrics = _broadcast_from_last_stage(metrics) or {}
     tokens = torch.tensor([float(sum(mb.num_tokens for mb in mbs))])
     tokens = _dp_sum(tokens)
@@ -377,6 +443,19 @@ def train_step(
         step_seconds=elapsed,
     )
     return metrics
+
+
+def _mtp_metrics(model: Any) -> dict[str, float]:
+    """slime's MTP metrics of the step: `mtp_{k}_loss` per MTP layer (its loss averaged over the
+    micro-batches and the data-parallel ranks) and `mtp_loss`, their sum. On the last stage."""
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+
+    values = torch.tensor(mtp.layer_losses(model) or [0.0] * int(model.config.mtp_num_layers))
+    values = _dp_sum(values) / ps.get_data_parallel_world_size()
+    out = {f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(values.tolist())}
+    out["mtp_loss"] = float(values.sum())
+    return out
 
 
 def compute_log_probs(
@@ -407,6 +486,7 @@ def compute_log_probs(
             tp_group=tp_group,
             temperature=opts.temperature,
             with_entropy=opts.with_entropy,
+            chunk_size=opts.chunk_size,
         )
         out = {"log_probs": lp.detach().float().cpu()}
         if ent is not None:

@@ -7,8 +7,8 @@ head, `tether.train.rank_work`; `tether.train_data_hooks` loads them):
 `rollout_data` holds, per sample and as slime's trainer holds them, `tokens`, `response_lengths`,
 `total_lengths`, `rewards`, `raw_reward`, `loss_masks`, `rollout_log_probs`, `log_probs` (the
 trainer's, before the step; None when the step computes none), `ref_log_probs` (None likewise),
-`kl` (zeros without --kl-coef) and `values` (None: tether has no critic). A hook's output is checked
-and refused, naming the hook, when it does not fit the samples.
+`kl` (zeros without --kl-coef) and `values` (the critic's under --advantage-estimator ppo, else
+None). A hook's output is checked and refused, naming the hook, when it does not fit the samples.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ class TrainDataHooks:
     reward_post_process_path: str = ""
     advantage: Callable[[dict[str, Any]], Any] | None = None
     advantage_path: str = ""
+    convert_samples: Callable[[Sequence[Sample]], Any] | None = None
+    """--custom-convert-samples-to-train-data-path (`tether.train.slime_train_data`)."""
+    convert_samples_path: str = ""
+    rollout_data_postprocess: Callable[[int, dict[str, Any]], Any] | None = None
+    """--rollout-data-postprocess-path, called (rollout_id, rollout_data) (`tether.train.slime_train_data`)."""
+    rollout_data_postprocess_path: str = ""
 
 
 def post_process_rewards(
@@ -111,7 +117,7 @@ def custom_advantages(hooks: TrainDataHooks, algorithm: AlgorithmConfig, batch: 
         "log_probs": log_probs,
         "ref_log_probs": ref_log_probs,
         "kl": kl,
-        "values": None,
+        "values": _per_sample(batch.values, lengths),  # the critic's (ppo), else None
     }
     hooks.advantage(rollout_data)
     advantages = rollout_data.get("advantages")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -32,6 +33,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from tether.runtime.errors import ConfigError
@@ -56,6 +58,8 @@ from tether.train.protocol import (
     TrainRequest,
     TrainResult,
     UpdateWeightsRequest,
+    ValuesRequest,
+    ValuesResult,
     WeightUpdateResult,
     WorkerInfo,
 )
@@ -80,6 +84,7 @@ class TrainerWorker(RankApi):
         self._stop = asyncio.Event()
         self._actor: Any = None
         self._ref: Any = None
+        self._teacher: Any = None  # --opd-type megatron: the distillation teacher
         self._topo: Any = None
         self._algorithm: AlgorithmConfig | None = None
         self._hf_checkpoint = ""
@@ -91,6 +96,9 @@ class TrainerWorker(RankApi):
         self._offload_train = False
         self._offloaded: Any = None  # what offload_trainer moved to host, until the next work
         self._routing: Any = None  # the actor's MoE routing replay (RoutingReplay), when asked for
+        self._pending_save: Any = None  # an --async-save checkpoint not finalised yet (PendingSave)
+        self._old_actor: Any = None  # --keep-old-actor: the old actor's weights (train.old_actor.OldActor)
+        self._role = "actor"  # or "critic" (InitRequest.role): which step `train` runs
 
     async def _run(self, fn: Callable[[], T]) -> T:
         """Run torch/Megatron work on this rank's single worker thread, in call order; the trainer's
@@ -138,8 +146,10 @@ class TrainerWorker(RankApi):
             check_architecture_flags(arch, megatron.architecture())
             topo = parallel.init_distributed(**megatron_args.init_distributed_kwargs(megatron, algorithm))
             opts = model_options(hf_checkpoint, algorithm, megatron)
-            self._actor = model.build_actor(opts, topo)
-            if algorithm.use_routing_replay or algorithm.use_rollout_routing_replay:
+            # The PPO critic: the actor's model with a value head; no routing replay, no reference.
+            critic = request.role == "critic"
+            self._actor = model.build_actor(opts, topo, value_head=critic)
+            if not critic and (algorithm.use_routing_replay or algorithm.use_rollout_routing_replay):
                 from tether.train.routing_replay import RoutingReplay
 
                 r3 = algorithm.use_rollout_routing_replay
@@ -148,7 +158,9 @@ class TrainerWorker(RankApi):
                     from_rollout=r3,
                     flag="--use-rollout-routing-replay" if r3 else "--use-routing-replay",
                 )
-            needs_ref = request.with_reference or algorithm.use_kl_loss or algorithm.kl_coef > 0
+            needs_ref = not critic and (
+                request.with_reference or algorithm.use_kl_loss or algorithm.kl_coef > 0
+            )
             if needs_ref:
                 ref_load = algorithm.ref_load
                 ref_hf = ref_load is not None and is_hf_checkpoint(Path(ref_load))
@@ -156,12 +168,30 @@ class TrainerWorker(RankApi):
                 if ref_load is not None and ref_hf:
                     model.load_hf_weights(self._ref.chunks, self._ref.arch, ref_load, topo, self._ref.weights)
                 elif ref_load is not None:
-                    checkpoint.load_weights_only(self._ref.chunks, ref_load)
+                    # slime's load_other_checkpoint: --ref-ckpt-step, else --ckpt-step.
+                    from tether.train.checkpoint_layout import select_checkpoint_step
+
+                    ref_step = algorithm.ref_ckpt_step
+                    flag = "--ref-ckpt-step" if ref_step is not None else "--ckpt-step"
+                    if ref_step is None:
+                        ref_step = algorithm.ckpt_step
+                    checkpoint.load_weights_only(
+                        self._ref.chunks, select_checkpoint_step(ref_load, ref_step, flag=flag)
+                    )
+            if not critic and algorithm.use_opd and algorithm.opd_type == "megatron":
+                from tether.train.opd_teacher import build_teacher
+
+                self._teacher = build_teacher(opts, topo, algorithm)
             self._topo = topo
             self._algorithm = algorithm
             self._hf_checkpoint = hf_checkpoint
             self._temperature = temperature
             self._offload_train = request.offload_train
+            self._role = request.role
+            if algorithm.keep_old_actor and not critic:
+                from tether.train.old_actor import OldActor
+
+                self._old_actor = OldActor(self._actor.chunks)
             return self._info()
 
         return await self._run(work)
@@ -198,6 +228,24 @@ class TrainerWorker(RankApi):
         def work() -> TrainResult:
             from tether.train import step
 
+            if algorithm.reset_optimizer_states and request.first_of_rollout:
+                # slime clears the optimizer's history at the start of each rollout's training
+                from tether.train.optimizer_reset import reset_optimizer_states
+
+                reset_optimizer_states(actor.optimizer)
+            if self._role == "critic":
+                from tether.train.critic import value_train_step
+
+                metrics = value_train_step(actor, shard, plan, algorithm)
+                if self._offload_train:
+                    # The critic never syncs weights: it leaves the device after each of its steps
+                    # (the actor's turn on the devices it shares follows); `_run` brings it back.
+                    from tether.train.offload import offload_trainer
+
+                    self._offloaded = offload_trainer(actor)
+                self._steps += 1
+                metrics["rollout_id"] = float(request.rollout_id)
+                return TrainResult(metrics=metrics)
             metrics = step.train_step(
                 actor,
                 shard,
@@ -208,7 +256,34 @@ class TrainerWorker(RankApi):
             )
             self._steps += 1
             metrics["rollout_id"] = float(request.rollout_id)
+            if request.last_of_rollout and self._ref is not None:
+                self._maybe_update_reference(request.rollout_id)
             return TrainResult(metrics=metrics)
+
+        return await self._run(work)
+
+    def _maybe_update_reference(self, rollout_id: int) -> None:
+        """--ref-update-interval: once rollout `rollout_id` has trained, the reference may take the
+        actor's weights (worker thread)."""
+        from tether.train import model
+        from tether.train.ref_update import ref_update_due, update_reference
+
+        assert self._algorithm is not None
+        if ref_update_due(self._algorithm.ref_update_interval, rollout_id):
+            model.sync_params(self._actor.chunks)  # a pending parameter all-gather lands first
+            update_reference(self._actor.chunks, self._ref.chunks)
+
+    async def compute_values(self, request: ValuesRequest) -> ValuesResult:
+        """The critic's per-response-token values over this rank's shard (role "critic" only)."""
+        critic = self._require_init()
+        if self._role != "critic":
+            raise ValueError("compute_values: this rank trains the actor, not a critic (InitRequest.role)")
+        request.shard.validate()
+
+        def work() -> ValuesResult:
+            from tether.train.critic import compute_values
+
+            return ValuesResult(values=compute_values(critic, request.shard, request.plan))
 
         return await self._run(work)
 
@@ -224,39 +299,97 @@ class TrainerWorker(RankApi):
                     "model='ref': no reference model (init with_reference, --use-kl-loss or --kl-coef)"
                 )
             chunks, config = self._ref.chunks, self._ref.config
+        elif model == "teacher":
+            if self._teacher is None:
+                raise ValueError("model='teacher': no teacher model (--use-opd --opd-type megatron)")
+            chunks, config = self._teacher.chunks, self._teacher.config
         else:
-            raise ValueError(f"model={model!r}: expected 'actor' or 'ref'")
+            raise ValueError(f"model={model!r}: expected 'actor', 'ref' or 'teacher'")
         shard.validate()
 
         def work() -> LogProbsResult:
             from tether.train import step
 
-            opts = step.StepOptions(temperature=self._temperature, with_entropy=request.with_entropy)
+            chunk = self._algorithm.log_probs_chunk_size if self._algorithm is not None else -1
+            opts = step.StepOptions(
+                temperature=self._temperature, with_entropy=request.with_entropy, chunk_size=chunk
+            )
             # Only the actor's routers replay; the reference routes on its own (as in slime).
             routing = self._routing if model == "actor" else None
-            lp, ent = step.compute_log_probs(
-                chunks, config, actor.arch.vocab_size, shard, plan, opts, routing=routing
-            )
+            with self._old_actor_weights(model):
+                lp, ent = step.compute_log_probs(
+                    chunks, config, actor.arch.vocab_size, shard, plan, opts, routing=routing
+                )
             return LogProbsResult(log_probs=lp, entropy=ent)
 
         return await self._run(work)
 
+    def _old_actor_weights(self, model: str) -> contextlib.AbstractContextManager[None]:
+        """--keep-old-actor: the old log-probs ("actor") are computed with the old actor's weights
+        swapped in, and the actor's own restored after (worker thread)."""
+        if model != "actor" or self._old_actor is None:
+            return contextlib.nullcontext()
+        from tether.train import model as models
+
+        models.sync_params(self._actor.chunks)  # a pending parameter all-gather lands first
+        return self._old_actor.active(self._actor.chunks)
+
+    def _advance_old_actor(self, update_weights_interval: int) -> None:
+        from tether.train import model as models
+
+        models.sync_params(self._actor.chunks)
+        self._old_actor.after_weight_update(self._actor.chunks, update_weights_interval)
+
+    def _restart_old_actor(self) -> None:
+        """The actor's weights were loaded: they are the old actor's start weights (worker thread)."""
+        if self._old_actor is not None:
+            self._old_actor.restart(self._actor.chunks)
+
     async def save(self, request: SaveRequest) -> SaveResult:
-        """Write checkpoint iter_{step} under save_dir (atomic); returns its path."""
+        """Write checkpoint iter_{step} under save_dir (atomic); returns its path.
+
+        With --async-save the files are written in the background and the checkpoint is complete
+        (renamed into place, named by the tracker) once finalised: before the next save, the next
+        weight update, at shutdown, or before this call returns when `request.finalize` asks.
+        --no-save-optim leaves the optimizer state out.
+        """
         actor = self._require_init()
+        algorithm = self._algorithm
+        assert algorithm is not None
 
         def work() -> SaveResult:
-            from tether.train import checkpoint
+            from tether.train import checkpoint, checkpoint_async
 
+            self._finalize_save()
             state = checkpoint.RunState(
                 step=request.step,
                 rollout_id=request.rollout_id,
                 weight_version=request.weight_version,
                 data_position=request.data_position,
             )
-            return SaveResult(path=str(checkpoint.save(actor, request.save_dir, state)))
+            save_optim = not algorithm.no_save_optim
+            if not algorithm.async_save:
+                return SaveResult(
+                    path=str(checkpoint.save(actor, request.save_dir, state, save_optim=save_optim))
+                )
+            self._pending_save = checkpoint_async.start_save(
+                actor, request.save_dir, state, save_optim=save_optim
+            )
+            if request.finalize:
+                return SaveResult(path=str(self._finalize_save()))
+            return SaveResult(path=str(self._pending_save.final))
 
         return await self._run(work)
+
+    def _finalize_save(self) -> Any:
+        """Complete the --async-save checkpoint in flight, if any (collective; on the work
+        thread); returns its path."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return None
+        from tether.train import checkpoint_async
+
+        return checkpoint_async.finalize(pending)
 
     async def load(self, request: LoadRequest) -> LoadedState | None:
         """Resume from the newest loadable complete checkpoint in load_dir, or None if none.
@@ -270,17 +403,32 @@ class TrainerWorker(RankApi):
         actor = self._require_init()
         load_dir = request.load_dir
         algorithm = self._algorithm
-        chosen = [] if algorithm is None else [algorithm.load, algorithm.ref_load]
+        assert algorithm is not None
+        chosen = [algorithm.load, algorithm.ref_load]
         named = any(c is not None and Path(load_dir) == Path(c) for c in chosen)
         if request.hf:
             return await self._run(lambda: self._load_hf(load_dir))
 
         def work() -> LoadedState | None:
             from tether.train import checkpoint
+            from tether.train.checkpoint_layout import holds_megatron_checkpoint, select_checkpoint_step
 
-            loaded = checkpoint.load_checkpoint(actor, load_dir, finetune=request.finetune, named=named)
+            where: str | Path = load_dir
+            # iter_N exactly (--ckpt-step / --ref-ckpt-step), named by the user; a directory that
+            # holds no checkpoint at all still answers "none" (slime then starts from --ref-load).
+            if request.ckpt_step and holds_megatron_checkpoint(Path(load_dir)):
+                where = select_checkpoint_step(load_dir, request.ckpt_step, flag=request.ckpt_step_flag)
+            loaded = checkpoint.load_checkpoint(
+                actor,
+                where,
+                finetune=request.finetune,
+                named=named or where != load_dir,
+                load_optim=not algorithm.no_load_optim,
+                load_rng=not algorithm.no_load_rng,
+            )
             if loaded is None:
                 return None
+            self._restart_old_actor()
             state = loaded.state
             return LoadedState(
                 step=state.step,
@@ -301,6 +449,7 @@ class TrainerWorker(RankApi):
         chunks = [model.unwrap(c) for c in actor.chunks]
         model.load_hf_weights(chunks, actor.arch, hf_dir, self._topo, actor.weights)
         checkpoint.reload_main_params(actor)
+        self._restart_old_actor()
         fresh = checkpoint.fresh_state()
         return LoadedState(
             step=fresh.step, rollout_id=fresh.rollout_id, weight_version=0, data_position={}, path=hf_dir
@@ -332,7 +481,13 @@ class TrainerWorker(RankApi):
         rank 0); rank 0 is the sync source and runs the transport the flags chose, keeping it
         (the update group, the delta baseline) across syncs. Returns the ledger entry on rank 0.
         """
+        if self._pending_save is not None:  # --async-save: complete the checkpoint first
+            await self._run(self._finalize_save)
         result = WeightUpdateResult(entry=await self._update_weights(request))
+        if self._old_actor is not None:
+            # --keep-old-actor: the engines serve the actor's weights now; slime's queue moves
+            interval = request.weight_sync.update_weights_interval
+            await self._run(lambda: self._advance_old_actor(interval))
         if self._offload_train:
             # The engines generate next and may take the device memory; `_run` brings it back.
             await self._run(self._offload)
@@ -341,7 +496,10 @@ class TrainerWorker(RankApi):
     def _offload(self) -> None:
         from tether.train.offload import offload_trainer
 
-        self._offloaded = offload_trainer(self._actor, self._ref)
+        frozen = [m for m in (self._ref, self._teacher) if m is not None]
+        # The reference's and the teacher's weights leave the device alike (only `.chunks` is read).
+        others = None if not frozen else SimpleNamespace(chunks=[c for m in frozen for c in m.chunks])
+        self._offloaded = offload_trainer(self._actor, others)
 
     async def _update_weights(self, request: UpdateWeightsRequest) -> LedgerEntry | None:
         actor = self._require_init()
@@ -463,13 +621,19 @@ class TrainerWorker(RankApi):
     async def shutdown(self) -> None:
         """Stop serving; the process then leaves its process groups and exits 0.
 
-        The weight-sync transport goes first: a weight-update group still open at exit can
-        abort the process (gloo), and the engines are told to drop their side of it.
+        An --async-save checkpoint still being written is completed first (its failure is
+        raised to the caller once the rest is closed). The weight-sync transport goes next: a
+        weight-update group still open at exit can abort the process (gloo), and the engines are
+        told to drop their side of it.
         """
         transport, self._transport = self._transport, None
         try:
-            if transport is not None and hasattr(transport, "close"):
-                await transport.close()
+            try:
+                if self._pending_save is not None:
+                    await self._run(self._finalize_save)
+            finally:
+                if transport is not None and hasattr(transport, "close"):
+                    await transport.close()
         finally:
             for client in self._engines:
                 await client.close()
@@ -514,10 +678,15 @@ def read_addresses(directory: str | Path, world_size: int) -> dict[int, str] | N
 
 
 async def serve(
-    address_dir: Path, bind_host: str, ipc_dir: Path | None = None, node_address: str = ""
+    address_dir: Path,
+    bind_host: str,
+    ipc_dir: Path | None = None,
+    node_address: str = "",
+    job: str = "trainer",
 ) -> None:
     """Serve this rank's RPC until `shutdown` is called: on a Unix socket under `ipc_dir` when
-    given (the head is on this node) and its path fits, else on TCP at `bind_host`."""
+    given (the head is on this node) and its path fits, else on TCP at `bind_host`. `job` names
+    the rank (`{job}-rank{RANK}`): "critic" for the PPO critic's job beside the actor's."""
     from tether.runtime.endpoints import ipc_endpoint
     from tether.runtime.rpc import RpcServer
     from tether.runtime.secret import secret_from_env
@@ -526,13 +695,13 @@ async def serve(
     rank = int(os.environ.get("RANK", "0"))
     endpoint = None
     if ipc_dir is not None:
-        endpoint = ipc_endpoint(ipc_dir, f"trainer-rank{rank}")  # main() made the directory
+        endpoint = ipc_endpoint(ipc_dir, f"{job}-rank{rank}")  # main() made the directory
     # Leaving the executor waits for the step on its thread; the head bounds that wait (it
     # signals a rank that has not exited within its grace period).
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-rank{rank}") as executor:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{job}-rank{rank}") as executor:
         worker = TrainerWorker(executor, node_address)
         bind = endpoint or f"tcp://{bind_host}:0"
-        async with RpcServer(worker, bind, secret, name=f"trainer-rank{rank}") as server:
+        async with RpcServer(worker, bind, secret, name=f"{job}-rank{rank}") as server:
             _write_address(address_dir, rank, server.address)
             await worker._wait_stopped()
     from tether.train import parallel
@@ -562,6 +731,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Serve on a Unix socket in this directory (ranks on the head's node; faster than TCP).",
     )
+    parser.add_argument(
+        "--job",
+        default="trainer",
+        choices=["trainer", "critic"],
+        help="The job's name in the rank's RPC and socket names: trainer (the actor) or critic (PPO).",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -577,7 +752,7 @@ def main(args: argparse.Namespace) -> int:
         import megatron.core  # noqa: F401  (import once, quietly, before any rank work)
     if args.ipc_dir is not None:
         args.ipc_dir.mkdir(parents=True, exist_ok=True)
-    uvloop.run(serve(args.rpc_address_dir, args.bind_host, args.ipc_dir, args.node_address))
+    uvloop.run(serve(args.rpc_address_dir, args.bind_host, args.ipc_dir, args.node_address, args.job))
     return 0
 
 

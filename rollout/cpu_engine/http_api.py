@@ -44,10 +44,12 @@ from tether.rollout.cpu_engine.model import (
     check_finite,
     read_safetensors_dir,
 )
+from tether.rollout.cpu_engine.prompt_logprobs import check_start, wants_scoring
 from tether.rollout.cpu_engine.receive import BucketReceiver
 from tether.rollout.cpu_engine.sampling import SamplingParams, parse_sampling_params
 from tether.rollout.cpu_engine.scheduler import EngineUnavailable, Request, Scheduler, progress
 from tether.rollout.cpu_engine.sse import send_events
+from tether.rollout.cpu_engine.weights_checker import CheckWeightsReq, WeightsChecker, WeightsCheckFailed
 from tether.rollout.engine_api.auth import authorized
 from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors
 from tether.runtime.weight_group import WeightGroup, destroy_weight_group, init_weight_group
@@ -165,6 +167,7 @@ class GenerateReq(msgspec.Struct, kw_only=True):
     top_logprobs_num: int | list[int] | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    return_text_in_logprobs: bool = False
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -278,9 +281,10 @@ def _texts(req: GenerateReq, max_prompts: int) -> list[str] | None:
 
 def _normalise(
     req: GenerateReq, sched: Scheduler, encoded: list[list[int]] | None
-) -> list[tuple[list[int], SamplingParams, str, bool, int]]:
+) -> list[tuple[list[int], SamplingParams, str, bool, int, int]]:
     """Split a single or batched request into (prompt ids, params, rid, return_logprob,
-    top_logprobs_num) items; `encoded`: the text prompts' token ids (tokenized off the event loop)."""
+    top_logprobs_num, logprob_start_len) items; `encoded`: the text prompts' token ids (tokenized
+    off the event loop)."""
     prompts: list[list[int]]
     if req.text is not None:
         assert encoded is not None
@@ -310,10 +314,13 @@ def _normalise(
 
     sps = [parse_sampling_params(sp) for sp in per_item(req.sampling_params, "sampling_params")]
     lps = [bool(x) for x in per_item(req.return_logprob, "return_logprob")]
-    if any(v not in (None, -1) for v in per_item(req.logprob_start_len, "logprob_start_len")):
-        raise BadRequest(
-            f"logprob_start_len={req.logprob_start_len!r}: only the default is supported by the CPU engine"
-        )
+    starts = [-1 if v is None else v for v in per_item(req.logprob_start_len, "logprob_start_len")]
+    for i, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+        where = f"logprob_start_len[{i}]" if isinstance(req.logprob_start_len, list) else "logprob_start_len"
+        why = check_start(start, len(prompt), where)
+        if why is not None and lps[i]:  # as SGLang, ignored without return_logprob
+            raise BadRequest(why)
+    starts = [s if lp else -1 for s, lp in zip(starts, lps, strict=True)]
     tops = [v or 0 for v in per_item(req.top_logprobs_num, "top_logprobs_num")]
     if any(v < 0 for v in tops):
         raise BadRequest(f"top_logprobs_num={req.top_logprobs_num!r}: must be >= 0")
@@ -357,7 +364,7 @@ def _normalise(
                 f"the input messages and {sp.max_new_tokens} tokens for the completion. Please reduce the "
                 "number of tokens in the input messages or the completion to fit within the limit."
             )
-    return list(zip(prompts, sps, rids, lps, tops, strict=True))
+    return list(zip(prompts, sps, rids, lps, tops, starts, strict=True))
 
 
 class EngineApp:
@@ -374,6 +381,7 @@ class EngineApp:
             max_workers=limits.max_group_setups + 2, thread_name_prefix="engine-weight-group"
         )
         self._tokenize_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-tokenize")
+        self._weights_checker = WeightsChecker()  # SGLang's /weights_checker snapshot
 
     @property
     def sched(self) -> Scheduler:
@@ -418,6 +426,7 @@ class EngineApp:
         r.add_route("*", "/get_weights_by_name", self.weights_by_name)
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
+        r.add_route("*", "/weights_checker", self.weights_checker)
         from tether.rollout.cpu_engine.openai_api import OpenAIRoutes
 
         OpenAIRoutes(self).add_to(r)
@@ -592,8 +601,10 @@ class EngineApp:
                 top_logprobs_num=top,
                 return_routed_experts=body.return_routed_experts,
                 routed_experts_start_len=body.routed_experts_start_len,
+                logprob_start_len=start,
+                return_text_in_logprobs=body.return_text_in_logprobs,
             )
-            for prompt, sp, rid, lp, top in items
+            for prompt, sp, rid, lp, top, start in items
         ]
         self.submit_all(reqs)
         single = len(reqs) == 1 and isinstance(body.text, str | None) and not _is_batched_ids(body.input_ids)
@@ -609,7 +620,8 @@ class EngineApp:
         submitted: list[Request] = []
         try:
             for req in reqs:
-                if req.params.max_new_tokens == 0:
+                scores = wants_scoring(req.return_logprob, req.logprob_start_len, len(req.prompt))
+                if req.params.max_new_tokens == 0 and not scores:  # a scoring one needs its prefill
                     self.sched.finish_now(req)
                     continue
                 self.sched.submit(req)
@@ -924,6 +936,21 @@ class EngineApp:
         if name not in params:
             raise BadRequest(f"name={body.name!r}: no such parameter (or the weights are released)")
         return web.json_response(params[name][: body.truncate_size].tolist())
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """SGLang's /weights_checker (snapshot, reset_tensors, compare, checksum), between two steps."""
+        body: CheckWeightsReq = await read_body(request, CheckWeightsReq, allow_empty=True)
+        answer: dict[str, Any] = {}
+
+        async def op() -> None:
+            answer.update(self._weights_checker.handle(self.sched.model.params, body))
+
+        try:
+            async with self.s.update_lock:
+                await self.sched.between_steps(op)
+        except WeightsCheckFailed as e:
+            return result_response(False, str(e))
+        return result_response(True, "Success.", **answer)
 
     async def release_memory(self, request: web.Request) -> web.Response:
         body: MemoryReq = await read_body(request, MemoryReq, allow_empty=True)

@@ -114,13 +114,15 @@ def mla_attend(
     q: torch.Tensor,
     cached: torch.Tensor,
     mask: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """Attention output [B, T, H * v_dim] of q [B, H, T, qk] over cached entries [B, 1, S, w]."""
+    """Attention output [B, T, H * v_dim] of q [B, H, T, qk] over cached entries [B, 1, S, w];
+    `scale` is the softmax scale (qk_dim**-0.5, times YaRN's mscale_all_dim factor)."""
     p = f"model.layers.{layer}.self_attn."
     b, _, s, _ = cached.shape
     latent, k_rot = cached[:, 0].split([cfg.kv_lora_rank, cfg.qk_rope_dim], dim=-1)
     kv = F.linear(latent, params[p + "kv_b_proj.weight"]).view(b, s, heads, cfg.qk_nope_dim + cfg.v_dim)
     k_nope, v = kv.transpose(1, 2).split([cfg.qk_nope_dim, cfg.v_dim], dim=-1)
     k = torch.cat((k_nope, k_rot.unsqueeze(1).expand(b, heads, s, cfg.qk_rope_dim)), dim=-1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.qk_dim**-0.5)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b, q.shape[2], heads * cfg.v_dim)

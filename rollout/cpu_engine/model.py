@@ -1,13 +1,14 @@
-"""The CPU engine's model: a compact pure-torch forward for Llama, Qwen2, Qwen3, GLM-4 and
+"""The CPU engine's model: a compact pure-torch forward for Llama, Qwen2 (and MiMo), Qwen3, GLM-4 and
 the Mixture-of-Experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with multi-latent
 attention, GLM-4-MoE), with a slot-based KV cache, so one decode step runs every running
 sequence in one forward.
 
 Supported: RMSNorm, RoPE (default rope type, theta from `rope_parameters` or `rope_theta`;
-partial rotary and the pairwise-interleaved layout), GQA, SwiGLU, qkv bias, per-head q/k
+partial rotary and the pairwise-interleaved layout; YaRN scaling, rope.py), GQA, SwiGLU, qkv bias, per-head q/k
 RMSNorm, GLM-4's sandwich norms and fused gate_up_proj, tied embeddings; MoE blocks are in
-moe.py, multi-latent attention in mla.py. What is not supported (rope scaling, sliding
-windows, other activations) is refused at load by name. Weights keep their Hugging Face
+moe.py, multi-latent attention in mla.py. What is not supported (other rope scalings, sliding
+windows, other activations) is refused at load by name; multi-token-prediction layers a
+checkpoint carries are accepted and left out (plain decoding does not use them). Weights keep their Hugging Face
 names, so every update path speaks the names a trainer exports.
 """
 
@@ -25,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from tether.rollout.cpu_engine.mla import MLAConfig, mla_attend, mla_project
 from tether.rollout.cpu_engine.moe import MoEConfig, MoEConfigError, moe_block
+from tether.rollout.cpu_engine.rope import YarnConfig, rope_tables
 
 SUPPORTED_TYPES = (
     "llama",
@@ -36,7 +38,11 @@ SUPPORTED_TYPES = (
     "mixtral",
     "deepseek_v3",
     "glm4_moe",
+    "mimo",
 )
+# Families whose checkpoints may carry multi-token-prediction (MTP) layers. Plain decoding does
+# not use them (transformers drops them too), so their tensors are accepted and left out.
+_MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
 # Families whose q/k/v projections carry a bias unless the config says otherwise.
 _QKV_BIAS_DEFAULT = {"qwen2": True, "qwen2_moe": True, "glm4": True}
 
@@ -71,6 +77,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     fused_gate_up: bool = False  # GLM-4's dense MLP holds gate and up in one gate_up_proj
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    yarn: YarnConfig | None = None  # YaRN rope scaling; None: plain RoPE
+    mtp_layers: int = 0  # the checkpoint's MTP layers (num_nextn_predict_layers), not served
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -83,13 +91,23 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         if model_type not in SUPPORTED_TYPES:
             raise ModelConfigError(f"{cfg_path}: model_type={model_type!r} is not one of {SUPPORTED_TYPES}")
         rope = raw.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-        if rope_type != "default" or raw.get("rope_scaling"):
-            scaling = raw.get("rope_scaling")
-            named = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else rope_type
-            raise ModelConfigError(f"{cfg_path}: rope scaling {named!r} is not supported")
+        if not isinstance(rope, dict):
+            rope = {}
+        scaling = raw.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ModelConfigError(f"{cfg_path}: rope_scaling={scaling!r} is not a mapping")
+        # transformers 5 writes `rope_parameters`; older configs (DeepSeek-V3's own) `rope_scaling`.
+        scaled = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else scaling
+        rope_type = scaled.get("rope_type", scaled.get("type", "default")) if scaled else "default"
+        if rope_type not in ("default", "yarn"):
+            raise ModelConfigError(f"{cfg_path}: rope scaling {rope_type!r} is not supported (only yarn)")
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         theta = float(theta if theta is not None else raw.get("rope_theta", 10000.0))
+        max_position = int(raw.get("max_position_embeddings", 2048))
+        try:
+            yarn = YarnConfig.from_params(scaled, max_position) if rope_type == "yarn" else None
+        except (ValueError, TypeError) as e:
+            raise ModelConfigError(f"{cfg_path}: yarn rope scaling {scaled!r}: {e}") from e
         _refuse_unsupported(cfg_path, model_type, raw)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -119,7 +137,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 eos_ids = tuple(dict.fromkeys([*eos_ids, *gen_eos]))
             elif gen_eos is not None and gen_eos not in eos_ids:
                 eos_ids = (*eos_ids, int(gen_eos))
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "mimo"):  # MiMo is Qwen2 plus MTP layers
             qkv_bias = True
         elif model_type == "qwen2_moe":
             qkv_bias = bool(raw.get("qkv_bias", True))
@@ -136,7 +154,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             vocab=int(raw["vocab_size"]),
             eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            max_position=int(raw.get("max_position_embeddings", 2048)),
+            max_position=max_position,
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias and mla is None,
             qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(raw.get("use_qk_norm", False)),
@@ -147,6 +165,26 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             fused_gate_up=model_type == "glm4",
             moe=moe,
             mla=mla,
+            yarn=yarn,
+            mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if model_type in _MTP_FAMILIES else 0,
+        )
+
+    def unused(self, name: str) -> bool:
+        """A checkpoint tensor the forward does not use: a tied checkpoint's lm_head, or an MTP
+        layer's (DeepSeek-V3/GLM-4.5 number them after the decoder layers, MiMo keeps them in
+        `model.mtp_layers`)."""
+        if name == "lm_head.weight" and self.tie_embeddings:
+            return True
+        if not self.mtp_layers:
+            return False
+        if self.model_type == "mimo":
+            return name.startswith("model.mtp_layers.")
+        parts = name.split(".", 3)
+        return (
+            len(parts) > 3
+            and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit()
+            and self.layers <= int(parts[2]) < self.layers + self.mtp_layers
         )
 
     def cache_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -237,11 +275,12 @@ def check_named(cfg: ModelConfig, named: dict[str, torch.Tensor], complete: bool
     """Raise WeightMismatch unless every tensor has a known name, float32 dtype and its shape.
 
     `complete` also requires every parameter to be present (a full checkpoint load). Tied
-    checkpoints may carry an `lm_head.weight` equal to the embeddings; it is accepted and ignored.
+    checkpoints may carry an `lm_head.weight` equal to the embeddings, checkpoints with MTP layers
+    their tensors (`ModelConfig.unused`); they are accepted and ignored.
     """
     expected = cfg.expected_shapes()
     for name, tensor in named.items():
-        if name == "lm_head.weight" and cfg.tie_embeddings:
+        if cfg.unused(name):
             continue
         if name not in expected:
             raise WeightMismatch(f"unknown parameter name {name!r}")
@@ -371,10 +410,7 @@ class TinyLM:
         self.arenas: dict[Hashable, torch.Tensor] = {}
         self.load(params, complete=True)
         rot = cfg.rotary_dim or cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
-        emb = freqs.repeat_interleave(2, dim=-1) if cfg.rope_pairs else torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = rope_tables(rot, cfg.rope_theta, cfg.max_position, cfg.rope_pairs, cfg.yarn)
 
     def load(self, named: dict[str, torch.Tensor], complete: bool) -> None:
         """Validate, then replace; a mismatch raises before any parameter changes."""
@@ -397,8 +433,9 @@ class TinyLM:
     dtype = torch.float32  # what every parameter is held in
 
     def ignores(self, name: str) -> bool:
-        """A tied checkpoint's lm_head: accepted and dropped (the embeddings serve as the head)."""
-        return name == "lm_head.weight" and self.cfg.tie_embeddings
+        """A tied checkpoint's lm_head (the embeddings serve as the head) or an MTP layer's
+        tensor: accepted and dropped."""
+        return self.cfg.unused(name)
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
         """Make a checked float32 tensor the parameter itself (it becomes the storage, no copy)."""
@@ -458,7 +495,8 @@ class TinyLM:
         """Attention output [B, T, H * v_dim] of q over the kept entries (this step's or the cache's)."""
         c = self.cfg
         if c.mla is not None:
-            return mla_attend(c.mla, c.heads, self.params, i, q, kept[0], mask)
+            scale = c.mla.qk_dim**-0.5 * (c.yarn.mla_softmax_scale() if c.yarn is not None else 1.0)
+            return mla_attend(c.mla, c.heads, self.params, i, q, kept[0], mask, scale)
         k, v = kept
         rep = c.heads // c.kv_heads
         if rep > 1:
@@ -491,11 +529,19 @@ class TinyLM:
         return x + y
 
     def prefill(
-        self, prompts: list[list[int]], slots: list[int], cache: KVCache, routes: Routes | None = None
+        self,
+        prompts: list[list[int]],
+        slots: list[int],
+        cache: KVCache,
+        routes: Routes | None = None,
+        score_from: dict[int, int] | None = None,
+        scores: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run whole prompts (right-padded into one batch), fill their slots; last-token logits [B, V].
 
-        `routes`, when given, receives each MoE layer's expert ids [B, T, k] (padded rows too)."""
+        `routes`, when given, receives each MoE layer's expert ids [B, T, k] (padded rows too).
+        `score_from` maps a row to the first position whose logits it also wants (prompt scoring,
+        SGLang's logprob_start_len); prefill writes that row's logits [len - start, V] to `scores`."""
         c = self.cfg
         lens = torch.tensor([len(x) for x in prompts])
         t = int(lens.max())
@@ -515,6 +561,10 @@ class TinyLM:
                     n = int(lens[row])
                     store[i][slot, :, :n] = entry[row, :, :n]
             x = self._block_tail(i, x, self._attend(i, q, entries, mask), routes)
+        if score_from and scores is not None:
+            for row, start in score_from.items():
+                h = _rms_norm(x[row, start : int(lens[row])], self.params["model.norm.weight"], c.eps)
+                scores[row] = F.linear(h, self._lm_head())
         last = x[torch.arange(len(prompts)), lens - 1]
         return F.linear(_rms_norm(last, self.params["model.norm.weight"], c.eps), self._lm_head())
 

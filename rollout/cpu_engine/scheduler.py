@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 
 from tether.rollout.cpu_engine.constrained import TokenConstraint
 from tether.rollout.cpu_engine.model import KVCache, ModelConfig, Routes, TinyLM
+from tether.rollout.cpu_engine.prompt_logprobs import PromptScore, score_prompt, wants_scoring
 from tether.rollout.cpu_engine.sampling import Choice, SamplingParams, choose_tokens
 
 T = TypeVar("T")
@@ -62,6 +63,12 @@ class Request:
     """The first token position whose routed experts are returned (SGLang's name)."""
     routes: list[torch.Tensor] = field(default_factory=list)
     """Routed experts of each forwarded token position, in order: chunks of [n, layers, top_k]."""
+    logprob_start_len: int = -1
+    """SGLang's name: the first prompt position whose log-prob is returned (-1: none)."""
+    prompt_score: PromptScore | None = None
+    """The prompt's log-probs from logprob_start_len on, once its first prefill has run."""
+    return_text_in_logprobs: bool = False
+    """Each log-prob entry carries its token's text (SGLang's name), else None."""
     created: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     progress: asyncio.Event = field(default_factory=asyncio.Event)
@@ -271,10 +278,12 @@ class Scheduler:
         self.running.extend(admit)
         version = self.weight_version
         loop = asyncio.get_running_loop()
-        choice, routes = await loop.run_in_executor(
+        choice, routes, scored = await loop.run_in_executor(
             self._forward_thread, self._forward, admit, decoding, cache
         )
         self.steps += 1
+        for req, score in scored.items():
+            req.prompt_score = score
         rows = [*admit, *decoding]
         for req, chunk in zip(rows, routes, strict=True):
             if chunk is None:
@@ -284,6 +293,10 @@ class Scheduler:
             else:
                 req.routes.append(chunk)
         for req, tok, lp, top in zip(rows, choice.tokens, choice.logprobs, choice.top, strict=True):
+            if req.params.max_new_tokens == 0:  # prompt scoring only: nothing is generated
+                self.running.remove(req)
+                self._finish(req, {"type": "length", "length": 0}, version)
+                continue
             if top is not None:
                 req.top_logprobs.append(top)
             self._append(req, tok, lp, version)
@@ -292,16 +305,39 @@ class Scheduler:
 
     def _forward(
         self, admit: list[Request], decoding: list[Request], cache: KVCache
-    ) -> tuple[Choice, list[torch.Tensor | None]]:
+    ) -> tuple[Choice, list[torch.Tensor | None], dict[Request, PromptScore]]:
         """Worker thread: prefill the admitted prompts and advance the running ones, one batch;
-        also each row's routed experts for the positions it forwarded (None unless asked)."""
+        also each row's routed experts for the positions it forwarded (None unless asked), and
+        the prompt log-probs of admitted rows that asked for them (once: not on a re-prefill)."""
         parts: list[torch.Tensor] = []
         routed: list[torch.Tensor | None] = []
+        scored: dict[Request, PromptScore] = {}
         with torch.inference_mode():
             if admit:
                 seqs = [r.prompt + r.output for r in admit]
                 routes = self._routes_for(admit)
-                parts.append(self.model.prefill(seqs, [r.slot for r in admit], cache, routes))  # type: ignore[misc]
+                score_from = {
+                    row: r.logprob_start_len
+                    for row, r in enumerate(admit)
+                    if r.prompt_score is None
+                    and wants_scoring(r.return_logprob, r.logprob_start_len, len(r.prompt))
+                }
+                logits_at: dict[int, torch.Tensor] = {}
+                parts.append(
+                    self.model.prefill(
+                        seqs,
+                        [r.slot for r in admit],  # type: ignore[misc]
+                        cache,
+                        routes,
+                        score_from,
+                        logits_at,
+                    )
+                )
+                for row, start in score_from.items():
+                    r = admit[row]
+                    # A re-prefill also runs the output so far: keep the prompt's positions only.
+                    at = logits_at[row][: len(r.prompt) - start]
+                    scored[r] = score_prompt(r.prompt, start, at, r.top_logprobs_num)
                 routed += [self._row_routes(routes, row, len(seq)) for row, seq in enumerate(seqs)]
             if decoding:
                 routes = self._routes_for(decoding)
@@ -328,7 +364,8 @@ class Scheduler:
                 top_logprobs=[r.top_logprobs_num for r in rows],
             )
             wanted = [r.return_routed_experts for r in rows]
-            return choice, [chunk if want else None for chunk, want in zip(routed, wanted, strict=True)]
+            chunks = [chunk if want else None for chunk, want in zip(routed, wanted, strict=True)]
+            return choice, chunks, scored
 
     def _routes_for(self, rows: list[Request]) -> Routes | None:
         """A capture for this forward when any of its rows returns routed experts."""
@@ -397,6 +434,13 @@ class Scheduler:
         """Finish a request that needs no model step (max_new_tokens == 0)."""
         self._finish(req, {"type": "length", "length": 0})
 
+    def _token_text(self, token: int) -> str:
+        """One token's text, as SGLang's return_text_in_logprobs decodes it (special tokens kept)."""
+        try:
+            return self.tokenizer.decode([token], skip_special_tokens=False)
+        except Exception:  # an id past the tokenizer's vocabulary (padded embeddings)
+            return ""
+
     def output_text(self, req: Request) -> str:
         ids = req.output
         if req.finish and req.finish.get("type") == "stop" and isinstance(req.finish.get("matched"), int):
@@ -415,12 +459,25 @@ class Scheduler:
             "e2e_latency": time.monotonic() - req.created,
         }
         if req.return_logprob:
+            text = self._token_text if req.return_text_in_logprobs else _no_text
+            score = req.prompt_score
+            # SGLang always reports the prompt's entries beside the output's: [] unless scored.
+            meta["input_token_logprobs"] = (
+                [[lp, tok, text(tok)] for lp, tok in zip(score.logprobs, score.token_ids, strict=True)]
+                if score is not None
+                else []
+            )
             meta["output_token_logprobs"] = [
-                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output, strict=True)
+                [lp, tok, text(tok)] for lp, tok in zip(req.logprobs, req.output, strict=True)
             ]
             if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = (
+                    [None if row is None else [[lp, tok, text(tok)] for lp, tok in row] for row in score.top]
+                    if score is not None and score.top is not None
+                    else []
+                )
                 meta["output_top_logprobs"] = [
-                    [[lp, tok, None] for lp, tok in row] for row in req.top_logprobs
+                    [[lp, tok, text(tok)] for lp, tok in row] for row in req.top_logprobs
                 ]
         if req.return_routed_experts and req.finish is not None:
             # SGLang's encoding: base64 of the int32 array's bytes (slime decodes and reshapes it).
@@ -428,6 +485,10 @@ class Scheduler:
             # Where those rows start (slime reads it beside them to splice a partial answer).
             meta["routed_experts_start_len"] = req.routed_experts_start_len
         return {"text": self.output_text(req), "output_ids": list(req.output), "meta_info": meta}
+
+
+def _no_text(token: int) -> None:
+    return None
 
 
 async def progress(reqs: list[Request]) -> AsyncIterator[tuple[int, Request]]:

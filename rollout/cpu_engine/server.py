@@ -6,7 +6,9 @@ on a CPU-only machine. Readiness: GET /health answers 200 once the model has loa
 
 Every endpoint but GET /health requires the engine's API key as `Authorization: Bearer <key>`;
 the key comes from TETHER_ENGINE_API_KEY (how tether hands it over) or --api-key-file, and the
-engine does not start without one. If the scheduler fails, the process exits with status 1.
+engine does not start without one, unless --no-api-key asks for an open server on a loopback
+address (a standalone server whose clients send no key, e.g. slime's on-policy distillation teacher
+at --rm-url; tether's launcher never passes it). If the scheduler fails, the process exits with status 1.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="File (one line, readable by its owner only) holding the API key every endpoint but "
         "GET /health requires as 'Authorization: Bearer <key>'. Default: the TETHER_ENGINE_API_KEY "
         "environment variable, which is how tether passes it; without either the engine does not start.",
+    )
+    parser.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="Serve without authentication, as SGLang does by default; refused unless --host is a "
+        "loopback address (only processes on this machine can reach it) and without a key given.",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -139,14 +147,33 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(flag, value, why)
 
 
-def _api_key(args: argparse.Namespace) -> str:
+def _api_key(args: argparse.Namespace) -> str | None:
     """The key from --api-key-file or TETHER_ENGINE_API_KEY; the variable leaves this process's
-    environment, so nothing the engine starts inherits it."""
+    environment, so nothing the engine starts inherits it. None with --no-api-key (loopback only)."""
+    import ipaddress
+
     from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, key_from_env
     from tether.runtime.secret import read_key_file
 
     from_env = key_from_env()
     os.environ.pop(ENGINE_KEY_ENV, None)
+    if getattr(args, "no_api_key", False):
+        if args.api_key_file is not None or from_env is not None:
+            raise ConfigError(
+                "--no-api-key", True, f"a key was given too (--api-key-file or {ENGINE_KEY_ENV})"
+            )
+        try:
+            loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ConfigError(
+                "--no-api-key",
+                True,
+                f"--host={args.host} is not a loopback address; an open engine "
+                "must be reachable from this machine only",
+            )
+        return None
     if args.api_key_file is not None:
         return read_key_file(args.api_key_file, "--api-key-file")
     if from_env is None:

@@ -17,6 +17,12 @@ attention sized from the head dim d = hidden/heads: q_lora_rank hidden/2, kv_lor
 hidden/4, qk_nope d, qk_rope d/2, v d; 2 expert groups with 1 chosen (noaux_tc). Routers are
 re-drawn wider than transformers' init, and the score-correction biases (zero after
 transformers' init) get random values, so routing depends on the token and on the bias.
+
+Multi-token-prediction layers (--mtp-layers N; deepseek_v3 and glm4_moe, default 0; mimo, which
+is Qwen2 plus MTP layers, default 1): each is a decoder layer of the family with its own norms
+and input projection, under the family's HF names (DeepSeek-V3/GLM-4.5: model.layers.{L+i}.*
+with enorm, hnorm, eh_proj, shared_head and embed_tokens; MiMo: model.mtp_layers.{i}.* with
+token_layernorm, hidden_layernorm, input_proj, final_layernorm), and num_nextn_predict_layers N.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from tether.runtime.atomic_file import fsync_path
 from tether.runtime.errors import ConfigError
 
 Arch = Literal[
-    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4", "glm4_moe"
+    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4", "glm4_moe", "mimo"
 ]
 ARCHES: tuple[str, ...] = Arch.__args__  # type: ignore[attr-defined]
 MOE_ARCHES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"})
 # Families whose first layer stays dense (first_k_dense_replace=1): they need a second layer.
 _DENSE_FIRST = frozenset({"deepseek_v3", "glm4_moe"})
+# Families whose checkpoints carry multi-token-prediction layers (--mtp-layers); MiMo always has.
+MTP_ARCHES = frozenset({"deepseek_v3", "glm4_moe", "mimo"})
 TINY_EXPERTS = 4
 TINY_EXPERTS_PER_TOKEN = 2
 
@@ -98,6 +106,9 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     tie_embeddings: bool = False
     seed: int = 0
     bpe_merges: int = 48
+    # Multi-token-prediction layers in the checkpoint (num_nextn_predict_layers); None: 1 for mimo,
+    # else 0. DeepSeek-V3/GLM-4.5 number them after the decoder layers, MiMo has model.mtp_layers.
+    mtp_layers: int | None = None
 
     def __post_init__(self) -> None:
         for key, value in (
@@ -129,6 +140,14 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(
                 "--layers", self.layers, f"{self.arch} keeps layer 0 dense; it needs at least 2"
             )
+        if self.num_mtp_layers < 0:
+            raise ConfigError("--mtp-layers", self.mtp_layers, "must be at least 0")
+        if self.num_mtp_layers and self.arch not in MTP_ARCHES:
+            raise ConfigError(
+                "--mtp-layers", self.mtp_layers, f"only {', '.join(sorted(MTP_ARCHES))} carry MTP layers"
+            )
+        if self.arch == "mimo" and not self.num_mtp_layers:
+            raise ConfigError("--mtp-layers", self.mtp_layers, "a MiMo model has at least one MTP layer")
         if self.bpe_merges < 0:
             raise ConfigError("--bpe-merges", self.bpe_merges, "must be at least 0")
         minimum = 256 + len(SPECIAL_TOKENS) + self.bpe_merges
@@ -136,6 +155,12 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(
                 "--vocab", self.vocab, f"must be at least {minimum} (bytes + specials + merges)"
             )
+
+    @property
+    def num_mtp_layers(self) -> int:
+        if self.mtp_layers is None:
+            return 1 if self.arch == "mimo" else 0
+        return self.mtp_layers
 
     @property
     def num_kv_heads(self) -> int:
@@ -198,7 +223,7 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
     arch = spec.arch
     if arch == "llama":
         return transformers.LlamaConfig(**common)
-    if arch == "qwen2":
+    if arch in ("qwen2", "mimo"):  # MiMo's decoder is Qwen2's (its MTP layers are added after)
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common)
@@ -233,6 +258,7 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
             norm_topk_prob=True,
             routed_scaling_factor=1.5,
             attention_bias=True,
+            num_mtp_layers=spec.num_mtp_layers,
         )
     # deepseek_v3: multi-latent attention + grouped, biased sigmoid routing.
     return transformers.DeepseekV3Config(
@@ -251,7 +277,7 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         qk_nope_head_dim=head_dim,
         qk_rope_head_dim=head_dim // 2,
         v_head_dim=head_dim,
-        num_mtp_layers=0,
+        num_mtp_layers=spec.num_mtp_layers,
     )
 
 
@@ -273,6 +299,60 @@ def _spread_routing(model: Any, seed: int) -> None:
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
 
 
+def _add_mtp_layers(spec: TinyModelSpec, staging: Path) -> None:
+    """Rewrite a checkpoint saved with spec.layers + N decoder layers into one with N MTP layers:
+    its last N layers become the MTP layers' transformer layers, under the family's names, with
+    each MTP layer's own norms and projection added; config.json says N num_nextn_predict_layers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(staging / "model.safetensors"))
+    raw = json.loads((staging / "config.json").read_text())
+    layers, n, hidden = spec.layers, spec.num_mtp_layers, spec.hidden
+    gen = torch.Generator().manual_seed(spec.seed + 2)
+    tensors: dict[str, Any] = {}
+    for name, tensor in state.items():
+        parts = name.split(".", 3)
+        if spec.arch == "mimo" and parts[:2] == ["model", "layers"] and int(parts[2]) >= layers:
+            name = f"model.mtp_layers.{int(parts[2]) - layers}.{parts[3]}"
+        tensors[name] = tensor
+    embed, head = (
+        state["model.embed_tokens.weight"],
+        state.get("lm_head.weight", state["model.embed_tokens.weight"]),
+    )
+    for i in range(n):
+        eh_proj = torch.randn(hidden, 2 * hidden, generator=gen) * 0.02
+        if spec.arch == "mimo":  # MiMo's names (mbridge's mimo bridge)
+            p = f"model.mtp_layers.{i}."
+            tensors |= {
+                p + "token_layernorm.weight": torch.ones(hidden),
+                p + "hidden_layernorm.weight": torch.ones(hidden),
+                p + "input_proj.weight": eh_proj,
+                p + "final_layernorm.weight": torch.ones(hidden),
+            }
+        else:  # DeepSeek-V3 / GLM-4.5: the layer after the decoder's, with its own embedding and head
+            p = f"model.layers.{layers + i}."
+            tensors |= {
+                p + "enorm.weight": torch.ones(hidden),
+                p + "hnorm.weight": torch.ones(hidden),
+                p + "eh_proj.weight": eh_proj,
+                p + "shared_head.norm.weight": torch.ones(hidden),
+                p + "embed_tokens.weight": embed.clone(),
+                p + "shared_head.head.weight": head.clone(),
+            }
+    raw["num_hidden_layers"] = layers
+    raw["num_nextn_predict_layers"] = n
+    raw.pop("num_mtp_layers", None)
+    for key in ("layer_types", "mlp_layer_types"):  # per-layer lists follow the decoder's length
+        if isinstance(raw.get(key), list):
+            raw[key] = raw[key][:layers]
+    if spec.arch == "mimo":
+        raw["model_type"] = "mimo"
+        raw["architectures"] = ["MiMoForCausalLM"]
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+    (staging / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+
 def _write_atomically(staging: Path, out: Path) -> None:
     """Move each staged file into `out` with os.replace, so no file is ever half-written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -292,6 +372,11 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
     out_path = Path(out)
     tokenizer = build_tokenizer(spec.bpe_merges)
     config = _hf_config(spec, tokenizer)
+    mtp = spec.num_mtp_layers
+    if mtp:  # built with the MTP layers' transformer layers as extra decoder layers (_mtp_checkpoint)
+        config.num_hidden_layers = spec.layers + mtp  # type: ignore[attr-defined]
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = [config.layer_types[0]] * (spec.layers + mtp)  # type: ignore[attr-defined]
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if spec.arch in MOE_ARCHES:
@@ -300,6 +385,8 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        if mtp:
+            _add_mtp_layers(spec, staging)
         tokenizer.save_pretrained(staging)  # type: ignore[attr-defined]
         GenerationConfig(
             bos_token_id=config.bos_token_id,  # type: ignore[attr-defined]
@@ -329,6 +416,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tie-embeddings", action="store_true", help="Tie lm_head to the embeddings.")
     parser.add_argument("--seed", type=int, default=d.seed, help="Seed for the random weights.")
     parser.add_argument("--bpe-merges", type=int, default=d.bpe_merges, help="BPE merges learned.")
+    parser.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=None,
+        help="Multi-token-prediction layers in the checkpoint (deepseek_v3, glm4_moe, mimo; "
+        "default 1 for mimo, else 0).",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -345,6 +439,7 @@ def main(args: argparse.Namespace) -> int:
         tie_embeddings=args.tie_embeddings,
         seed=args.seed,
         bpe_merges=args.bpe_merges,
+        mtp_layers=args.mtp_layers,
     )
     out = write_tiny_model(args.out, spec)
     config = json.loads((out / "config.json").read_text())

@@ -517,6 +517,14 @@ class EngineClient:
             "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}
         )
 
+    async def check_weights(self, action: str, *, skip_tensor_list: Sequence[str] | None = None) -> Any:
+        """SGLang's /weights_checker: `snapshot`, `reset_tensors`, `compare` (HTTP 400 naming each
+        tensor that differs from the snapshot) or `checksum`; never retried (reset is not idempotent)."""
+        body: dict[str, Any] = {"action": action}
+        if skip_tensor_list is not None:
+            body["skip_tensor_list"] = list(skip_tensor_list)
+        return await self.request("POST", "/weights_checker", body, retry="never")
+
     async def release_memory_occupation(self) -> Any:
         return await self.request("POST", "/release_memory_occupation", {}, retry="never")
 

@@ -2,7 +2,8 @@
 
 Hooks read `args` as slime's flat argparse namespace. tether's `FlatArgs` already answers every
 flag both share (`args.rollout_temperature`, `args.n_samples_per_prompt`, ...); `slime_args` adds
-the rest: the address of the HTTP endpoint that routes to tether's engines
+the rest: the keys of --custom-config-path's YAML that name no flag, the address of the HTTP
+endpoint that routes to tether's engines
 (`sglang_router_ip` / `sglang_router_port`, tether's router front), values slime resolves at
 start that tether leaves unset (`over_sampling_batch_size`, `global_batch_size`), and slime's
 switches for features tether does not have, set to off, so that a hook branching on them takes
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tether.runtime.custom_config import hook_extras
+
 ROUTER_POLICY = {
     "round_robin": "round_robin",
     "least_in_flight": "power_of_two",
@@ -21,7 +24,7 @@ ROUTER_POLICY = {
 """tether's --rollout-routing-policy as sglang-router's policy name (slime's `args.router_policy`)."""
 
 FEATURES_OFF: dict[str, Any] = {
-    "rollout_global_dataset": True,  # tether always serves prompts from one global data source
+    "rollout_global_dataset": True,  # slime_args sets it from --disable-rollout-global-dataset
     "ci_test": False,
     "use_rollout_routing_replay": False,
     "use_routing_replay": False,
@@ -61,6 +64,8 @@ def slime_args(config: Any, *, router_ip: str | None, router_port: int | None) -
     slices = [getattr(config, name) for name in getattr(config, "__struct_fields__", ())]
     own = {field for part in slices for field in getattr(part, "__struct_fields__", ())}
     extra: dict[str, Any] = {k: v for k, v in FEATURES_OFF.items() if k not in own}
+    # slime's dest of --disable-rollout-global-dataset
+    extra["rollout_global_dataset"] = not getattr(data, "disable_rollout_global_dataset", False)
     extra["sglang_router_ip"] = router_ip
     extra["sglang_router_port"] = router_port
     extra["router_policy"] = ROUTER_POLICY.get(rollout.rollout_routing_policy, rollout.rollout_routing_policy)
@@ -69,4 +74,14 @@ def slime_args(config: Any, *, router_ip: str | None, router_port: int | None) -
     if resolved is not None:
         extra["global_batch_size"] = resolved
     extra["eval_function_path"] = rollout.rollout_function_path
+    extra.update(custom_config_extras(config))
     return extra
+
+
+def custom_config_extras(config: Any) -> dict[str, Any]:
+    """--custom-config-path's keys that name no flag: attributes of every hook's args (slime sets
+    them all; those naming a flag were applied to the configuration when it was parsed)."""
+    slices = [getattr(config, name) for name in getattr(config, "__struct_fields__", ())]
+    own = {field for part in slices for field in getattr(part, "__struct_fields__", ())}
+    algorithm = getattr(config, "algorithm", None)
+    return hook_extras(getattr(algorithm, "custom_config_path", None), own)

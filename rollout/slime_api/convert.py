@@ -7,7 +7,8 @@ fields (`sample.tool_call_count = 2`, say) ride along in tether's `metadata[SLIM
 back as attributes in the next hook, so a value must be what msgpack can carry. Following slime,
 a response without a loss mask trains on every token, and a log-prob under a 0 in the loss mask is
 set to 0 (tether's contract; nothing trains on it). slime fields tether cannot train with
-(multimodal inputs, top-p replay, teacher log-probs) are refused, naming the field. MoE routed
+(multimodal inputs, top-p replay) are refused, naming the field; teacher log-probs (on-policy
+distillation) travel as floats, one per response token. MoE routed
 experts (`rollout_routed_experts`, a tensor, array or nested list [len(tokens)-1, layers, topk])
 become tether's `RoutedExperts` and come back as an int32 numpy array. slime's
 `remove_sample` becomes an all-zero loss mask (the sample trains nothing, as in slime), and a
@@ -68,7 +69,6 @@ _REFUSED: dict[str, str] = {
     "multimodal_train_input_id": "tether trains on text only",
     "rollout_top_p_token_ids": "tether's trainer has no top-p replay",
     "rollout_top_p_token_offsets": "tether's trainer has no top-p replay",
-    "teacher_log_probs": "tether has no on-policy distillation",
     "train_metadata": "tether's trainer takes no per-sample training metadata",
 }
 
@@ -149,6 +149,7 @@ def to_slime(sample: Sample) -> Any:
         loss_mask=None if sample.loss_mask is None else list(sample.loss_mask),
         weight_versions=list(sample.weight_versions),
         rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
+        teacher_log_probs=None if sample.teacher_log_probs is None else list(sample.teacher_log_probs),
         status=cls.Status(sample.status.value),
         metadata=metadata,
         session_id=sample.session_id,
@@ -192,6 +193,8 @@ def from_slime(obj: Any) -> Sample:
         # slime's remove_sample: the sample stays in the batch (and its group's normalisation) but
         # no token of it trains, which is what slime's train-data conversion does with it.
         loss_mask = [0] * len(loss_mask)
+    teacher = attrs.get("teacher_log_probs")
+    teacher = _floats("teacher_log_probs", _host(teacher)) if teacher is not None else None
     metadata = attrs.get("metadata")
     if metadata is None:
         metadata = {}
@@ -242,6 +245,7 @@ def from_slime(obj: Any) -> Sample:
         metadata=metadata,
         session_id=attrs.get("session_id"),
         rollout_routed_experts=routed,
+        teacher_log_probs=teacher,
     )
 
 
@@ -253,9 +257,11 @@ def _host(value: Any) -> Any:
 
 def copy_back(source: Any, sample: Sample) -> None:
     """After a hook that got `source` (from `to_slime(sample)`) returned something else (a reward,
-    a verdict): keep the metadata and extra attributes it set."""
+    a verdict): keep the metadata and extra attributes it set, and the teacher log-probs (slime's
+    on-policy distillation sets them in its reward post-processing)."""
     converted = from_slime(source)
     sample.metadata = converted.metadata
+    sample.teacher_log_probs = converted.teacher_log_probs
 
 
 def reward_value(value: Any) -> Any:

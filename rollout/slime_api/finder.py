@@ -37,15 +37,21 @@ MIRRORED: tuple[str, ...] = (
     "slime.utils.misc",
     "slime.utils.mask_utils",
     "slime.utils.async_utils",
+    "slime.utils.processing_utils",
     "slime.rollout",
     "slime.rollout.base_types",
     "slime.rollout.sglang_rollout",
+    "slime.rollout.sft_rollout",
     "slime.rollout.data_source",
     "slime.rollout.rm_hub",
     "slime.rollout.rm_hub.math_utils",
     "slime.rollout.filter_hub",
     "slime.rollout.filter_hub.base_types",
     "slime.rollout.filter_hub.dynamic_sampling_filters",
+    "slime.rollout.on_policy_distillation",
+    "slime.backends",
+    "slime.backends.megatron_utils",
+    "slime.backends.megatron_utils.cp_utils",
 )
 """slime's modules that tether provides, each as the module of the same path under PACKAGE."""
 

@@ -79,13 +79,15 @@ def test_sync_loop_model_parallel_engine_serves_the_trainers_weights(
 
 def test_async_loop_distributed_dp2(ws: Workspace, run_dir: Path) -> None:
     run = run_dir
-    tether(
-        "run",
-        *ws.flags(run, "--num-rollout", str(STEPS), "--loop", "async", "--update-weight-transport", "nccl"),
-    )
+    flags = ["--num-rollout", str(STEPS), "--loop", "async", "--update-weight-transport", "nccl"]
+    tether("run", *ws.flags(run, *flags, "--keep-old-actor"))
     metrics = check_run(run, transport="distributed")
     # async: rollout N+1 is made while N trains, so from the second step samples lag one version
     assert [m["rollout/version_lag_max"] for m in metrics] == [0.0] + [1.0] * (STEPS - 1)
+    # --keep-old-actor (slime's one-step-off queue at --update-weights-interval 1): the old
+    # log-probs come from the weights each rollout was generated with, so they equal the
+    # engine's on every step, the lagging ones too.
+    assert all(m["train/train_rollout_logprob_abs_diff"] < 1e-4 for m in metrics)
 
 
 def test_fully_async_loop_delta(ws: Workspace, tmp_path: Path, run_dir: Path) -> None:

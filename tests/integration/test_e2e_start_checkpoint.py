@@ -80,7 +80,11 @@ def test_the_engines_first_rollout_uses_the_loaded_weights(
 def test_save_hf_writes_every_checkpoint_as_slime_names_it(
     ws: Workspace, tmp_path: Path, run_dir: Path
 ) -> None:
-    """--save-hf is formatted with the checkpoint's rollout id at every save (slime's meaning)."""
+    """--save-hf is formatted with the checkpoint's rollout id at every save (slime's meaning).
+
+    The same run saves with --async-save: checkpoint 0 is written in the background and completed
+    before step 1's weight update, the last one before the run ends; both are complete, and
+    each has slime's data-position file beside it (`rollout/global_dataset_state_dict_N.pt`)."""
     save, out = tmp_path / "save", tmp_path / "hf"
     tether(
         "run",
@@ -94,6 +98,7 @@ def test_save_hf_writes_every_checkpoint_as_slime_names_it(
             "1",
             "--save-hf",
             str(out / "hf_{rollout_id}"),
+            "--async-save",
         ),
     )
     assert sorted(p.name for p in out.iterdir()) == ["hf_0", "hf_1"]
@@ -105,4 +110,23 @@ def test_save_hf_writes_every_checkpoint_as_slime_names_it(
     assert sorted(first) == sorted(base) and (out / "hf_1" / "config.json").is_file()
     assert any(not torch.equal(first[k], second[k]) for k in base), "step 1 did not change the weights"
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000000",
+        "iter_0000001",
+    ]
+    for step in (0, 1):  # completed (renamed into place with its digests), not left as .tmp
+        assert (save / f"iter_{step:07d}" / "tether" / "digests.msgpack").is_file()
+        slime_state = torch.load(save / "rollout" / f"global_dataset_state_dict_{step}.pt", weights_only=True)
+        assert set(slime_state) == {
+            "sample_offset",
+            "epoch_id",
+            "sample_group_index",
+            "sample_index",
+            "metadata",
+        }
+        # 4 prompts of 4 samples per step drawn by the end of step `step`
+        assert (slime_state["sample_group_index"], slime_state["sample_index"]) == (
+            4 * (step + 1),
+            16 * (step + 1),
+        )
     check_clean_exit(run_dir)

@@ -187,6 +187,39 @@ def test_greedy_and_logprobs_equal_transformers(engine: Engine, models: tuple[st
         assert meta["finish_reason"]["type"] == "length"
 
 
+def test_prompt_scoring_input_token_logprobs(engine: Engine, models: tuple[str, str]) -> None:
+    """slime's on-policy distillation asks a teacher server for this: the prompt's log-probs from
+    logprob_start_len on (`input_token_logprobs`, the first entry without one), nothing generated."""
+    prompt, tol = PROMPTS[1], TOLERANCE[engine.kind]
+    full = hf_logprobs(models[0], prompt)
+    for start in (0, 2):
+        out = engine.post(
+            "/generate",
+            {
+                "input_ids": prompt,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
+                "return_logprob": True,
+                "logprob_start_len": start,
+                "top_logprobs_num": 2,
+            },
+        )
+        meta = out["meta_info"]
+        entries = meta["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompt[start:] and all(e[2] is None for e in entries)
+        assert entries[0][0] is None  # even when start > 0: SGLang's shape
+        for j, entry in enumerate(entries[1:], start=start + 1):
+            assert abs(entry[0] - float(full[j - 1, prompt[j]])) < tol, (start, j, entry)
+        tops = meta["input_top_logprobs"]
+        assert len(tops) == len(entries) and tops[0] is None
+        assert all(abs(row[0][0] - float(full[start + i].max())) < tol for i, row in enumerate(tops[1:]))
+        assert out["output_ids"] == [] and meta["output_token_logprobs"] == []
+        assert meta["finish_reason"] == {"type": "length", "length": 0}
+    status, body = engine.request(
+        "/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": len(prompt) + 1}
+    )
+    assert status == 400 and "logprob_start_len" in error_message(body)
+
+
 def test_text_prompt_and_stream(engine: Engine) -> None:
     sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     out = engine.post("/generate", {"text": "hello world", "sampling_params": sp})
@@ -285,6 +318,7 @@ MUTATIONS: list[tuple[str, Any]] = [
     ),
     ("/release_memory_occupation", {}),
     ("/resume_memory_occupation", {}),
+    ("/weights_checker", {"action": "reset_tensors"}),  # would overwrite every weight with noise
 ]
 
 
@@ -586,6 +620,38 @@ def test_update_weight_version_and_in_flight_request(engine: Engine, models: tup
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["meta_info"]["weight_version"] == "mid-v2"  # the version it finished under
     restore_v1(engine, models)
+
+
+SGLANG_CPU_COMPARE = (
+    "SGLang's /weights_checker compare copies each tensor to CUDA (weight_checker_comparator's "
+    "RawComparable.iter_chunks calls .cuda()); on CPU it answers 400 'Found no NVIDIA driver'"
+)
+
+
+def test_weights_checker_snapshot_reset_compare(engine: Engine, models: tuple[str, str]) -> None:
+    """SGLang's /weights_checker as slime's --check-weight-update-equal drives it: snapshot, noise,
+    a weight update, compare (400 naming each tensor that differs, 200 when all are equal)."""
+    assert engine.post("/weights_checker", {"action": "snapshot"}) == {"success": True, "message": "Success."}
+    try:
+        engine.post("/weights_checker", {"action": "reset_tensors"})
+        noise = greedy(engine, PROMPTS[0], n=4)["output_ids"]
+        assert noise != hf_greedy(models[0], PROMPTS[0], 4)[0]  # the engine really serves the noise
+        engine.post("/update_weights_from_disk", {"model_path": models[1], "weight_version": "v2"})
+        status, body = engine.request("/weights_checker", {"action": "compare"})
+        assert status == 400 and body["success"] is False, body
+        if engine.kind == "sglang" and "NVIDIA" in body["message"]:
+            pytest.skip(SGLANG_CPU_COMPARE)  # snapshot and reset_tensors were checked (v1 comes back below)
+        assert body["message"].startswith("check tensor equality failed:\nname="), body["message"]
+        assert "\nname=model.layers.0.self_attn.q_proj.weight max_abs_err=" in body["message"]
+        restore_v1(engine, models)  # the update that reproduces what the engine loaded
+        assert engine.post("/weights_checker", {"action": "compare"}) == {
+            "success": True,
+            "message": "Success.",
+        }
+    finally:
+        restore_v1(engine, models)
+    status, body = engine.request("/weights_checker", {"action": "no_such_action"})
+    assert status == 400 and "Unsupported action='no_such_action'" in body["message"]
 
 
 def test_release_and_resume_memory(engine: Engine, models: tuple[str, str]) -> None:
@@ -995,8 +1061,38 @@ FAMILY_LAYERS = {"deepseek_v3": 4, "glm4_moe": 4}
 SGLANG_CPU_CANNOT = {
     "deepseek_v3": "SGLang 0.5.23's CPU rotary embedding (get_rope_cpu, used by its MLA attention) "
     "asserts that rope_scaling is set; DeepSeek-V3 checkpoints carry yarn, the tiny model has none",
+    "deepseek_v3_yarn": "SGLang 0.5.23's CPU build starts and serves it (with topk_method, "
+    "scoring_func and moe_layer_freq in config.json), but its first greedy token is not "
+    "transformers' argmax (log-prob -5.82 against the best -5.36); not root-caused (its CPU MLA, "
+    "deepseek_yarn rope and grouped routing are all candidates)",
+    "mimo": "SGLang 0.5.23 reads config.json with transformers' AutoConfig, which has no 'mimo' "
+    "(MiMo's hub checkpoints ship remote code through auto_map; the tiny model has none)",
     "qwen2_moe": "SGLang 0.5.23 gates Qwen2-MoE's shared expert with a Triton kernel "
     "(fused_gate_sigmoid_mul_add), which finds no driver on CPU",
+}
+# Variants of a family: the family's tiny model with config.json keys replaced. deepseek_v3_yarn
+# carries YaRN as DeepSeek-V3's own config.json does (`rope_scaling`, `type`), with mscale and
+# mscale_all_dim both set (the tables unscaled, the softmax scale multiplied by mscale_all_dim's
+# factor squared).
+FAMILY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v3_yarn": (
+        "deepseek_v3",
+        {
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            # DeepSeek-V3's config.json has these (transformers 5 dropped them); SGLang's model reads them.
+            "moe_layer_freq": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        },
+    ),
 }
 ROUTED_EXPERTS_NO_CPU = (
     "SGLang 0.5.23's --enable-return-routed-experts allocates its host buffer with CUDA host "
@@ -1011,8 +1107,15 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str
 
     def get(arch: str, seed: int = 0) -> str:
         if (arch, seed) not in built:
-            spec = TinyModelSpec(arch=arch, layers=FAMILY_LAYERS.get(arch, 2), seed=seed)  # type: ignore[arg-type]
-            built[arch, seed] = str(write_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), spec))
+            family, change = FAMILY_VARIANTS.get(arch, (arch, {}))
+            spec = TinyModelSpec(arch=family, layers=FAMILY_LAYERS.get(family, 2), seed=seed)  # type: ignore[arg-type]
+            path = write_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), spec)
+            if change:
+                raw = json.loads((path / "config.json").read_text())
+                raw.pop("rope_parameters", None)  # the variant states its RoPE the older way
+                raw["rope_theta"] = spec.rope_theta
+                (path / "config.json").write_text(json.dumps({**raw, **change}))
+            built[arch, seed] = str(path)
         return built[arch, seed]
 
     return get
@@ -1032,9 +1135,9 @@ def _family_engine(
 WEIGHT_SYNC_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral"]
 # Real SGLang starts in tens of seconds on CPU: a family whose weight-sync case below already
 # compares its greedy tokens and log-probs with transformers is not started a second time for it.
-GREEDY_CASES = [("cpu", arch) for arch in FAMILIES] + [
+GREEDY_CASES = [("cpu", arch) for arch in [*FAMILIES, *FAMILY_VARIANTS]] + [
     pytest.param("sglang", arch, marks=pytest.mark.sglang)
-    for arch in FAMILIES
+    for arch in [*FAMILIES, *FAMILY_VARIANTS]
     if arch not in WEIGHT_SYNC_FAMILIES and arch not in SGLANG_CPU_CANNOT
 ]
 

@@ -36,12 +36,22 @@ def test_a_bare_megatron_checkpoint_saved_at_tp2_ref_loads_at_tp1_and_pp2(
         assert got["max_diff_to_tp2"] < 1e-5
 
 
+def test_the_opd_teacher_loads_from_a_megatron_checkpoint_at_its_step(
+    checked: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """--use-opd --opd-type megatron --opd-teacher-load DIR --opd-teacher-ckpt-step 7: the frozen teacher
+    holds that checkpoint's weights (its log-probs equal a model built from the exported HF weights)."""
+    for r in checked[1]:
+        assert value(r, "foreign/opd_teacher") == {"frozen": True, "log_probs_equal_hf_built": True}
+
+
 def test_a_megatron_checkpoint_resumes_at_its_own_tp_and_is_refused_at_another(
     checked: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     for r in checked[1]:
         got = value(r, "foreign/resume_tp2")
-        assert got == {"rollout_id": 7, "weights": [], "adam": True}
+        # Adam's step (1: one step trained) comes back from the optimizer's param groups
+        assert got == {"rollout_id": 7, "weights": [], "adam": True, "adam_step": [1, 1]}
         refused = value(r, "foreign/resume_tp1_refused")
         assert "saved at TP=2 PP=1, this run has TP=1 PP=1" in refused and "--ref-load" in refused
 
@@ -89,8 +99,46 @@ def test_checkpoints_under_either_specs_names_load_into_the_cpu_model(
         assert bool(got["local_keys_in_ckpt"]) == (variant == "local")
 
 
+def test_no_save_optim_writes_no_optimizer_and_its_resume_starts_a_fresh_one(
+    checked: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for r in checked[1]:
+        got = value(r, "flags/no_save_optim")
+        assert got["optimizer_tensors"] == [] and got["args_no_save_optim"] is True
+        assert got["rollout_id"] == 1 and got["weights"] == [] and got["adam_step"] is None
+
+
+def test_no_load_optim_and_rng_and_ckpt_step(checked: tuple[Path, list[dict[str, Any]]]) -> None:
+    for r in checked[1]:
+        got = value(r, "flags/no_load_optim_rng")
+        assert got == {"rollout_id": 3, "weights": [], "adam_step": None, "rng_restored": False}
+        got = value(r, "flags/ckpt_step")  # the tracker names 3; --ckpt-step 2 loads 2, Adam included
+        assert got == {
+            "tracker": "3",
+            "rollout_id": 2,
+            "data_position": {"at": 2},
+            "weights": [],
+            "adam_step": 1,
+        }
+
+
+def test_async_save_returns_first_and_completes_at_finalize(
+    checked: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    work = checked[0]
+    for r in checked[1]:
+        got = value(r, "flags/async_save")
+        # The save returned and a step trained while no shard was written; the resume point stayed 3.
+        assert got["shards_written"] == [] and got["still_no_shards"] is True
+        assert got["trained_after_save"] is True
+        assert got["tracker"] == "3" and got["resume_point"] == str(work / "async" / "iter_0000003")
+        # After finalize: complete, named by the tracker, with the weights of its step boundary.
+        assert got["final"] == str(work / "async" / "iter_0000004") and got["tracker_after"] == "4"
+        assert got["rollout_id"] == 4 and got["weights_at_save"] == [] and got["tmp_left"] is False
+
+
 def test_every_check_ran(checked: tuple[Path, list[dict[str, Any]]]) -> None:
     for r in checked[1]:
-        for name in ("foreign", "tether_save", "te_names"):
+        for name in ("foreign", "tether_save", "te_names", "flags"):
             assert value(r, f"{name}/done") is True
         assert value(r, "done") is True

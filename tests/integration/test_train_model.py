@@ -1,13 +1,16 @@
 """Megatron model from HF checkpoints on CPU, built and converted through mbridge: conversion round
 trips and logits parity for every family tether builds.
 
-One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x eleven model variants (Llama;
+One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x seventeen model variants (Llama;
 Qwen2 with qkv bias; Qwen3 with qk-norm, untied and tied; GLM-4 dense with norms after attention and
 the MLP, a fused gate_up_proj, qkv bias and interleaved partial RoPE (at TP=2 with sequence
 parallelism); Qwen2-MoE with a gated shared expert and
 unnormalized top-k; Qwen3-MoE; Mixtral; GLM-4.5 MoE with partial RoPE, attention bias, a dense
 first layer and sigmoid routing with a correction bias; DeepSeek-V3 with multi-latent attention,
-grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE): build the actor from HF
+grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE; MiMo
+(Qwen2 with MTP layers) and DeepSeek-V3 with an MTP layer, built without it, and built with it by
+--mtp-num-layers 1 (MiMo trained with and without --enable-mtp-training; DeepSeek-V3 and GLM-4.5
+converted)): build the actor from HF
 weights, export back to HF names (bit-exact, every HF tensor), compare logits with transformers
 (fp32, 1e-5), write an HF directory with save_hf. See tests/support/train_checks/check_model.py.
 """
@@ -20,11 +23,22 @@ from typing import Any
 import pytest
 from support.train_checks.launcher import results, torchrun, value
 
-# One launch builds 11 families x 3 layouts and trains three of them (about a minute on 2 cores).
+# One launch builds 13 families x 3 layouts and trains three of them (about a minute on 2 cores).
 pytestmark = pytest.mark.timeout(1500)
 
 LAYOUTS = ["dp2", "tp2", "pp2"]
-MOE_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_yarn"]
+MTP_FAMILIES = ["mimo_mtp", "mimo_mtp_frozen", "deepseek_v3_mtp_built", "glm4_moe_mtp_built"]
+MOE_FAMILIES = [
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "deepseek_v3_mtp",
+    "deepseek_v3_mtp_built",
+    "glm4_moe_mtp_built",
+]
 FAMILIES = [
     "llama",
     "qwen2",
@@ -37,6 +51,15 @@ FAMILIES = [
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v3_yarn",
+    # Checkpoints carrying multi-token-prediction layers, built without them (no --mtp-num-layers),
+    # as slime does: the MTP tensors are neither loaded nor exported (round trip and save_hf
+    # compare every other tensor; save_hf's names equal the source's without the MTP ones).
+    "mimo",
+    "deepseek_v3_mtp",
+    # The same checkpoints built with their MTP layer (--mtp-num-layers 1): every HF tensor round
+    # trips, the MTP layer's included (DeepSeek's MTP copies of the embedding and head excepted:
+    # Megatron's MTP block uses the model's).
+    *MTP_FAMILIES,
 ]
 
 
@@ -114,6 +137,62 @@ def test_expert_parallel_build_export_and_logits(checked: list[dict[str, Any]], 
         assert got["mismatched"] == [] and got["missing"] == [] and got["count"] > 0, got
         assert value(rank_results, f"ep2/{family}/logits") < 1e-5
     assert value(checked[0], f"ep2/{family}/save_hf") == {"diff": [], "names_equal": True, "config": True}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_mtp_block_leaves_the_logits_unchanged(
+    checked: list[dict[str, Any]], layout: str, family: str
+) -> None:
+    # Log-prob passes: the logits of the model with the MTP block equal (bit for bit) those of the
+    # same checkpoint built without it; against transformers as every family is (above).
+    diffs = [value(r, f"{layout}/{family}/mtp_logits") for r in checked]
+    on_last_stage = [d for d in diffs if d is not None]
+    assert on_last_stage and max(on_last_stage) == 0.0, diffs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mtp_training_step_trains_the_mtp_layer(checked: list[dict[str, Any]], layout: str) -> None:
+    # Two SFT steps with --enable-mtp-training: the MTP loss is logged (mtp_loss, mtp_1_loss), finite
+    # and near ln(vocab) for a random tiny model; every MTP weight changes, as do the others.
+    import math
+
+    holders = 0
+    for rank_results in checked:
+        for m in value(rank_results, f"{layout}/mimo_mtp/train"):
+            assert math.isfinite(m["mtp_loss"]) and 3.0 < m["mtp_loss"] < 9.0, m
+            assert m["mtp_1_loss"] == m["mtp_loss"]
+            if "mtp_changed" in m:  # this rank holds the MTP layer (the last stage)
+                holders += 1
+                assert len(m["mtp_changed"]) == m["mtp_count"] > 0, m
+                assert m["others_changed"] > 0
+    assert holders >= 2
+
+
+def test_mtp_training_is_the_same_at_tp2_and_pp2(checked: list[dict[str, Any]]) -> None:
+    # The MTP loss is a per-micro-batch token mean (as slime's), so layouts with the same micro-batches
+    # (TP=2 and PP=2, one DP rank each) must agree on it, on the loss and on the grad norm.
+    for rank_results in checked:
+        tp = value(rank_results, "tp2/mimo_mtp/train")
+        pp = value(rank_results, "pp2/mimo_mtp/train")
+        for key in ("loss", "grad_norm", "mtp_loss"):
+            assert [m[key] for m in pp] == pytest.approx([m[key] for m in tp], rel=1e-5), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_without_mtp_training_the_mtp_layer_stays_as_loaded(
+    checked: list[dict[str, Any]], layout: str
+) -> None:
+    # --mtp-num-layers without --enable-mtp-training: no MTP loss, and the step (which changes every
+    # other weight) leaves every MTP weight as it was.
+    holders = 0
+    for rank_results in checked:
+        for m in value(rank_results, f"{layout}/mimo_mtp_frozen/train"):
+            assert "mtp_loss" not in m
+            if "mtp_changed" in m:
+                holders += 1
+                assert m["mtp_changed"] == [] and m["mtp_count"] > 0 and m["others_changed"] > 0, m
+    assert holders >= 2
 
 
 def test_check_script_completed(checked: list[dict[str, Any]]) -> None:

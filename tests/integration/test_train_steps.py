@@ -100,3 +100,23 @@ def test_checkpoint_layout_on_disk(runs: tuple[Path, dict[str, list[dict[str, An
     )
     assert any(name.startswith("__1_") for name in files)
     checkpoint.validate_checkpoint(top)
+
+
+def test_cispo_step_with_slime_loss_hooks_at_tp2(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
+    """check_train.py's rl_run: --log-probs-chunk-size changes no log-prob at TP=2; a CISPO step
+    through a slime-style --custom-tis-function-path (cap 2, floor 0.75 from --custom-config-path)
+    and --custom-pg-loss-reducer-function-path (a masked sum, divided by the step's 8 samples)."""
+    ratios = (1.0, 3.0, 0.5, 1.5)  # check_train.TIS_RATIOS
+    for rank_results in runs[1]["train"]:
+        assert value(rank_results, "tp2/chunked_log_probs_max_diff") < 1e-6
+        inputs, metrics = value(rank_results, "tp2/rl_inputs"), value(rank_results, "tp2/rl_metrics")
+        r = [ratios[t % 4] for t in range(len(inputs["log_probs"]))]
+        kept = [
+            -a * lp * min(ri, 2.0)
+            for a, lp, ri in zip(inputs["advantages"], inputs["log_probs"], r, strict=True)
+            if ri >= 0.75
+        ]
+        assert metrics["step_applied"] == 1.0 and metrics["grad_norm"] > 0
+        assert metrics["pg_loss"] == pytest.approx(sum(kept) / 8, rel=1e-4)
+        assert metrics["ratio"] == pytest.approx(sum(r) / len(r), rel=1e-4)  # the hook's metric
+        assert metrics["ois"] == pytest.approx(1.0, abs=1e-5) and metrics["pg_clipfrac"] == 0.0

@@ -264,9 +264,9 @@ def wait_until(predicate: Any, deadline_s: float = 30, what: str = "condition") 
 
 @cache
 def _hf_model(model_dir: str) -> Any:
-    from transformers import AutoModelForCausalLM
+    from support.hf_reference import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return load_causal_lm(model_dir)
 
 
 def hf_greedy(model_dir: str, prompt: list[int], n: int) -> tuple[list[int], list[float]]:

@@ -31,6 +31,11 @@ USED_IN_CONFIG: dict[str, tuple[str, str]] = {
     "eps_clip_high": ("train/config.py", "AlgorithmConfig's upper clip bound property"),
     "lambd": ("train/config.py", "refused unless 1.0: GAE's lambda has no estimator in tether"),
     "lr_decay_iters": ("train/config.py", "MegatronConfig's LR schedule horizon"),
+    "spec": ("train/config.py", "check_layer_spec: slime's GLM-4 spec is what tether builds; others refused"),
+    "no_position_embedding": (
+        "train/config.py",
+        "MegatronConfig refuses it without rotary embeddings, as Megatron-LM",
+    ),
 }
 
 

@@ -18,15 +18,10 @@ def test_no_refused_flag_is_also_a_tether_flag() -> None:
 @pytest.mark.parametrize(
     ("argv", "key", "value", "reason"),
     [
-        (["--use-opd", "--opd-type", "sglang"], "--use-opd", True, "on-policy distillation"),
-        (["--opd-kl-coef", "0.5"], "--opd-kl-coef", "0.5", "on-policy distillation"),
-        (["--data-source-path=m.C"], "--data-source-path", "m.C", "custom data source"),
-        (
-            ["--spec", "slime_plugins.models.glm4", "get_glm_spec"],
-            "--spec",
-            "slime_plugins.models.glm4",
-            "drop it",
-        ),
+        (["--use-opsm"], "--use-opsm", True, "off-policy sequence masking"),
+        (["--opsm-delta", "0.5"], "--opsm-delta", "0.5", "off-policy sequence masking"),
+        (["--rollout-buffer-url=http://x"], "--rollout-buffer-url", "http://x", "external rollout buffer"),
+        (["--use-gated-attention"], "--use-gated-attention", True, "gated attention"),
     ],
 )
 def test_a_slime_flag_tether_lacks_is_refused_with_its_reason(
@@ -50,3 +45,14 @@ def test_slimes_fully_async_rollout_function_selects_the_fully_async_loop() -> N
     assert cfg.rollout.rollout_function_path == "tether.rollout.default_rollout.generate_rollout"
     with pytest.raises(ConfigError, match="contradicts --rollout-function-path"):
         resolve(["--rollout-function-path", SLIME_FULLY_ASYNC, "--loop", "sync"])
+
+
+def test_slimes_glm4_layer_spec_is_accepted_and_other_plugin_specs_are_refused_by_module() -> None:
+    # slime's GLM-4 spec is the GPT layer with the post-sublayer norms tether builds from the flags.
+    cfg = resolve(["--spec", "slime_plugins.models.glm4", "get_glm_spec"])
+    assert cfg.megatron.spec == ["slime_plugins.models.glm4", "get_glm_spec"]
+    with pytest.raises(ConfigError, match=r"'slime_plugins\.models\.qwen3_5'.*gated delta-net") as err:
+        resolve(["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec"])
+    assert err.value.key == "--spec"
+    with pytest.raises(ConfigError, match="module and a function"):
+        resolve(["--spec", "slime_plugins.models.glm4"])

@@ -56,9 +56,9 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 def _hf(path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
+    from support.hf_reference import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_causal_lm(path)
 
 
 def _engine(path: Path) -> tuple[ModelConfig, TinyLM, KVCache]:
@@ -302,8 +302,13 @@ def _config(path: Path) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("arch", "change", "named"),
     [
-        ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
-        ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn"),
+        (
+            "deepseek_v3",
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+            "llama3",
+        ),
+        ("qwen3", {"rope_scaling": {"type": "linear", "factor": 4.0}}, "linear"),
+        ("qwen3", {"rope_scaling": {"type": "yarn", "factor": -1.0}}, "factor=-1.0"),
         ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy'"),
         ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
         ("deepseek_v3", {"attention_bias": True}, "attention_bias"),

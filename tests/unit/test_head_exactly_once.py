@@ -111,7 +111,9 @@ class FakeTrainer:
             finished_at=0.0,
         )
 
-    async def save(self, rollout_id: int, weight_version: int, position: dict[str, Any]) -> Path:
+    async def save(
+        self, rollout_id: int, weight_version: int, position: dict[str, Any], *, finalize: bool = False
+    ) -> Path:
         self.disk.checkpoints[rollout_id] = {
             "applied": list(self.applied),
             "weight_version": weight_version,
@@ -120,7 +122,9 @@ class FakeTrainer:
         self.disk.latest = rollout_id
         return Path(f"iter_{rollout_id:07d}")
 
-    async def load(self, load_dir: str, *, finetune: bool = False, hf: bool = False) -> LoadedState | None:
+    async def load(
+        self, load_dir: str, *, finetune: bool = False, hf: bool = False, **_step: Any
+    ) -> LoadedState | None:
         if self.disk.latest is None:
             return None
         saved = self.disk.checkpoints[self.disk.latest]
@@ -149,6 +153,7 @@ class FakeRollouts:
     number of groups drawn; the fully-async worker draws one rollout ahead."""
 
     router = None
+    data = None  # not tether's DataSource: no slime data-state file is written
 
     def __init__(self, fault: Fault | None, loop: str) -> None:
         self.fault, self.loop = fault, loop
@@ -198,6 +203,8 @@ class FakeRollouts:
 
     def load_position(self, position: dict[str, Any]) -> None:
         self.offset = position["offset"]
+
+    async def save_source(self, rollout_id: int) -> None: ...  # no --data-source-path class here
 
     def eval_due(self, rollout_id: int) -> bool:
         return True  # the after-step phase's await point

@@ -19,6 +19,9 @@ SUBCOMPONENTS = {
     "tether.rollout.config": "contract",
     "tether.rollout.reward_types": "contract",
     "tether.rollout.eval_config": "contract",  # the eval datasets file --eval-config names, checked at parse
+    # The `import slime` finder (stdlib only): trainer ranks install it too, for slime-written loss hooks.
+    "tether.rollout.slime_api.finder": "contract",
+    "tether.rollout.hook_loader": "contract",  # importing a hook a flag names (ranks load loss hooks)
     "tether.bench": "bench",
 }
 ALLOWED: dict[str, set[str]] = {

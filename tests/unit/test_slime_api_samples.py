@@ -118,7 +118,7 @@ def test_slime_rules_at_the_boundary() -> None:
     [
         ("multimodal_inputs", {"images": ["x.png"]}, "text only"),
         ("rollout_routed_experts", [[1, 2]], r"is not \[rows, layers, topk\] ints"),
-        ("teacher_log_probs", [-0.1], "distillation"),
+        ("teacher_log_probs", "x", "must be a list of floats"),  # carried when it is floats
         ("tokens", [1, "2"], "must be an int"),
         ("status", "done", "is not one of"),
         ("metadata", ["not", "a", "dict"], "must be a dict"),

@@ -17,10 +17,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tether.config import Config, resolve
+from tether.config import Config, horizon_note, resolve, with_counted_epochs
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config
 from tether.rollout.hook_checks import check_hooks
+from tether.runtime.errors import ConfigError
+from tether.train import megatron_args
 
 # --- model configs: the Hugging Face config.json each MODEL_ARGS describes ------------------------
 
@@ -64,6 +66,22 @@ HF_CONFIGS: dict[str, dict[str, object]] = {
         "num_attention_heads": 16,
         "num_key_value_heads": 2,
         "tie_word_embeddings": True,
+    },
+    # MiMo-7B-RL: Qwen2 plus one multi-token-prediction layer (model.mtp_layers.0).
+    "mimo-7B": {
+        **_QWEN2,
+        "model_type": "mimo",
+        "vocab_size": 151680,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 640000,
+        "max_position_embeddings": 32768,
+        "num_hidden_layers": 36,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
     },
 }
 
@@ -326,8 +344,94 @@ QWEN25_05B_FULLY_ASYNC = [
     "--attention-softmax-in-fp32", "--attention-backend", "flash",
 ]  # fmt: skip
 
+# slime: scripts/run-mimo-7B-rl-eagle.sh (MODEL_ARGS: scripts/models/mimo-7B-rl.sh), NUM_GPUS=8: the
+# MTP layer trained beside the policy (--mtp-num-layers, --enable-mtp-training) and served by SGLang as
+# the EAGLE draft.
+MIMO_7B_EAGLE = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "36", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--add-qkv-bias",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-05", "--rotary-base", "640000",
+    "--vocab-size", "151680", "--untie-embeddings-and-output-weights",
+    "--max-position-embeddings", "32768", "--mtp-num-layers", "1",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/MiMo-7B-RL", "--ref-load", "/root/MiMo-7B-RL_torch_dist",
+    "--load", "/root/MiMo-7B-RL-mtp_slime/", "--save", "/root/MiMo-7B-RL-mtp_slime/",
+    "--save-interval", "2000",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "1", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "1", "--eval-max-response-len", "8192", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "1", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
+    "--sglang-attention-backend", "fa3",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    # SPEC_ARGS
+    "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.2",
+]  # fmt: skip
+
+# slime: scripts/run-qwen3-4B-base-sft.sh (MODEL_ARGS: scripts/models/qwen3-4B.sh), launched with
+# train_async.py; its EVAL_ARGS is never set (empty).
+QWEN3_4B_BASE_SFT = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8",
+    # MODEL_ARGS
+    "--swiglu", "--num-layers", "36", "--hidden-size", "2560", "--ffn-hidden-size", "9728",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--norm-epsilon", "1e-6", "--rotary-base", "1000000", "--vocab-size", "151936",
+    "--kv-channels", "128", "--qk-layernorm",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-4B-Base/", "--ref-load", "/root/Qwen3-4B-Base_torch_dist",
+    "--load", "/root/Qwen3-4B-Base_slime/", "--save", "/root/Qwen3-4B-Base_slime/",
+    "--save-interval", "1000",
+    # SFT_ARGS
+    "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
+    "--prompt-data", "/root/openhermes2_5.parquet", "--input-key", "messages", "--rollout-shuffle",
+    "--num-epoch", "3", "--rollout-batch-size", "128", "--global-batch-size", "128",
+    "--loss-type", "sft_loss", "--calculate-per-token-loss", "--disable-compute-advantages-and-returns",
+    "--debug-train-only",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-5", "--lr-decay-style", "cosine", "--min-lr", "1e-6",
+    "--lr-warmup-fraction", "0.1", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "1", "--sequence-parallel",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
 SCRIPTS: dict[str, tuple[list[str], str]] = {
+    "scripts/run-mimo-7B-rl-eagle.sh": (MIMO_7B_EAGLE, "mimo-7B"),
     "scripts/run-qwen3-4B.sh": (QWEN3_4B, "qwen3-4B"),
+    "scripts/run-qwen3-4B-base-sft.sh": (QWEN3_4B_BASE_SFT, "qwen3-4B"),
     "scripts/run-qwen3-4B-amd.sh": (QWEN3_4B_AMD, "qwen3-4B"),
     "scripts/run-qwen3-32B.sh": (QWEN3_32B, "qwen3-32B"),
     "scripts/run-qwen2.5-0.5B-gb10-smoke.sh": (QWEN25_05B_SMOKE, "qwen2.5-0.5B"),
@@ -409,8 +513,11 @@ def test_slime_script_plans_unchanged(script: str, tmp_path: Path, search_hooks:
     actor = plan.train_group("actor")
     assert actor is not None
     assert actor.world_size == int(argv[argv.index("--actor-num-gpus-per-node") + 1])
-    per_engine = int(argv[argv.index("--rollout-num-gpus-per-engine") + 1])
-    assert {engine.tp_size for engine in plan.engines} == {per_engine}
+    if "--debug-train-only" in argv:  # slime's SFT recipe: the trainer only, no engine
+        assert cfg.debug.debug_train_only and not plan.engines
+    else:
+        per_engine = int(argv[argv.index("--rollout-num-gpus-per-engine") + 1])
+        assert {engine.tp_size for engine in plan.engines} == {per_engine}
     assert plan.colocate is cfg.cluster.colocate is ("--colocate" in argv)
     assert cfg.data.rollout_shuffle  # every one of them shuffles its prompts
     # The receipt round-trips (what `tether run` writes before it starts anything).
@@ -425,3 +532,30 @@ def test_six_scripts_are_kept() -> None:
 def test_the_fully_async_example_runs_as_the_fully_async_loop(tmp_path: Path, search_hooks: None) -> None:
     cfg, _ = plan_for(with_local_paths(QWEN25_05B_FULLY_ASYNC, "qwen2.5-0.5B", tmp_path))
     assert cfg.run.loop == "fully-async"
+
+
+def test_the_mimo_eagle_script_trains_the_mtp_layer(tmp_path: Path) -> None:
+    cfg, _ = plan_for(with_local_paths(MIMO_7B_EAGLE, "mimo-7B", tmp_path))
+    m = cfg.megatron
+    assert (m.mtp_num_layers, m.enable_mtp_training, m.mtp_loss_scaling_factor) == (1, True, 0.2)
+    # The same flags against a checkpoint without MTP layers are refused before anything starts.
+    argv = with_local_paths(MIMO_7B_EAGLE, "mimo-7B", tmp_path)
+    hf = Path(argv[argv.index("--hf-checkpoint") + 1])
+    (hf / "config.json").write_text(json.dumps({**HF_CONFIGS["mimo-7B"], "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match="--mtp-num-layers"):
+        plan_for(argv)
+
+
+def test_the_sft_script_counts_its_epochs_at_start(tmp_path: Path) -> None:
+    # --num-epoch 3 and a cosine schedule, no --num-rollout: `tether plan` accepts it and says the
+    # horizon is counted from the prompts when the run starts; the run counts it before the trainer.
+    cfg, _ = plan_for(with_local_paths(QWEN3_4B_BASE_SFT, "qwen3-4B", tmp_path))
+    assert cfg.data.num_rollout is None and cfg.megatron.train_iters is None
+    note = horizon_note(cfg)
+    assert note is not None and "--num-epoch 3" in note
+    # 1000 prompts in batches of 128: 7 rollouts an epoch, 21 in all, one optimizer step each.
+    counted = with_counted_epochs(cfg, 1000)
+    assert (counted.data.num_rollout, counted.megatron.train_iters) == (21, 21)
+    kwargs = megatron_args.scheduler_kwargs(counted.megatron, counted.algorithm)
+    assert kwargs["lr_decay_steps"] == 21 and kwargs["lr_warmup_steps"] == pytest.approx(2.1)
+    assert (kwargs["lr_decay_style"], kwargs["min_lr"], kwargs["max_lr"]) == ("cosine", 1e-6, 1e-5)

@@ -272,6 +272,21 @@ def test_the_head_prunes_after_a_save_and_records_each_deletion(tmp_path: Path) 
     ]
 
 
+def test_the_ppo_critics_checkpoints_follow_the_actors_policy(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    _steps(save, 1, 3, 5)
+    _steps(save / "critic", 1, 3, 5)  # --save/critic/iter_N beside the actor's
+    retention = CheckpointRetention(
+        resolve(["--save", str(save), "--keep-last-checkpoints", "1"]), RunDir(tmp_path / "run")
+    )
+    deleted = asyncio.run(retention.prune())
+    assert sorted((d.path.parent.name, d.step) for d in deleted) == [
+        ("ckpt", 1), ("ckpt", 3), ("critic", 1), ("critic", 3)
+    ]  # fmt: skip
+    assert checkpoint.complete_checkpoints(save) == [5]
+    assert checkpoint.complete_checkpoints(save / "critic") == [5]
+
+
 def test_the_head_deletes_nothing_without_the_flags(tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
     _steps(save, 1, 3, 5)

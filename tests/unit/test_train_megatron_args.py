@@ -60,6 +60,8 @@ GLM4 = dataclasses.replace(
 )
 TIED = dataclasses.replace(ARCH, tie_word_embeddings=True)
 # A tiny DeepSeek-V3 shape (MLA + MoE with grouped, biased sigmoid routing), as hf_config reads it.
+# MiMo: the dense shape plus one multi-token-prediction layer in the checkpoint.
+MIMO = dataclasses.replace(ARCH, model_type="mimo", mtp_layers=1)
 MOE = dataclasses.replace(
     ARCH,
     model_type="deepseek_v3",
@@ -278,6 +280,14 @@ def test_te_attention_refused_on_cpu(argv: list[str], flag: str) -> None:
     parse(*argv)  # a GPU plan: the ranks check TE when they start
 
 
+def test_no_position_embedding() -> None:
+    # glm4.7's MODEL_ARGS pass it beside --position-embedding-type rope, which Megatron-LM accepts.
+    cfg = parse("--position-embedding-type", "rope", "--no-position-embedding")
+    assert cfg.megatron.no_position_embedding
+    parse("--use-rotary-position-embeddings", "--no-position-embedding")
+    refused(["--no-position-embedding"], "--no-position-embedding", "--position-embedding-type rope")
+
+
 def test_flash_flag_contradicting_the_backend_is_refused() -> None:
     refused(["--use-flash-attn", "--attention-backend", "local"], "--use-flash-attn")
 
@@ -453,10 +463,10 @@ def test_schedule_contradictions(argv: list[str], flag: str) -> None:
     refused(argv, flag)
 
 
-def test_a_decaying_schedule_needs_its_horizon_before_the_data_is_read() -> None:
-    with pytest.raises(ConfigError) as err:
-        resolve(["--num-epoch", "2"])
-    assert err.value.key == "--lr-decay-style" and "--num-rollout" in str(err.value)
+def test_a_decaying_schedule_with_num_epoch_gets_its_horizon_when_the_run_counts_the_prompts() -> None:
+    # Accepted at parse time; `tether run` counts --num-rollout before the trainer starts
+    # (tests/unit/test_epoch_horizon.py).
+    assert resolve(["--num-epoch", "2"]).megatron.train_iters is None
     assert resolve(["--num-epoch", "2", "--lr-decay-style", "constant"]).megatron.train_iters is None
     assert resolve(["--num-epoch", "2", "--lr-decay-iters", "50"]).megatron.lr_decay_horizon == 50
     with pytest.raises(ConfigError, match="--lr-decay-style"):  # a rank given no horizon refuses too
@@ -694,6 +704,13 @@ def test_what_cpu_ranks_cannot_run_is_refused() -> None:
     refused(
         ["--cpu-devices", "2", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type", "DeepEP"
     )
+    # slime's DeepSeek/Moonlight scripts: --moe-enable-deepep beside the flex dispatcher. A GPU rank
+    # without the deep_ep module refuses it by name; with it, Megatron gets the flag.
+    deepep = parse("--moe-enable-deepep", "--moe-token-dispatcher-type", "flex").megatron
+    assert megatron_args.moe_config_kwargs(deepep)["moe_enable_deepep"] is True
+    check_capabilities(deepep, GPU)
+    with pytest.raises(ConfigError, match="deep_ep module"):
+        check_capabilities(deepep, dataclasses.replace(GPU, deep_ep=False))
     # Expert parallelism runs on CPU too (gloo all-to-all; tests/integration/test_train_model.py).
     cpu_ep = (
         "--cpu-devices",
@@ -811,6 +828,13 @@ PROBES: dict[str, list[Probe]] = {
         flag("--moe-token-dispatcher-type", "alltoall", arch=MOE),
         flag("--moe-token-dispatcher-type", "flex", base=CPU_PLAN, expect="refused", arch=MOE),
     ],
+    "--moe-enable-deepep": [
+        flag("--moe-enable-deepep", base=("--moe-token-dispatcher-type", "flex"), arch=MOE),
+        flag("--moe-enable-deepep", expect="refused", arch=MOE),  # not the flex dispatcher
+        flag(
+            "--moe-enable-deepep", base=(*CPU_PLAN, "--moe-token-dispatcher-type", "flex"), expect="refused"
+        ),
+    ],
     "--moe-router-dtype": [flag("--moe-router-dtype", "fp32", arch=MOE)],
     "--moe-router-bias-update-rate": [flag("--moe-router-bias-update-rate", "0.01", arch=MOE)],
     "--moe-permute-fusion": [
@@ -870,6 +894,7 @@ PROBES: dict[str, list[Probe]] = {
         flag("--sgd-momentum", "0.5", expect="refused"),
     ],
     "--clip-grad": [flag("--clip-grad", "0.5")],
+    "--no-check-for-nan-in-loss-and-grad": [flag("--no-check-for-nan-in-loss-and-grad")],  # DDP's check
     "--optimizer-cpu-offload": [
         flag(
             "--optimizer-cpu-offload", base=("--use-distributed-optimizer", "--use-precision-aware-optimizer")
@@ -978,6 +1003,12 @@ PROBES: dict[str, list[Probe]] = {
     ],
     "--use-rotary-position-embeddings": [flag("--use-rotary-position-embeddings", expect="asserted")],
     "--position-embedding-type": [flag("--position-embedding-type", "learned_absolute", expect="refused")],
+    # Megatron-LM's deprecated spelling: without rope it is refused; beside rope it states what holds
+    # (no learned position embedding), as Megatron-LM accepts it (test_no_position_embedding).
+    "--no-position-embedding": [flag("--no-position-embedding", expect="refused")],
+    # slime's GLM-4 plugin spec is the layers tether builds (accepted, nothing to change); others are
+    # refused by module (tests/unit/test_config_slime_flags.py).
+    "--spec": [flag("--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec", expect="refused")],
     "--attention-backend": [
         flag("--attention-backend", "local"),
         flag("--attention-backend", "flash", base=CPU_PLAN, expect="refused"),
@@ -989,6 +1020,23 @@ PROBES: dict[str, list[Probe]] = {
     "--no-gradient-accumulation-fusion": [flag("--no-gradient-accumulation-fusion")],
     "--deterministic-mode": [flag("--deterministic-mode")],
     "--distributed-timeout-minutes": [flag("--distributed-timeout-minutes", "45")],
+    # Multi-token prediction: built from a checkpoint with MTP layers (MiMo), refused for one without.
+    "--mtp-num-layers": [
+        flag("--mtp-num-layers", "1", arch=MIMO),
+        flag("--mtp-num-layers", "1", expect="refused"),
+    ],
+    "--mtp-loss-scaling-factor": [
+        flag(
+            "--mtp-loss-scaling-factor",
+            "0.5",
+            base=("--mtp-num-layers", "1", "--enable-mtp-training"),
+            arch=MIMO,
+        ),
+        flag("--mtp-loss-scaling-factor", "0.5", base=("--mtp-num-layers", "1"), arch=MIMO, expect="refused"),
+    ],
+    # What it changes (the MTP loss in training steps, MTP weights trained) is no config field:
+    # tests/unit/test_train_mtp.py and tests/integration/test_train_model.py (mimo_mtp) show it.
+    "--enable-mtp-training": [flag("--enable-mtp-training", expect="refused")],
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -21,7 +22,10 @@ def run_worker(monkeypatch: pytest.MonkeyPatch, offload_train: bool) -> list[Any
     async def scenario() -> None:
         with ThreadPoolExecutor(1) as pool:
             worker = TrainerWorker(pool)
-            worker._actor, worker._ref, worker._offload_train = "actor", "ref", offload_train
+            worker._actor, worker._offload_train = "actor", offload_train
+            # The reference's and the OPD teacher's chunks leave the device with the actor.
+            worker._ref = SimpleNamespace(chunks=["ref"])
+            worker._teacher = SimpleNamespace(chunks=["teacher"])
 
             async def update(request: Any) -> None:
                 calls.append("update")
@@ -37,7 +41,9 @@ def run_worker(monkeypatch: pytest.MonkeyPatch, offload_train: bool) -> list[Any
 
 def test_offload_after_each_update_and_onload_before_the_next_work(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = run_worker(monkeypatch, offload_train=True)
-    assert calls == ["update", ("offload", "actor", "ref"), ("onload", "moved"), "train", "log-probs"]
+    assert calls[0] == "update" and calls[2:] == [("onload", "moved"), "train", "log-probs"]
+    what, actor, others = calls[1]
+    assert (what, actor, others.chunks) == ("offload", "actor", ["ref", "teacher"])
 
 
 def test_without_the_flag_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,8 +3,8 @@
 The fields, their order and defaults, the `Status` values and the methods hooks call
 (`get_reward_value`, `append_response_tokens`, `to_dict` / `from_dict`,
 `effective_response_length`) follow slime's API. tether trains text only: the multimodal fields
-exist and stay empty, and the replay fields (top-p token ids, routed experts, teacher log-probs)
-exist and stay None; a Sample carrying any of them is refused at the boundary
+exist and stay empty, and the top-p replay fields exist and stay None; a Sample carrying any of
+them is refused at the boundary
 (`tether.rollout.slime_api.convert`), naming the field.
 
 Hooks get these Samples converted from tether's own (`tether.rollout.sample.Sample`), and what
@@ -139,7 +139,7 @@ class Sample:
     """Routing replay for MoE: not supported by tether."""
     remove_sample: bool = False
     teacher_log_probs: list[float] | None = None
-    """On-policy distillation: not supported by tether."""
+    """On-policy distillation (--opd-type sglang): the teacher's log-prob of each response token."""
     status: _Status = _Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     generate_function_path: str | None = None

@@ -5,7 +5,8 @@
    Megatron-LM's layout: tracker "7", iter_0000007/) and exported to HF. tether's --ref-load
    (`load_weights_only`) reads it at TP=1 (DP=2) and at PP=2: the weights equal the export's,
    and the log-probs equal a model built from the exported HF weights (bit for bit) and the
-   TP=2 model's (float tolerance). A resume (`load_checkpoint`) of it at TP=1 is refused,
+   TP=2 model's (float tolerance); so does the on-policy distillation teacher loaded from it by
+   --opd-teacher-load / --opd-teacher-ckpt-step 7 (`tether.train.opd_teacher`). A resume (`load_checkpoint`) of it at TP=1 is refused,
    naming both layouts; at TP=2 it resumes after iteration 7, optimizer included.
 2. "tether_save": at DP=2 a trained actor is saved by `checkpoint.save`; a fresh GPTModel built
    with bare Megatron calls loads it through dist_checkpointing alone (no tether code) with
@@ -15,6 +16,12 @@
 4. "te_names": checkpoints written under TransformerEngine names (TE `_extra_state` objects in
    place of the local ones) and under the older local names (input_layernorm, pre_mlp_layernorm)
    load into the CPU model with equal weights.
+5. "flags": Megatron's checkpoint flags. --no-save-optim writes no optimizer state and a resume
+   from it starts a fresh optimizer; --no-load-optim / --no-load-rng leave optimizer / RNG fresh;
+   --ckpt-step loads the iteration it names, not the tracker's; --async-save returns before the
+   files are written (a gate holds the writer while a train step runs), the previous checkpoint
+   stays the resume point until `finalize`, after which the new one is complete, named by the
+   tracker, and holds the weights of its step boundary.
 Results go to WORK_DIR/results/rank{N}.json.
 """
 
@@ -138,6 +145,8 @@ def foreign(work: Path, hf: Path, results: common.Results) -> None:
             "rollout_id": state.rollout_id,
             "weights": same(hf_tensors(resumed.chunks, resumed.arch), want),
             "adam": optimizer_equal(actor, resumed),
+            # Adam's step count (bias correction) from the checkpoint's optimizer param groups
+            "adam_step": [checkpoint._adam_step(resumed), checkpoint._adam_step(actor)],
         },
     )
     del actor, resumed
@@ -157,6 +166,24 @@ def foreign(work: Path, hf: Path, results: common.Results) -> None:
                 "max_diff_to_tp2": max(abs(a - b) for a, b in zip(got_lp, tp2_lp, strict=True)),
             },
         )
+        if layout == "tp1":
+            # --use-opd --opd-type megatron: the teacher from --opd-teacher-load at
+            # --opd-teacher-ckpt-step 7 is that checkpoint (the same log-probs as the HF-built model).
+            from tether.train.opd_teacher import build_teacher
+
+            teacher_cfg = AlgorithmConfig(
+                use_opd=True, opd_type="megatron", opd_teacher_load=str(ckpt), opd_teacher_ckpt_step=7
+            )
+            teacher = build_teacher(opts, topo, teacher_cfg)
+            teacher_lp = log_probs(teacher.chunks, teacher.config, teacher.arch.vocab_size)
+            results.set(
+                "foreign/opd_teacher",
+                {
+                    "frozen": not any(p.requires_grad for p in teacher.chunks[0].parameters()),
+                    "log_probs_equal_hf_built": teacher_lp
+                    == log_probs(from_hf.chunks, from_hf.config, teacher.arch.vocab_size),
+                },
+            )
     topo = reinit(1, 1)
     actor = model.build_actor(opts, topo, load_weights=False)
     try:
@@ -381,6 +408,110 @@ def te_names(work: Path, hf: Path, results: common.Results) -> None:
         )
 
 
+def flags(work: Path, hf: Path, results: common.Results) -> None:
+    import multiprocessing as mp
+
+    from megatron.core import dist_checkpointing
+
+    from tether.train import checkpoint_async
+    from tether.train.checkpoint_layout import select_checkpoint_step
+
+    topo = reinit(1, 1)
+    actor = model.build_actor(options(hf), topo)
+    batch = common.make_batch(8, seed=5)
+    shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+
+    def train() -> None:
+        step.train_step(actor, shard, plan, SFT)
+
+    def fresh() -> model.Actor:
+        return model.build_actor(options(hf), topo, load_weights=False)
+
+    train()
+    # --no-save-optim: weights and run state only; the resume starts a fresh optimizer
+    root = work / "no_save_optim"
+    path = checkpoint.save(actor, root, checkpoint.RunState(step=1, rollout_id=1), save_optim=False)
+    want = hf_tensors(actor.chunks, actor.arch)
+    other = fresh()
+    state = checkpoint.load(other, root)
+    results.set(
+        "flags/no_save_optim",
+        {
+            "optimizer_tensors": sorted(
+                k for k in dist_checkpointing.load_tensors_metadata(str(path)) if "optim" in k
+            ),
+            "args_no_save_optim": dist_checkpointing.load_common_state_dict(str(path))["args"].no_save_optim,
+            "rollout_id": None if state is None else state.rollout_id,
+            "weights": same(hf_tensors(other.chunks, other.arch), want),
+            "adam_step": checkpoint._adam_step(other),
+        },
+    )
+    # --no-load-optim / --no-load-rng of a full checkpoint; --ckpt-step of an older one
+    root = work / "steps"
+    checkpoint.save(actor, root, checkpoint.RunState(step=2, rollout_id=2, data_position={"at": 2}))
+    at_two = hf_tensors(actor.chunks, actor.arch)
+    train()
+    checkpoint.save(actor, root, checkpoint.RunState(step=3, rollout_id=3))
+    rng_after = torch.rand(4).tolist()
+    other = fresh()
+    torch.manual_seed(99)
+    state = checkpoint.load(other, root, load_optim=False, load_rng=False)
+    results.set(
+        "flags/no_load_optim_rng",
+        {
+            "rollout_id": None if state is None else state.rollout_id,
+            "weights": same(hf_tensors(other.chunks, other.arch), hf_tensors(actor.chunks, actor.arch)),
+            "adam_step": checkpoint._adam_step(other),
+            "rng_restored": torch.rand(4).tolist() == rng_after,
+        },
+    )
+    other = fresh()
+    state = checkpoint.load(other, select_checkpoint_step(root, 2), named=True)
+    results.set(
+        "flags/ckpt_step",
+        {
+            "tracker": (root / "latest_checkpointed_iteration.txt").read_text(),
+            "rollout_id": None if state is None else state.rollout_id,
+            "data_position": None if state is None else state.data_position,
+            "weights": same(hf_tensors(other.chunks, other.arch), at_two),
+            "adam_step": checkpoint._adam_step(other),
+        },
+    )
+    # --async-save
+    root = work / "async"
+    checkpoint.save(actor, root, checkpoint.RunState(step=3, rollout_id=3))
+    gate = mp.get_context("fork").Event()
+    checkpoint_async.WRITE_GATE = gate
+    want = hf_tensors(actor.chunks, actor.arch)
+    pending = checkpoint_async.start_save(actor, root, checkpoint.RunState(step=4, rollout_id=4))
+    before = {
+        "shards_written": sorted(p.name for p in pending.tmp.glob("*.distcp")),
+        "tracker": (root / "latest_checkpointed_iteration.txt").read_text(),
+        "resume_point": str(checkpoint.find_checkpoint(root)),
+    }
+    train()  # the run goes on while the writer is held back
+    moved = same(hf_tensors(actor.chunks, actor.arch), want)
+    before["still_no_shards"] = not list(pending.tmp.glob("*.distcp"))
+    gate.set()
+    checkpoint_async.WRITE_GATE = None
+    final = checkpoint_async.finalize(pending)
+    checkpoint.validate_checkpoint(final)  # every file whole, digests recorded
+    other = fresh()
+    state = checkpoint.load(other, root)
+    results.set(
+        "flags/async_save",
+        {
+            **before,
+            "trained_after_save": bool(moved),
+            "final": str(final),
+            "tracker_after": (root / "latest_checkpointed_iteration.txt").read_text(),
+            "rollout_id": None if state is None else state.rollout_id,
+            "weights_at_save": same(hf_tensors(other.chunks, other.arch), want),
+            "tmp_left": pending.tmp.exists(),
+        },
+    )
+
+
 def main() -> None:
     work = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -391,7 +522,12 @@ def main() -> None:
         common.make_models(work / "models")
     dist.barrier()
     hf = common.make_models(work / "models")[FAMILY]
-    for name, fn in (("foreign", foreign), ("tether_save", tether_save), ("te_names", te_names)):
+    for name, fn in (
+        ("foreign", foreign),
+        ("tether_save", tether_save),
+        ("te_names", te_names),
+        ("flags", flags),
+    ):
         results.record(f"{name}/done", lambda f=fn: f(work, hf, results) or True)
         dist.barrier()
     results.set("done", True)

@@ -10,12 +10,15 @@ source. Results go to WORK_DIR/results/rank{N}.json.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import common
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for support.*
 
 from tether.train import export, model, parallel, step
 from tether.train.config import AlgorithmConfig, MegatronConfig
@@ -37,7 +40,45 @@ FAMILIES: dict[str, dict[str, object]] = {
     "glm4_moe": {"arch": "glm4_moe"},
     "deepseek_v3": {"arch": "deepseek_v3"},
     "deepseek_v3_yarn": {"arch": "deepseek_v3"},
+    # Checkpoints with multi-token-prediction layers, built without them (no --mtp-num-layers):
+    # MiMo (Qwen2 + model.mtp_layers) and DeepSeek-V3's layer after the decoder's.
+    "mimo": {"arch": "mimo"},
+    "deepseek_v3_mtp": {"arch": "deepseek_v3", "mtp_layers": 1},
+    # The same checkpoints built with their MTP layers (--mtp-num-layers 1): MiMo trained with
+    # --enable-mtp-training and without it (frozen MTP layers), DeepSeek-V3's converted only.
+    "mimo_mtp": {"arch": "mimo"},
+    "mimo_mtp_frozen": {"arch": "mimo"},
+    "deepseek_v3_mtp_built": {"arch": "deepseek_v3", "mtp_layers": 1},
+    "glm4_moe_mtp_built": {"arch": "glm4_moe", "mtp_layers": 1},
 }
+# Families built with MTP layers: their MegatronConfig flags.
+MTP_FLAGS: dict[str, dict[str, object]] = {
+    "mimo_mtp": {"mtp_num_layers": 1, "enable_mtp_training": True},
+    "mimo_mtp_frozen": {"mtp_num_layers": 1},
+    "deepseek_v3_mtp_built": {"mtp_num_layers": 1},
+    "glm4_moe_mtp_built": {"mtp_num_layers": 1},
+}
+# DeepSeek-V3's MTP layer carries its own copies of the embedding and the output head in HF;
+# Megatron's MTP block uses the model's (as slime converts it), so those two are not built.
+_SHARED_MTP_COPY = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
+# HF tensors of MTP layers: without --mtp-num-layers they are not built, so (as in slime) they are
+# neither loaded nor exported.
+_MTP_NAME = re.compile(r"^model\.(mtp_layers\.\d+\.|layers\.(\d+)\.)")
+
+
+def is_mtp_name(name: str, num_layers: int) -> bool:
+    m = _MTP_NAME.match(name)
+    return m is not None and (m.group(2) is None or int(m.group(2)) >= num_layers)
+
+
+def not_built(name: str, arch_layers: int, mtp_built: bool) -> bool:
+    """An HF tensor the Megatron model does not hold: MTP layers not built, or (built) the MTP
+    layer's copies of the embedding and head."""
+    if not is_mtp_name(name, arch_layers):
+        return False
+    return not mtp_built or _SHARED_MTP_COPY.match(name) is not None
+
+
 # config.json changes after writing: DeepSeek's YaRN RoPE (mbridge 0.15.1 reads it only from
 # `rope_scaling`; transformers 5 keeps it in `rope_parameters`).
 CONFIG_CHANGES: dict[str, dict[str, object]] = {
@@ -59,21 +100,71 @@ CONFIG_CHANGES: dict[str, dict[str, object]] = {
 # Families also trained for two SFT steps per layout: loss and grad norm at TP=2 (with sequence
 # parallelism) and PP=2 must equal DP=2's (experts' TP shards counted once, MLA's shared RoPE key
 # summed over TP, GLM-4's sequence-parallel output norms' gradients summed over TP).
-TRAINED = ("qwen3_moe", "deepseek_v3", "glm4")
+TRAINED = ("qwen3_moe", "deepseek_v3", "glm4", "mimo_mtp", "mimo_mtp_frozen")
 # Families built with --sequence-parallel at TP=2: MoE (Megatron requires it) and GLM-4 (slime's
 # GLM-4-9B script runs with it).
 SEQUENCE_PARALLEL = ("glm4",)
 SFT = AlgorithmConfig(loss_type="sft_loss", lr=1e-3)
 
 
-def train_steps(actor: model.Actor, topo: parallel.Topology) -> list[dict[str, float]]:
-    out = []
+def _weights(actor: model.Actor, mtp_part: bool) -> dict[str, torch.Tensor]:
+    """This rank's MTP weights (`mtp_part`) or the others, copied."""
+    from tether.train.mtp import is_mtp_param
+
+    return {
+        n: p.detach().clone()
+        for n, p in model.unwrap(actor.chunks[0]).named_parameters()
+        if is_mtp_param(n) == mtp_part
+    }
+
+
+def _changed(before: dict[str, torch.Tensor], actor: model.Actor, mtp_part: bool) -> list[str]:
+    after = _weights(actor, mtp_part)
+    return sorted(n for n in before if not torch.equal(before[n], after[n]))
+
+
+def train_steps(actor: model.Actor, topo: parallel.Topology) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
     for k in range(2):
         batch = common.make_batch(8, seed=20 + k)
         shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+        mtp_before, rest_before = _weights(actor, True), _weights(actor, False)
         m = step.train_step(actor, shard, plan, SFT)
-        out.append({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])})
+        got: dict[str, object] = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+        if "mtp_loss" in m:
+            got.update(mtp_loss=float(m["mtp_loss"]), mtp_1_loss=float(m["mtp_1_loss"]))
+        if mtp_before:  # this rank holds MTP layers: which weights the step changed
+            got.update(
+                mtp_changed=_changed(mtp_before, actor, True),
+                mtp_count=len(mtp_before),
+                others_changed=len(_changed(rest_before, actor, False)),
+            )
+        out.append(got)
     return out
+
+
+def mtp_logits_unchanged(
+    actor: model.Actor, opts: model.ModelOptions, topo: parallel.Topology
+) -> float | None:
+    """Max difference between the actor's logits and those of the same checkpoint built without MTP
+    layers (None off the last stage)."""
+    import msgspec
+
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, actor.arch.vocab_size, (2, 12), generator=g)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    megatron = msgspec.structs.replace(opts.megatron, mtp_num_layers=None, enable_mtp_training=False)
+    plain = model.build_reference(
+        model.ModelOptions(hf_checkpoint=opts.hf_checkpoint, megatron=megatron), topo
+    )
+    for c in actor.chunks:
+        c.eval()
+    mb = [step.MicroBatch(tokens, pos)]
+    got = step.forward_logits(actor.chunks, actor.config, mb, actor.arch.vocab_size)
+    want = step.forward_logits(plain.chunks, plain.config, mb, plain.arch.vocab_size)
+    if not topo.is_last_stage:
+        return None
+    return float((got[0] - want[0]).abs().max())
 
 
 def make_models(root: Path, families: list[str]) -> dict[str, Path]:
@@ -103,13 +194,16 @@ def round_trip(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> dic
     dist.all_gather_object(stage_names, names)
     covered = sorted({n for ns in stage_names for n in (ns or [])})
     expected = sorted(
-        n for n in source.names() if not (actor.arch.tie_word_embeddings and n == "lm_head.weight")
+        n
+        for n in source.names()
+        if not (actor.arch.tie_word_embeddings and n == "lm_head.weight")
+        and not not_built(n, actor.arch.num_layers, bool(actor.config.mtp_num_layers))
     )
     return {"mismatched": mismatched, "missing": sorted(set(expected) - set(covered)), "count": len(names)}
 
 
 def logits_parity(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> float | None:
-    from transformers import AutoModelForCausalLM
+    from support.hf_reference import load_causal_lm  # MiMo's reference is Qwen2 (no transformers class)
 
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, actor.arch.vocab_size, (2, 12), generator=g)
@@ -121,7 +215,7 @@ def logits_parity(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> 
     )
     if not topo.is_last_stage:
         return None
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = load_causal_lm(hf_dir)
     with torch.no_grad():
         want = hf(tokens).logits
     return float((got[0] - want).abs().max())
@@ -134,7 +228,12 @@ def save_hf_check(
     if topo.rank != 0:
         return None
     src, dst = HFWeights(hf_dir), HFWeights(out)
-    expected = [n for n in src.names() if not (actor.arch.tie_word_embeddings and n == "lm_head.weight")]
+    expected = [
+        n
+        for n in src.names()
+        if not (actor.arch.tie_word_embeddings and n == "lm_head.weight")
+        and not not_built(n, actor.arch.num_layers, bool(actor.config.mtp_num_layers))
+    ]
     diff = [n for n in expected if not torch.equal(src.get(n), dst.get(n))]
     return {
         "diff": diff,
@@ -176,9 +275,15 @@ def main() -> None:
                     sequence_parallel=sequence_parallel,
                     expert_model_parallel_size=ep,
                     moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
+                    **MTP_FLAGS.get(family, {}),  # type: ignore[arg-type]
                 ),
             )
             actor = model.build_actor(opts, topo)
+            if family in MTP_FLAGS:
+                results.record(
+                    f"{layout}/{family}/mtp_logits",
+                    lambda a=actor, o=opts, t=topo: mtp_logits_unchanged(a, o, t),
+                )
             results.record(
                 f"{layout}/{family}/round_trip", lambda a=actor, h=hf_dir, t=topo: round_trip(a, h, t)
             )

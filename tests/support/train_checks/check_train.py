@@ -1,7 +1,8 @@
 """torchrun --nproc-per-node 2 check_train.py WORK_DIR PHASE: train steps, log-probs, checkpoints.
 
 PHASE "train": SFT steps at TP=2, PP=2 and DP=2 (distributed optimizer) on a fixed batch (the
-loss must fall); log-probs of one batch in every layout; at DP=2 a checkpoint after step 1 of 3,
+loss must fall); log-probs of one batch in every layout; at TP=2 also chunked log-probs and one
+CISPO step with slime-style TIS/reducer hooks (`rl_run`); at DP=2 a checkpoint after step 1 of 3,
 the final weights recorded, then a half-written save left behind (a crash).
 PHASE "resume": a fresh job loads that checkpoint (skipping the broken one), trains steps 2-3,
 and records its final weights for comparison with the uninterrupted run.
@@ -42,7 +43,7 @@ def reinit(tp: int, pp: int) -> parallel.Topology:
 
 
 def sft_run(
-    hf_dir: Path, topo: parallel.Topology, results: common.Results, layout: str, distopt: bool
+    hf_dir: Path, topo: parallel.Topology, results: common.Results, layout: str, distopt: bool, work: Path
 ) -> None:
     opts = options(hf_dir, use_distributed_optimizer=distopt, clip_grad=1.0)
     actor = model.build_actor(opts, topo)
@@ -58,6 +59,52 @@ def sft_run(
         metrics = step.train_step(actor, shard, plan, SFT)
         losses.append(metrics)
     results.set(f"{layout}/sft_metrics", losses)
+    if layout == "tp2":
+        rl_run(actor, results, work)
+
+
+LOSS_HOOKS = Path(__file__).resolve().parents[1] / "slime_hooks" / "loss_hooks.py"
+TIS_RATIOS = (1.0, 3.0, 0.5, 1.5)  # train/rollout ratio of response token t: TIS_RATIOS[t % 4]
+
+
+def rl_run(actor: model.Actor, results: common.Results, work: Path) -> None:
+    """slime's loss-side flags at TP=2 (vocab-parallel log-probs): --log-probs-chunk-size gives the
+    unchunked log-probs; one CISPO step with a slime-style custom TIS hook (its YAML keys from
+    --custom-config-path) and a custom pg-loss reducer, its metrics recorded against the log-probs."""
+    import time
+
+    import numpy as np
+
+    start = time.perf_counter()
+    batch = common.make_batch(8, seed=6)
+    plan = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    lp, _ = step.compute_log_probs(actor.chunks, actor.config, actor.arch.vocab_size, batch, plan)
+    chunked, _ = step.compute_log_probs(
+        actor.chunks, actor.config, actor.arch.vocab_size, batch, plan, step.StepOptions(chunk_size=3)
+    )
+    results.set("tp2/chunked_log_probs_max_diff", float(np.abs(lp - chunked).max()))
+    ratios = np.resize(np.array(TIS_RATIOS), lp.shape[0])
+    batch.rollout_log_probs = (lp - np.log(ratios)).astype(np.float32)
+    batch.advantages = np.repeat(np.where(np.arange(8) % 2 == 0, 1.0, -1.0), batch.response_lengths).astype(
+        np.float32
+    )
+    config = work / "tis.yaml"
+    config.write_text("cap: 2.0\nfloor: 0.75\n")
+    algo = AlgorithmConfig(
+        advantage_estimator="cispo",
+        eps_clip=1.0,
+        eps_clip_high=0.5,
+        use_tis=True,
+        custom_tis_function_path=f"{LOSS_HOOKS}:reject_tis",
+        custom_pg_loss_reducer_function_path=f"{LOSS_HOOKS}:masked_sum_reducer",
+        custom_config_path=str(config),
+        log_probs_chunk_size=3,
+        lr=3e-3,
+    )
+    metrics = step.train_step(actor, batch, plan, algo)
+    results.set("tp2/rl_inputs", {"log_probs": lp.tolist(), "advantages": batch.advantages.tolist()})
+    results.set("tp2/rl_metrics", metrics)
+    results.set("tp2/rl_seconds", time.perf_counter() - start)  # what this addition costs the launch
 
 
 def checkpoint_run(
@@ -132,7 +179,8 @@ def main() -> None:
                 dist_ready = True
             hf = common.make_models(work / "models")["llama"]
             results.record(
-                f"{layout}/run", lambda h=hf, t=topo, lay=layout, d=distopt: sft_run(h, t, results, lay, d)
+                f"{layout}/run",
+                lambda h=hf, t=topo, lay=layout, d=distopt: sft_run(h, t, results, lay, d, work),
             )
             dist.barrier()
     topo = reinit(1, 1)

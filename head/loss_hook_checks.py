@@ -1,0 +1,37 @@
+"""`tether plan`/`run`, before anything starts: slime's loss-side hooks (--custom-tis-function-path,
+--custom-pg-loss-reducer-function-path) import and take the call the trainer ranks will make
+(tether.train.loss_hooks); --custom-config-path reads as a mapping."""
+
+from __future__ import annotations
+
+from tether.rollout.hook_checks import HookCall, check_hook
+from tether.runtime.custom_config import read_custom_config
+from tether.train.config import AlgorithmConfig
+from tether.train.loss_hooks import REDUCER_POSITIONAL, TIS_KEYWORDS
+from tether.train.losses import REDUCER_FLAG, TIS_FLAG
+
+TIS = HookCall(
+    TIS_FLAG,
+    "fn(args=, pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=, total_lengths=, response_lengths=)",
+    (),
+    TIS_KEYWORDS,
+    plain=True,
+)
+PG_LOSS_REDUCER = HookCall(
+    REDUCER_FLAG,
+    "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)",
+    REDUCER_POSITIONAL,
+    plain=True,
+)
+
+
+def check_loss_hooks(algorithm: AlgorithmConfig) -> None:
+    """Each loss hook the algorithm names imports and takes its call; raises ConfigError naming the flag."""
+    if algorithm.custom_config_path is not None:
+        read_custom_config(algorithm.custom_config_path)
+    for path, spec in (
+        (algorithm.custom_tis_function_path, TIS),
+        (algorithm.custom_pg_loss_reducer_function_path, PG_LOSS_REDUCER),
+    ):
+        if path is not None:
+            check_hook(path, spec)

@@ -1,0 +1,103 @@
+"""--async-save: a checkpoint's torch_dist files written in the background, finalised later.
+
+`start_save` does what must happen at the step boundary, on every rank: the sharded state dict
+(the save's content is fixed now), the common state and each rank's RNG state, and hands the
+tensor files to megatron.core's async machinery (`dist_checkpointing.save(...,
+async_sharded_save=True)` scheduled on an `AsyncCallsQueue`): a process forked now writes them
+from a copy-on-write image of this moment (on GPUs Megatron first stages the tensors to host),
+so training goes on and changes nothing the writer sees.
+
+`finalize` (collective) waits for the writer, runs dist_checkpointing's finalisation (the
+`.metadata` index, `metadata.json`), then what every save ends with (`checkpoint.finish_save`):
+RNG files, digests, run state, the rename of `iter_N.tmp` to `iter_N` and only then the tracker.
+Until then nothing names the new checkpoint, so a crash before `finalize` leaves the previous
+checkpoint as the one a resume loads (and the `.tmp` directory is never loaded). The trainer
+calls it before the next save, before the next weight update and at shutdown (slime finalises
+before the next save and at the run's last one).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tether.train.checkpoint import (
+    CONTENT_METADATA,
+    RngState,
+    RunState,
+    begin_save,
+    capture_rng,
+    finish_save,
+    save_state,
+)
+from tether.train.megatron_cpu import quiet_megatron_imports
+from tether.train.model import Actor
+
+log = logging.getLogger(__name__)
+
+# Tests only: a fork-context Event the writer process waits on before writing, so a test sees
+# the step boundary pass while the checkpoint's files are not written yet.
+WRITE_GATE: Any = None
+
+_queue: Any = None  # this process's AsyncCallsQueue, made on the first async save
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose files a background writer is writing; `finalize` completes it."""
+
+    root: Path
+    tmp: Path
+    final: Path
+    state: RunState
+    rng: RngState
+    call_idx: int
+
+
+def _calls() -> Any:
+    global _queue
+    if _queue is None:
+        with quiet_megatron_imports():
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        _queue = AsyncCallsQueue(persistent=False)  # a writer forked per save (Megatron's default)
+    return _queue
+
+
+def _gated(gate: Any, write: Any, *args: Any, **kwargs: Any) -> Any:
+    gate.wait()
+    return write(*args, **kwargs)
+
+
+def start_save(
+    actor: Actor, save_dir: str | Path, state: RunState, *, save_optim: bool = True
+) -> PendingSave:
+    """Begin checkpoint `iter_{state.step}` and return once its writer runs in the background.
+    Collective over every rank."""
+    with quiet_megatron_imports():
+        from megatron.core import dist_checkpointing
+
+    root, tmp, final = begin_save(save_dir, state.step)
+    sharded = save_state(actor, state, save_optim=save_optim)
+    request = dist_checkpointing.save(
+        sharded, str(tmp), content_metadata=dict(CONTENT_METADATA), async_sharded_save=True
+    )
+    rng = capture_rng()  # the RNG as at this step boundary, written at finalisation
+    if WRITE_GATE is not None and request.async_fn is not None:
+        request = request._replace(async_fn=functools.partial(_gated, WRITE_GATE, request.async_fn))
+    call_idx = _calls().schedule_async_request(request)
+    log.info("checkpoint %s: writing in the background", final)
+    return PendingSave(root=root, tmp=tmp, final=final, state=state, rng=rng, call_idx=call_idx)
+
+
+def finalize(pending: PendingSave) -> Path:
+    """Wait for the writer and complete the checkpoint (renamed into place, then the tracker).
+    Collective over every rank; raises on every rank when a writer failed (the `.tmp` directory
+    then stays behind, never loaded, and the previous checkpoint stays current)."""
+    done = _calls().maybe_finalize_async_calls(blocking=True)
+    if pending.call_idx not in done:
+        raise RuntimeError(f"checkpoint {pending.final}: its background write was not finalised ({done})")
+    return finish_save(pending.root, pending.tmp, pending.final, pending.state, pending.rng)
