@@ -11,6 +11,7 @@ test_train_model.py (check_model.py's mimo_mtp, mimo_mtp_frozen and deepseek_v3_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_train_megatron_args import ARCH
 
 from tether.runtime.errors import ConfigError
 from tether.train import bridge, megatron_args, mtp
@@ -35,23 +37,9 @@ pytestmark = [
 
 
 def _arch(model_type: str, mtp_layers: int = 1) -> ModelArch:
-    return ModelArch(
-        model_type=model_type,
-        vocab_size=320,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=4,
-        head_dim=16,
-        norm_epsilon=1e-6,
-        rope_theta=10000.0,
-        rope_scaling_factor=None,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        qkv_bias=True,
-        qk_layernorm=False,
-        mtp_layers=mtp_layers,
+    # The Megatron-args tests' tiny shape, as a two-layer Qwen2-style model with MTP layers.
+    return dataclasses.replace(
+        ARCH, model_type=model_type, num_layers=2, num_query_groups=4, qkv_bias=True, mtp_layers=mtp_layers
     )
 
 
