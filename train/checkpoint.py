@@ -199,6 +199,18 @@ def _adam_step(actor: Actor) -> int | None:
     return None
 
 
+def _any_rank_adam_step(actor: Actor) -> int | None:
+    """Adam's step as any rank knows it: rank 0 writes the run state, and may train no parameter
+    (a frozen pipeline stage) while the others do."""
+    mine = _adam_step(actor)
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    steps: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, mine)
+    known = [s for s in steps if s is not None]
+    return max(known) if known else None
+
+
 def _restore_adam_step(actor: Actor, step: int) -> None:
     # megatron-core 0.16.1's distributed-optimizer load does not restore torch Adam's per-param
     # "step" (bias correction); every parameter steps together, so one saved count restores it.
@@ -380,7 +392,7 @@ def save_state(actor: Actor, state: RunState, *, save_optim: bool) -> dict[str, 
 
     sync_params(actor.chunks)
     state.scheduler = actor.scheduler.state_dict() if save_optim else {}
-    state.optimizer_step = _adam_step(actor) if save_optim else None
+    state.optimizer_step = _any_rank_adam_step(actor) if save_optim else None
     model_sd = _model_state(actor.chunks, CONTENT_METADATA)
     sharded: dict[str, Any] = dict(model_sd)
     if save_optim:
@@ -879,11 +891,32 @@ def saved_adam_step(optimizer_state: Any) -> int | None:
     return int(steps.pop())
 
 
+def _fill_common_step(optimizer_state: Any, step: int) -> None:
+    """Give Adam's per-parameter states the step where the checkpoint carries none.
+
+    Megatron saves the step once, as the optimizer's `common_step`, in the checkpoint's common
+    (rank-0) part; when rank 0 trains no parameter (a frozen pipeline stage), there is none, and
+    the other ranks' Adam states come back without a step. tether's run state holds it."""
+    if isinstance(optimizer_state, Mapping):
+        state = optimizer_state.get("state")
+        if isinstance(state, dict) and "common_step" not in state:
+            params = [v for k, v in state.items() if isinstance(v, Mapping)]
+            if params and any("step" not in v for v in params):
+                state["common_step"] = torch.tensor(float(step))
+        for value in optimizer_state.values():
+            _fill_common_step(value, step)
+    elif isinstance(optimizer_state, list | tuple):
+        for value in optimizer_state:
+            _fill_common_step(value, step)
+
+
 def _restore_training_state(
     actor: Actor, optimizer_state: Any, scheduler: Mapping[str, Any], optimizer_step: int | None
 ) -> None:
     if optimizer_step is None:  # another tool's checkpoint: Adam's step from its param groups
         optimizer_step = saved_adam_step(optimizer_state)  # read before the load consumes the state
+    if optimizer_step is not None:
+        _fill_common_step(optimizer_state, optimizer_step)
     with torch.no_grad():  # Megatron copies into leaf main params in place
         actor.optimizer.load_state_dict(optimizer_state)
     if optimizer_step is not None:

@@ -71,6 +71,7 @@ def test_frozen_parameters_stay_and_the_others_train(runs: Runs) -> None:
 
 
 def test_only_train_list_trains_only_matches_even_with_a_stage_that_trains_nothing(runs: Runs) -> None:
+    # ... and its checkpoint resumes on both stages (check_trainer_state.freeze asserts the weights).
     first, last = (value(r, "only_train") for r in runs)
     assert first["trainable"] == [] and first["changed"] == [] and first["in_optimizer"] == 0
     assert last["trainable"] == ["output_layer.weight"] and last["changed"] == ["output_layer.weight"]

@@ -9,8 +9,8 @@ same requests, built by `rank_work.rollout_steps`, with the pool's first/last-of
   the weight updates one behind (--update-weights-interval 1); the actor's own come back exactly.
 - freeze / only_train: frozen weights unchanged, the others changed, no optimizer state for them;
   a stage where nothing trains; a list that matches nothing is refused on every rank; a partly
-  frozen actor's checkpoint resumes. (A rank with no trainable parameter trains, but its checkpoint
-  does not load back: torch's Adam.load_state_dict fails with KeyError 'step'; not checked here.)
+  frozen actor's checkpoint resumes, also when rank 0's stage trains nothing (Megatron keeps Adam's
+  step in the checkpoint's rank-0 part, which then has none: tether restores it from its run state).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ async def freeze(
     before = weights_of(w)
     await train_rollout(w, algo, 0, seed=1)
     after = weights_of(w)
-    if ckpt is None:  # (a stage with nothing to train does not resume: see the module's docstring)
+    if ckpt is None:
         return _freeze_result(w, before, after)
     # A checkpoint of a partly frozen actor saves, and a fresh actor with the same lists resumes
     # from it (weights and the trainable parameters' optimizer state), then trains on.
@@ -264,7 +264,9 @@ async def run_all(hf: Path, results: common.Results) -> None:
             ),
             (
                 "only_train",
-                lambda: freeze(executor, hf, None, only_train_params_name_list=["output_layer"]),
+                lambda: freeze(
+                    executor, hf, ckpt / "only_train", only_train_params_name_list=["output_layer"]
+                ),
             ),
             ("refused", lambda: refused(executor, hf)),
         ):
