@@ -6,7 +6,7 @@ Run by the SGLang venv's python as a file (it needs only the standard library: t
 installed there). SGLang takes `--api-key`/`--admin-api-key` only as arguments, and a process's
 command line is visible to every user of the machine (`ps`). This program takes the key from
 TETHER_ENGINE_API_KEY, removes it from its environment (SGLang's own children do not inherit
-it), puts `FLAG key` for each FLAG into its own `sys.argv` (the command line the kernel shows
+it), puts `FLAG=key` for each FLAG into its own `sys.argv` (the command line the kernel shows
 stays the one it was started with), and runs MODULE as `python -m MODULE` would. SGLang logs its
 server arguments at start; every log record that would carry the key carries `<redacted>`.
 """
@@ -52,8 +52,9 @@ def main(argv: list[str]) -> None:
     key_args: list[str] = []
     if key:
         redact_logs(key)
-        for flag in flags:
-            key_args += [flag, key]
+        # `FLAG=key`, one argument: a key that starts with "-" (token_urlsafe makes them) is not
+        # taken for a flag by argparse.
+        key_args = [f"{flag}={key}" for flag in flags]
     sys.argv = [module, *key_args, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -71,12 +71,18 @@ def test_key_shim_runs_the_module_with_the_key_and_redacts_it_from_logs(tmp_path
     """The shim SGLang and the sglang-router start through, with a stand-in for the router's
     module (whose name tether's rollout/sglang_router.py, beside the shim, must not shadow)."""
     (tmp_path / "sglang_router.py").write_text(
-        "import logging, os, sys\n"
+        "import argparse, logging, os, sys\n"
         "logging.basicConfig(level=logging.INFO, force=True)\n"
         "logging.getLogger('router').info('server_args=%s', sys.argv[1:])\n"
-        "print('argv', sys.argv[1:5], 'env', os.environ.get('TETHER_ENGINE_API_KEY'), flush=True)\n"
+        "parser = argparse.ArgumentParser()\n"
+        "for flag in ('--api-key', '--admin-api-key', '--port'):\n"
+        "    parser.add_argument(flag)\n"
+        "args = parser.parse_args()\n"
+        "print('parsed', [args.api_key, args.admin_api_key], 'env', os.environ.get('TETHER_ENGINE_API_KEY'), "
+        "flush=True)\n"
     )
-    key = "shim-key-" + "z" * 20
+    # A key may start with "-" (secrets.token_urlsafe): argparse must still take it as the value.
+    key = "-shim-key-" + "z" * 20
     env = {**os.environ, ENGINE_KEY_ENV: key, "PYTHONPATH": str(tmp_path)}
     shim = __import__("tether.rollout.engine_api.key_shim", fromlist=["x"]).__file__
     proc = subprocess.run(
@@ -87,7 +93,7 @@ def test_key_shim_runs_the_module_with_the_key_and_redacts_it_from_logs(tmp_path
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    assert f"argv ['--api-key', '{key}', '--admin-api-key', '{key}'] env None" in proc.stdout
+    assert f"parsed ['{key}', '{key}'] env None" in proc.stdout
     assert key not in proc.stderr and "<redacted>" in proc.stderr and "'--port', '1'" in proc.stderr
 
 
