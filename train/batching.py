@@ -251,29 +251,10 @@ def build_train_batch(
         dtype=np.uint8,
         count=int(resp.sum()),
     )
-    have_logps = [s.rollout_log_probs is not None for s in samples]
-    rollout_log_probs = None
-    if all(have_logps):
-        for s in samples:
-            assert s.rollout_log_probs is not None
-            if len(s.rollout_log_probs) != s.response_length:
-                raise SampleContractError(
-                    "rollout_log_probs",
-                    len(s.rollout_log_probs),
-                    f"entries for response_length={s.response_length}",
-                    sample_index=s.index,
-                )
-        rollout_log_probs = np.fromiter(
-            (lp for s in samples for lp in s.rollout_log_probs or ()), dtype=np.float32, count=int(resp.sum())
-        )
-    elif any(have_logps):
-        missing = [s.index for s, h in zip(samples, have_logps, strict=True) if not h]
-        raise SampleContractError(
-            "rollout_log_probs", None, f"missing on samples {missing[:8]} but set on others"
-        )
-
+    rollout_log_probs = _response_column(samples, "rollout_log_probs", int(resp.sum()))
     routed_experts = _routed_experts(samples, lengths)
-    teacher_log_probs = _teacher_log_probs(samples, int(resp.sum()))
+    # on-policy distillation's teacher log-probs, where the samples carry them
+    teacher_log_probs = _response_column(samples, "teacher_log_probs", int(resp.sum()))
     used = {s.rollout_id for s in samples if s.rollout_id is not None}
     fresh = 0
     rollout_ids = np.empty(n, dtype=np.int64)
@@ -308,29 +289,22 @@ def build_train_batch(
     return batch
 
 
-def _teacher_log_probs(samples: Sequence[Sample], total: int) -> np.ndarray | None:
-    """The samples' teacher log-probs (on-policy distillation) as one per-response-token column, or
-    None when no sample has them; every sample must have them, one per response token, if any does."""
-    have = [s.teacher_log_probs is not None for s in samples]
+def _response_column(samples: Sequence[Sample], field: str, total: int) -> np.ndarray | None:
+    """A per-response-token float field of the samples (rollout or teacher log-probs) as one column,
+    or None when no sample has it; if any sample has it, every one must, one per response token."""
+    values = [getattr(s, field) for s in samples]
+    have = [v is not None for v in values]
     if not any(have):
         return None
     if not all(have):
         missing = [s.index for s, h in zip(samples, have, strict=True) if not h]
-        raise SampleContractError(
-            "teacher_log_probs", None, f"missing on samples {missing[:8]} but set on others"
-        )
-    for s in samples:
-        assert s.teacher_log_probs is not None
-        if len(s.teacher_log_probs) != s.response_length:
+        raise SampleContractError(field, None, f"missing on samples {missing[:8]} but set on others")
+    for s, v in zip(samples, values, strict=True):
+        if len(v) != s.response_length:
             raise SampleContractError(
-                "teacher_log_probs",
-                len(s.teacher_log_probs),
-                f"entries for response_length={s.response_length}",
-                sample_index=s.index,
+                field, len(v), f"entries for response_length={s.response_length}", sample_index=s.index
             )
-    return np.fromiter(
-        (lp for s in samples for lp in s.teacher_log_probs or ()), dtype=np.float32, count=total
-    )
+    return np.fromiter((x for v in values for x in v), dtype=np.float32, count=total)
 
 
 def _routed_experts(samples: Sequence[Sample], lengths: np.ndarray) -> np.ndarray | None:
