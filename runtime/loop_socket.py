@@ -3,14 +3,17 @@
 `zmq.asyncio` makes a future, a poller registration and several callbacks for every receive
 and send; at RPC sizes that dominated the round trip. Here the loop watches the socket's
 ZMQ_FD and, when it fires, drains every waiting message with NOBLOCK and hands each to a
-plain callback. Sends go out at once with NOBLOCK. The sockets have bounded high-water marks
+plain callback. Sends go out at once with NOBLOCK (small frames copied: a zero-copy frame costs
+more to set up than copying a few hundred bytes). The sockets have bounded high-water marks
 (see `tether.runtime.rpc`): a send that finds the queue full either raises `zmq.Again` to the
 caller or, with `queue_sends`, waits in an outbox, in order, until ZeroMQ takes it. `pause()`
 stops reading (the sender's ZeroMQ queues then fill and push back), `resume()` reads again.
 
 ZMQ_FD is edge-triggered and any operation on the socket (a send included) may consume the
-edge that announced new input, so after each send the socket's ZMQ_EVENTS is checked and a
-drain is scheduled if input is waiting.
+edge that announced new input, so after a send outside a drain the socket's ZMQ_EVENTS is
+checked at once and a drain is scheduled if input is waiting. (Scheduling a drain after
+every send instead would share one check among the sends of a loop iteration, but costs a
+round trip one more pass of the event loop, with its poll syscall.)
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ _MORE = zmq.NOBLOCK | zmq.SNDMORE
 # Plain ints: `int & zmq.POLLIN` would build an enum member on every test.
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
+_EVENTS = zmq.EVENTS
+_NOBLOCK = int(zmq.NOBLOCK)
+# Frames up to this size are copied into ZeroMQ's message; larger ones go zero-copy.
+COPY_BELOW = 1 << 16
 
 
 class LoopSocket:
@@ -103,15 +110,15 @@ class LoopSocket:
                 if self._closed:
                     return
                 # ZMQ_EVENTS rather than a failing NOBLOCK recv: raising zmq.Again costs more.
-                events = cast(int, sock.getsockopt(zmq.EVENTS))
+                events = cast(int, sock.get(_EVENTS))
                 if self._outbox and events & _POLLOUT:
                     self._flush()
                 if self._paused or not events & _POLLIN:
                     return
-                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                frame = sock.recv(_NOBLOCK, copy=False)
                 msg = [frame]
                 while frame.more:  # the rest of a multipart message is already here
-                    frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    frame = sock.recv(_NOBLOCK, copy=False)
                     msg.append(frame)
                 del frame  # the handler owns the frames now: it may let them go elsewhere
                 try:
@@ -128,10 +135,11 @@ class LoopSocket:
     def _send_now(self, frames: Sequence[Any]) -> None:
         """Hand a multipart message to ZeroMQ; zmq.Again when its queue is full. The
         high-water mark is checked on the first frame only, so a message goes whole or not."""
-        sock = self.sock
+        send = self.sock.send
         last = len(frames) - 1
         for i, frame in enumerate(frames):
-            sock.send(frame, _MORE if i < last else zmq.NOBLOCK, copy=False)
+            small = type(frame) is bytes and len(frame) < COPY_BELOW
+            send(frame, _MORE if i < last else _NOBLOCK, copy=small)
 
     def _flush(self) -> None:
         outbox = self._outbox
@@ -162,8 +170,8 @@ class LoopSocket:
                     raise
                 outbox.append(frames)
         # A drain in progress looks at ZMQ_EVENTS again anyway.
-        if not self._draining:
-            events = cast(int, self.sock.getsockopt(zmq.EVENTS))
+        if not self._draining and not self._scheduled:
+            events = cast(int, self.sock.get(_EVENTS))
             if events & _POLLIN or (outbox and events & _POLLOUT):
                 self._schedule()
 

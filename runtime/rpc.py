@@ -51,7 +51,7 @@ import secrets
 import traceback
 import typing
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ from zmq.utils.monitor import parse_monitor_message
 from tether.runtime.errors import ActorDied, RemoteError, RpcOverloaded, RpcTimeout
 from tether.runtime.loop_socket import LoopSocket
 from tether.runtime.wire import (
+    COMPACT_SEAL_BYTES,
     SESSION_BYTES,
     Codec,
     Direction,
@@ -87,6 +88,9 @@ MAX_HALF_OPEN = 1_024  # sessions WELCOMEd but not yet used (a replayed HELLO on
 _MONITOR_QUEUE = 64
 _CALL = int(Direction.CALL)
 _REPLY = int(Direction.REPLY)
+_NO_FRAMES: tuple[Any, ...] = ()  # a message in the compact form has no array frames
+# The body of a call whose method takes no Struct-typed argument, decoded in one go.
+_PlainCall = tuple[list[Any], dict[str, Any]]
 
 
 def _configure(sock: zmq.Socket[Any], max_message_bytes: int, *, sndhwm: int, rcvhwm: int) -> None:
@@ -171,6 +175,7 @@ class _Method:
     inline: bool = False
     positional: list[Any] = field(default_factory=list)
     keyword: dict[str, Any] = field(default_factory=dict)
+    plain: bool = True  # no argument decodes as a Struct: the body decodes in one go
 
     @classmethod
     def inspect(cls, fn: Callable[..., Awaitable[Any]]) -> _Method:
@@ -186,6 +191,8 @@ class _Method:
                 method.positional.append(type_)
             if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
                 method.keyword[param.name] = type_
+            if type_ is not Any:
+                method.plain = False
         return method
 
 
@@ -330,6 +337,9 @@ class RpcServer:
         _log_drop(f"RPC server {self.name!r}", what, count, f"peer {identity.hex()}")
 
     def _receive(self, msg: list[zmq.Frame]) -> None:
+        if len(msg) == 2:  # identity and a message in the compact form
+            self._receive_compact(msg[0].bytes, msg[1].buffer)
+            return
         if len(msg) < 3:  # identity, envelope, seal at least
             self.dropped_malformed += 1
             return
@@ -361,6 +371,31 @@ class RpcServer:
         session = self._take(identity, header)
         if session is not None:
             self._handle(identity, session, env, frames, size)
+
+    def _receive_compact(self, identity: bytes, whole: memoryview) -> None:
+        """A message in the compact form: one frame, no arrays, never large."""
+        size = whole.nbytes
+        if size <= COMPACT_SEAL_BYTES:  # too short to hold a seal
+            self.dropped_malformed += 1
+            return
+        if size > self.max_message_bytes:
+            self._drop("oversized", identity)
+            return
+        try:
+            opened = self._codec.open_compact(whole)
+        except MalformedMessage:
+            self.dropped_malformed += 1
+            return
+        if opened is None:
+            self._drop("unauthenticated", identity)
+            return
+        env, header = opened
+        if env.kind == Kind.HELLO and header[0] == _CALL:
+            self._hello(identity, header[1], env)
+            return
+        session = self._take(identity, header)
+        if session is not None:
+            self._handle(identity, session, env, _NO_FRAMES, size)
 
     def _take(self, identity: bytes, header: SealHeader) -> _Session | None:
         """The session `header` continues on this connection, its sequence number taken; None
@@ -454,7 +489,7 @@ class RpcServer:
             log.exception("RPC server %r dropped a message it could not handle", self.name)
 
     def _handle(
-        self, identity: bytes, session: _Session, env: Envelope, frames: list[memoryview], size: int
+        self, identity: bytes, session: _Session, env: Envelope, frames: Sequence[Any], size: int
     ) -> None:
         assert self._tg is not None
         if env.kind == Kind.CALL:
@@ -527,9 +562,15 @@ class RpcServer:
         self._send_sealed(identity, session, out)
 
     def _decode_args(
-        self, method: _Method, env: Envelope, frames: list[memoryview]
+        self, method: _Method, env: Envelope, frames: Sequence[Any]
     ) -> tuple[list[Any], dict[str, Any]]:
         codec = self._codec
+        if method.plain:
+            try:
+                args, kwargs = codec.decode(env.body, frames, _PlainCall)
+            except msgspec.ValidationError as exc:
+                raise TypeError(f"{self.name}.{env.method}: malformed arguments: {exc}") from None
+            return args, kwargs
         body = codec.decode_call(env.body)
         args = []
         for i, raw in enumerate(body.args):
@@ -547,7 +588,7 @@ class RpcServer:
         return args, kwargs
 
     def _call_inline(
-        self, identity: bytes, session: _Session, env: Envelope, frames: list[memoryview], method: _Method
+        self, identity: bytes, session: _Session, env: Envelope, frames: Sequence[Any], method: _Method
     ) -> None:
         """Run a method that never suspends right here, without a task: one step of its
         coroutine runs it to the end (its `asyncio.current_task()` is None)."""
@@ -576,7 +617,7 @@ class RpcServer:
         session.call_bytes -= size
 
     async def _call(
-        self, identity: bytes, session: _Session, env: Envelope, frames: list[memoryview], method: _Method
+        self, identity: bytes, session: _Session, env: Envelope, frames: Sequence[Any], method: _Method
     ) -> None:
         key = (identity, env.id)
         self._unstarted.discard(key)
@@ -622,7 +663,7 @@ class ActorHandle:
         self._reader: LoopSocket | None = None
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[tuple[Envelope, list[memoryview]]]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[Envelope, Sequence[Any]]]] = {}
         self._dead: BaseException | None = None
         self._final = False
         self._exit_hint: asyncio.Future[BaseException] | None = None
@@ -681,7 +722,9 @@ class ActorHandle:
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
         if method.startswith("_"):
             raise AttributeError(method)
-        return functools.partial(self.call, method)
+        fn = functools.partial(self.call, method)
+        self.__dict__[method] = fn  # found directly next time, without this hook
+        return fn
 
     @property
     def alive(self) -> bool:
@@ -771,7 +814,7 @@ class ActorHandle:
         if self._reader is not None:
             self._reader.discard_queued()  # sealed for a session the server no longer has
 
-    def _opened(self, env: Envelope, frames: list[memoryview]) -> None:
+    def _opened(self, env: Envelope, frames: Sequence[Any]) -> None:
         """The server's answer to our HELLO."""
         assert self._hello_nonce is not None
         if env.kind == Kind.WELCOME and env.method == self.name:
@@ -809,6 +852,9 @@ class ActorHandle:
         return True
 
     def _on_message(self, msg: list[zmq.Frame]) -> None:
+        if len(msg) == 1:
+            self._on_compact(msg[0].buffer)
+            return
         codec = self._codec
         frames = [f.buffer for f in msg]
         size = sum(f.nbytes for f in frames)
@@ -839,6 +885,26 @@ class ActorHandle:
         elif self._take(header):
             self._deliver(env, frames)
 
+    def _on_compact(self, whole: memoryview) -> None:
+        """A message in the compact form: one frame, no arrays, never large."""
+        size = whole.nbytes
+        if size <= COMPACT_SEAL_BYTES or size > self.max_message_bytes:
+            self.dropped_malformed += 1
+            return
+        try:
+            opened = self._codec.open_compact(whole)
+        except MalformedMessage:
+            self.dropped_malformed += 1
+            return
+        if opened is None:
+            self._drop("unauthenticated")
+            return
+        env, header = opened
+        if self._hello_nonce is not None and header[1] == self._hello_nonce and header[0] == _REPLY:
+            self._opened(env, _NO_FRAMES)
+        elif self._take(header):
+            self._deliver(env, _NO_FRAMES)
+
     async def _check_large(self, frames: list[memoryview]) -> None:
         try:
             ok = await asyncio.to_thread(self._codec.verify, frames, True)
@@ -856,7 +922,7 @@ class ActorHandle:
             return
         self._deliver(env, frames)
 
-    def _deliver(self, env: Envelope, frames: list[memoryview]) -> None:
+    def _deliver(self, env: Envelope, frames: Sequence[Any]) -> None:
         fut = self._pending.pop(env.id, None)
         if fut is not None and not fut.done():
             fut.set_result((env, frames))
@@ -897,16 +963,21 @@ class ActorHandle:
         finally:
             self._flush_order()
 
-    async def _exchange(
+    def _start(
         self, kind: Kind, call_id: int, method: str, body: Any, fut: asyncio.Future[Any]
-    ) -> tuple[Envelope, list[memoryview]]:
-        if self._session is None:
-            await self._wait_session()
+    ) -> _Outbound | None:
+        """Encode a request of the open session and send it, or return its place in line."""
         out = self._codec.prepare(kind, call_id, method, body)
         self._pending[call_id] = fut  # from here on, a CANCEL follows an abandoned call
-        entry = self._submit(out)
+        return self._submit(out)
+
+    async def _exchange(
+        self, kind: Kind, call_id: int, method: str, body: Any, fut: asyncio.Future[Any]
+    ) -> tuple[Envelope, Sequence[Any]]:
+        if self._session is None:
+            await self._wait_session()
+        entry = self._start(kind, call_id, method, body, fut)
         if entry is not None:
-            del out
             await self._send_in_order(entry)
         return await fut  # type: ignore[no-any-return]
 
@@ -916,14 +987,20 @@ class ActorHandle:
         method: str,
         body: Any,
         timeout: float | None,  # noqa: ASYNC109  # the API takes per-call timeouts
-    ) -> tuple[Envelope, list[memoryview]]:
+    ) -> tuple[Envelope, Sequence[Any]]:
         if self._dead is not None:
             raise self._dead
         call_id = next(self._ids)
-        fut: asyncio.Future[tuple[Envelope, list[memoryview]]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[Envelope, Sequence[Any]]] = asyncio.get_running_loop().create_future()
         try:
             if timeout is None:
-                return await self._exchange(kind, call_id, method, body, fut)
+                if self._session is None:
+                    return await self._exchange(kind, call_id, method, body, fut)
+                # `_exchange` inline: one coroutine fewer on the path of every call.
+                entry = self._start(kind, call_id, method, body, fut)
+                if entry is not None:
+                    await self._send_in_order(entry)
+                return await fut
             scope = asyncio.timeout(timeout)
             try:
                 async with scope:

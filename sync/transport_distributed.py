@@ -31,7 +31,8 @@ from tether.runtime.weight_group import (
     host_store,
     init_weight_group,
 )
-from tether.sync.buckets import buckets, dtype_name, nbytes, with_last
+from tether.sync.bucket_fill import Bucket, BucketFiller
+from tether.sync.buckets import dtype_name
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import (
     EngineEndpoint,
@@ -221,63 +222,61 @@ class DistributedTransport:
         for work in works:
             work.wait()
 
-    def _pack(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """Bucket `index`'s bytes in one of two kept buffers: one is broadcast while the next
-        bucket is packed into the other, and fresh pages every sync would cost as much as the copy."""
-        slot = index % 2
-        kept = self._flat[slot]
-        flat = flatten_bucket(bucket, kept)
-        if kept is None or flat.numel() > kept.numel():
-            self._flat[slot] = flat
-        return flat
+    def _filled(self, filler: BucketFiller) -> Bucket | None:
+        """The filler's next bucket, in a worker thread; on a GPU sender with this process's
+        device current, as on the event loop's thread (the export allocates on it)."""
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                return filler.next()
+        return filler.next()
 
     async def _send(self, version: int | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Every bucket to every engine; the last one carries `version` (None: none does).
 
-        Buckets are pipelined: bucket k's request goes out as soon as bucket k-1's bytes have
-        left, not when its answer comes back. That order is safe: a broadcast completes only
-        after every engine posted its receives, i.e. is inside bucket k-1's request, so bucket k's
-        request queues behind it (the engines serialise updates: SGLang under its pause
-        condition or update lock, tether's engine under its update lock). Every request that
-        went out gets its answer before this returns, so no engine is left inside a bucket when
-        the caller closes the session; the first refusal is raised then.
+        The export runs in a worker thread, one bucket ahead: bucket k+1 is exported and filled
+        (tether.sync.bucket_fill) while bucket k is on the wire. Buckets are pipelined too:
+        bucket k's request goes out as soon as bucket k-1's bytes have left, not when its answer
+        comes back. That order is safe: a broadcast completes only after every engine posted its
+        receives, i.e. is inside bucket k-1's request, so bucket k's request queues behind it
+        (the engines serialise updates: SGLang under its pause condition or update lock,
+        tether's engine under its update lock). Every request that went out gets its answer
+        before this returns, so no engine is left inside a bucket when the caller closes the
+        session; the first refusal is raised then. The export never runs on after this returns
+        (a caller drains the rest of the stream itself).
         """
         assert self.group is not None
         group = self.group
         timeout = self.cfg.update_weight_request_timeout
         flattened = self.cfg.update_weight_flattened_bucket
+        filler = BucketFiller(
+            tensors,
+            self.cfg.update_weight_buffer_size,
+            self.device,
+            flattened=flattened,
+            buffers=self._flat,
+        )
         moved = 0
-        prepared = ((n, t.detach().to(self.device).contiguous()) for n, t in tensors)
-        size = self.cfg.update_weight_buffer_size
-        pending = enumerate(with_last(buckets(prepared, size, aligned=flattened)))
 
-        def pack_next() -> (
-            tuple[int, list[tuple[str, torch.Tensor]], bool, asyncio.Future[torch.Tensor] | None] | None
-        ):
-            got = next(pending, None)
-            if got is None:
-                return None
-            index, (bucket, last) = got
-            packing = (
-                asyncio.ensure_future(asyncio.to_thread(self._pack, index, bucket)) if flattened else None
-            )
-            return index, bucket, last, packing
+        def fill() -> asyncio.Future[Bucket | None]:
+            return asyncio.ensure_future(asyncio.to_thread(self._filled, filler))
 
         posts: list[asyncio.Task[list[object]]] = []
-        upcoming = pack_next()
+        upcoming: asyncio.Future[Bucket | None] | None = fill()
         try:
             while upcoming is not None:
-                _, bucket, last, packing = upcoming
-                flat = await packing if packing is not None else None
-                upcoming = pack_next()  # packed while this bucket is on the wire
+                # Shielded: a cancelled sync still waits for the thread in `finally`.
+                bucket = await asyncio.shield(upcoming)
+                upcoming = None
+                if bucket is None:
+                    break
                 body: dict[str, object] = {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [dtype_name(t) for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
+                    "names": [n for n, _ in bucket.tensors],
+                    "dtypes": [dtype_name(t) for _, t in bucket.tensors],
+                    "shapes": [list(t.shape) for _, t in bucket.tensors],
                     "group_name": group.group_name,
-                    "flush_cache": last,
+                    "flush_cache": bucket.last,
                 }
-                if last and version is not None:
+                if bucket.last and version is not None:
                     body["weight_version"] = str(version)
                 if flattened:
                     body["load_format"] = "flattened_bucket"
@@ -286,12 +285,18 @@ class DistributedTransport:
                     return await call(e, "/update_weights_from_distributed", b, timeout)
 
                 posts.append(asyncio.create_task(on_all(self.engines, post)))
-                sending = asyncio.ensure_future(asyncio.to_thread(self._broadcast_bucket, bucket, flat))
+                sending = asyncio.ensure_future(
+                    asyncio.to_thread(self._broadcast_bucket, bucket.tensors, bucket.flat)
+                )
                 # Left behind when an engine refuses first, its thread may still fail later (the
                 # group is rebuilt then): its outcome is read here, not reported as lost.
                 sending.add_done_callback(lambda f: f.cancelled() or f.exception())
+                if not bucket.last:
+                    # Exported and filled while this bucket is on the wire: the buffer it fills
+                    # was last read by bucket k-1's broadcast, which has completed.
+                    upcoming = fill()
                 await _sent_unless_refused(sending, posts, timeout)
-                moved += sum(nbytes(t) for _, t in bucket)
+                moved += bucket.nbytes
             await asyncio.gather(*posts)
         except Exception:
             # The engines finish (or refuse) what they were sent before the session closes.
@@ -303,9 +308,10 @@ class DistributedTransport:
             for p in posts:
                 p.cancel()  # only those still open: after a cancellation or the wait above
             await asyncio.gather(*posts, return_exceptions=True)
-            if upcoming is not None and upcoming[3] is not None:
-                # A packing thread cannot be cancelled; let it finish before its buffer is reused.
-                await asyncio.gather(upcoming[3], return_exceptions=True)
+            if upcoming is not None:
+                # A filling thread cannot be cancelled: it must stop advancing the export (the
+                # caller drains it next) and stop writing its buffer before either is reused.
+                await asyncio.gather(upcoming, return_exceptions=True)
         return moved
 
     async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -170,3 +171,57 @@ def quiet_megatron_imports() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_IMPORT_WARNINGS, category=UserWarning)
         yield
+
+
+# Imported by Megatron's own modules (timers' log writers, the inference engine's context) and never
+# used by a tether rank, which logs from the head: ~0.8 s of every rank's start-up.
+_UNUSED_AT_IMPORT = ("wandb", "torch.utils.tensorboard")
+
+
+def deferred_compile(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compile` that imports TorchDynamo/Inductor at a compiled function's first call.
+
+    `torch.compile(fn)` already compiles lazily, at the first call; only its imports of Dynamo and
+    Inductor (~1.5 s) happen at once. Megatron decorates its fusion kernels with it while being
+    imported (megatron.core.jit.jit_fuser), and tether's CPU ranks call none of them (the fusions
+    are off, tether.train.bridge). Same result at the call, with the same options.
+    """
+
+    def compile_later(model: Callable[..., Any] | None = None, **options: Any) -> Any:
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: compile_later(fn, **options)
+        compiled: Callable[..., Any] | None = None
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(model, **options)
+            return compiled(*args, **kwargs)
+
+        return _marked(call)
+
+    return compile_later
+
+
+@contextlib.contextmanager
+def lean_megatron_imports() -> Iterator[None]:
+    """Import Megatron's modules without what their import pulls in that a rank does not use:
+    `torch.compile` defers Dynamo/Inductor to a first call (`deferred_compile`), and wandb and
+    TensorBoard look absent to the modules imported here (Megatron then keeps None for them, as
+    when they are not installed). Both last only as long as the block: a user's later
+    `import wandb` or `torch.compile` is the real one. Quiet as `quiet_megatron_imports`.
+    """
+    hidden = [name for name in _UNUSED_AT_IMPORT if name not in sys.modules]
+    real_compile = torch.compile
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
+    torch.compile = deferred_compile(real_compile)  # type: ignore[assignment]
+    try:
+        with quiet_megatron_imports():
+            yield
+    finally:
+        torch.compile = real_compile  # type: ignore[assignment]
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]

@@ -11,7 +11,16 @@ so the only difference is the loop. Per mode, over the steady part of the run (f
   version_lag_mean        mean over trained samples of (trained version - oldest generating version)
   sync_time_mean_s        mean weight-sync seconds per step
 
-plus each figure's ratio against the sync loop measured in the same invocation.
+and each step's split: `rollout_wait_mean_s` (the loop waiting for its rollout), `train_time_mean_s`,
+`sync_time_mean_s` and `other_time_mean_s` (the rest of the step: hand-over, records, evaluation;
+`overlap_time_mean_s` where the async loops ran phases at once, so they sum to more than the step);
+`step_time_median_s` (the loop's own per-step seconds) and `first_step_s`, seconds from launching
+`tether run` to its first step (the "ready" event: imports, engines, trainer ranks, models built).
+
+Beside them, the same-run baselines: each figure's ratio against the sync loop measured in the
+same invocation, and the demo's GRPO step in one plain-torch process on the same model, prompts,
+seed and recipe (`tether.bench.single_process_grpo`), with the targets (issue #21): first step in
+under FIRST_STEP_TARGET_S, and the sync loop's median step no slower than the single process's.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +44,8 @@ from tether.runtime.atomic_file import write_bytes_atomic
 
 MODES = ("sync", "async", "fully-async")
 RATIO_KEYS = ("samples_per_s", "trainer_busy_fraction", "engine_busy_fraction", "sync_time_mean_s")
+FIRST_STEP_TARGET_S = 4.0  # from launching `tether run` to its first step, the demo's model
+STEP_VS_SINGLE_PROCESS_TARGET = 1.0  # the sync loop's median step over the single process's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-timeout", type=float, default=900.0, help="Seconds one mode's run may take before it fails."
     )
+    parser.add_argument(
+        "--baseline-threads",
+        type=int,
+        default=1,
+        help="torch threads of the single-process baseline (1: as the issue's TRL comparison; on "
+        "2 shared cores 2 threads measured ~10x slower per step under load).",
+    )
 
 
 def _positive(args: argparse.Namespace) -> None:
-    for name in ("steps", "prompts", "samples"):
+    for name in ("steps", "prompts", "samples", "baseline_threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
 
@@ -119,14 +139,24 @@ def run_argv(args: argparse.Namespace, mode: str, out: Path, model: Path) -> lis
     ]
 
 
-def run_mode(args: argparse.Namespace, mode: str, out: Path, model: Path) -> Path:
-    """One `tether run` as its own process; returns its run directory."""
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished children and theirs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_mode(args: argparse.Namespace, mode: str, out: Path, model: Path) -> tuple[Path, float, float]:
+    """One `tether run` as its own process; returns its run directory, the launch time and the CPU
+    seconds of all its processes (engines, trainer ranks, head: a figure the machine's other load
+    changes far less than wall time)."""
     argv = run_argv(args, mode, out, model)
     run_dir = out / mode / "run"
     log_path = out / mode / "tether-run.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
+        launched = time.time()  # the run's event times are wall-clock too
+        cpu = _children_cpu_s()
         try:
             done = subprocess.run(
                 [sys.executable, "-m", "tether", "run", *argv],
@@ -140,7 +170,41 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path, model: Path) -> Pat
     if done.returncode != 0:
         tail = log_path.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"{mode}: tether run exited {done.returncode} (log {log_path}):\n{tail}")
-    return run_dir
+    return run_dir, launched, _children_cpu_s() - cpu
+
+
+def run_baseline(args: argparse.Namespace, out: Path, model: Path, prompts: Path) -> dict[str, Any]:
+    """The single-process GRPO loop as its own process (its start-up counted like a run's)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "tether.bench.single_process_grpo",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(args.seed),
+        "--prompts-per-step",
+        str(args.prompts),
+        "--samples",
+        str(args.samples),
+    ]
+    threads = str(args.baseline_threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    cpu = _children_cpu_s()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.run_timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"single-process baseline took over --run-timeout={args.run_timeout}s") from exc
+    (out / "single_process.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"single-process baseline exited {done.returncode}:\n{done.stderr[-4000:]}")
+    figures: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    figures["cpu_s"] = round(_children_cpu_s() - cpu, 2)
+    return figures
 
 
 def _event(events: list[dict[str, Any]], kind: str, run_dir: Path) -> dict[str, Any]:
@@ -150,8 +214,10 @@ def _event(events: list[dict[str, Any]], kind: str, run_dir: Path) -> dict[str, 
     return found[-1]
 
 
-def summarise(run_dir: Path) -> dict[str, Any]:
-    """The figures of one finished run, from its events, metrics and receipt."""
+def summarise(run_dir: Path, launched: float | None = None, cpu_s: float | None = None) -> dict[str, Any]:
+    """The figures of one finished run, from its events, metrics and receipt; `launched`: when its
+    `tether run` started (wall clock), for the time to its first step; `cpu_s`: its processes' CPU
+    seconds, start to end."""
     events = read_jsonl(run_dir / "events.jsonl")
     start, ready = _event(events, "start", run_dir), _event(events, "ready", run_dir)
     done, finished = _event(events, "loop_done", run_dir), _event(events, "finished", run_dir)
@@ -168,6 +234,8 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     lags = [float(m.get("rollout/version_lag_mean", 0.0)) for m in steps]
     syncs = [float(m["sync/time_s"]) for m in steps if "sync/time_s" in m]
     trains = [float(m.get("train/time_s", 0.0)) for m in steps]
+    waits = [float(m.get("rollout/wait_s", 0.0)) for m in steps]
+    step_seconds = [float(m["perf/step_s"]) for m in steps if "perf/step_s" in m]
     busy = float(done["engine_busy_s_total"]) - float(ready["engine_busy_s_total"])
 
     def weighted_lag(pairs: list[tuple[float, float]]) -> float:
@@ -175,11 +243,17 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         return sum(s * lag for s, lag in pairs) / n if n else 0.0
 
     pairs = list(zip(samples, lags, strict=True))
+    step_mean = wall / len(steps)
+    rollout_wait, train_mean = sum(waits) / len(steps), sum(trains) / len(trains)
+    sync_mean = sum(syncs) / len(syncs) if syncs else 0.0
+    first = float(ready["time"]) - launched if launched is not None else None
     return {
         "steps": len(steps),
         "samples": total,
         "engines": engines,
         "startup_s": round(float(ready["time"]) - float(start["time"]), 3),
+        "first_step_s": None if first is None else round(first, 3),
+        "cpu_s": None if cpu_s is None else round(cpu_s, 2),
         "wall_s": round(wall, 3),
         "shutdown_s": round(float(finished["time"]) - float(done["time"]), 3),
         "samples_per_s": round(total / wall, 3),
@@ -188,9 +262,15 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "version_lag_mean": round(weighted_lag(pairs), 4),
         "version_lag_mean_after_first_step": round(weighted_lag(pairs[1:]), 4),
         "version_lag_max": max(float(m.get("rollout/version_lag_max", 0.0)) for m in steps),
-        "sync_time_mean_s": round(sum(syncs) / len(syncs), 4) if syncs else 0.0,
-        "train_time_mean_s": round(sum(trains) / len(trains), 4),
-        "step_time_mean_s": round(wall / len(steps), 4),
+        "sync_time_mean_s": round(sync_mean, 4),
+        "train_time_mean_s": round(train_mean, 4),
+        "rollout_wait_mean_s": round(rollout_wait, 4),
+        # The async loops run phases at once (the next rollout while a step trains): what the
+        # phases sum to beyond the step is their overlap, not negative bookkeeping time.
+        "other_time_mean_s": round(max(0.0, step_mean - rollout_wait - train_mean - sync_mean), 4),
+        "overlap_time_mean_s": round(max(0.0, rollout_wait + train_mean + sync_mean - step_mean), 4),
+        "step_time_mean_s": round(step_mean, 4),
+        "step_time_median_s": round(statistics.median(step_seconds), 4) if step_seconds else None,
         "run_dir": str(run_dir),
     }
 
@@ -205,6 +285,28 @@ def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None
     }
 
 
+def targets(sync: dict[str, Any], baseline: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue #21's two targets for the sync loop (the demo's), each beside its same-run baseline."""
+    first = sync.get("first_step_s")
+    step, single = sync.get("step_time_median_s"), baseline["step_time_median_s"]
+    ratio = round(step / single, 3) if step is not None and single else None
+    return {
+        "first_step_s": {
+            "value": first,
+            "single_process": baseline["first_step_s"],
+            "target": FIRST_STEP_TARGET_S,
+            "met": first is not None and first < FIRST_STEP_TARGET_S,
+        },
+        "step_median_vs_single_process": {
+            "value": ratio,
+            "tether_s": step,
+            "single_process_s": single,
+            "target": STEP_VS_SINGLE_PROCESS_TARGET,
+            "met": ratio is not None and ratio <= STEP_VS_SINGLE_PROCESS_TARGET,
+        },
+    }
+
+
 def _load() -> str:
     one, five, _ = os.getloadavg()
     return f"load {one:.1f}/{five:.1f} on {os.cpu_count()} cores"
@@ -213,7 +315,7 @@ def _load() -> str:
 def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     _positive(args)
     started = time.monotonic()
-    model, _ = prepare(out, args.seed)
+    model, prompts = prepare(out, args.seed)
     modes: dict[str, dict[str, Any]] = {}
     for mode in MODES:  # one after another: they share the cores
         print(
@@ -221,12 +323,14 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
-        modes[mode] = summarise(run_mode(args, mode, out, model))
+        modes[mode] = summarise(*run_mode(args, mode, out, model))
         print(
             f"[bench e2e] {mode}: {modes[mode]['samples_per_s']} samples/s over {modes[mode]['wall_s']}s",
             file=sys.stderr,
             flush=True,
         )
+    print(f"[bench e2e] single-process baseline: {args.steps} steps ...", file=sys.stderr, flush=True)
+    baseline = run_baseline(args, out, model, prompts)
     return {
         "benchmark": "e2e",
         "setup": {
@@ -240,9 +344,13 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "trainer": "Megatron-core DP=2 on CPU",
             "engines": "1 CPU engine",
             "machine": _load(),
+            "baseline": f"one process, plain torch, {args.baseline_threads} thread(s): "
+            "tether.bench.single_process_grpo",
         },
         "modes": modes,
         "ratio_vs_sync": ratios(modes),
+        "single_process": baseline,
+        "targets": targets(modes["sync"], baseline),
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -253,10 +361,16 @@ ROWS = (
     ("engine_busy_fraction", "engine busy fraction"),
     ("version_lag_mean", "mean version lag"),
     ("sync_time_mean_s", "mean sync s"),
+    ("rollout_wait_mean_s", "mean rollout wait s"),
     ("train_time_mean_s", "mean train s"),
+    ("other_time_mean_s", "mean other s"),
+    ("overlap_time_mean_s", "mean phase overlap s"),
     ("step_time_mean_s", "mean step s"),
+    ("step_time_median_s", "median step s"),
     ("wall_s", "steady wall s"),
     ("startup_s", "start-up s"),
+    ("first_step_s", "launch to first step s"),
+    ("cpu_s", "CPU s, whole run"),
 )
 
 RATIO_ROWS = tuple((key, f"{label} / sync") for key, label in ROWS if key in RATIO_KEYS)
@@ -273,14 +387,26 @@ def table(result: dict[str, Any]) -> str:
         "".ljust(width) + "".join(n.rjust(14) for n in names),
     ]
     for key, label in ROWS:
-        lines.append(label.ljust(width) + "".join(f"{modes[n][key]:>14.4g}" for n in names))
+        lines.append(label.ljust(width) + "".join(_cell(modes[n][key]) for n in names))
     for key, label in RATIO_ROWS:
-        cells = ["1".rjust(14)] + [
-            f"{'n/a' if v is None else format(v, '.3g')}".rjust(14)
-            for v in (result["ratio_vs_sync"][n][key] for n in names[1:])
-        ]
+        cells = ["1".rjust(14)] + [_cell(result["ratio_vs_sync"][n][key]) for n in names[1:]]
         lines.append(label.ljust(width) + "".join(cells))
+    single, goals = result["single_process"], result["targets"]
+    first, step = goals["first_step_s"], goals["step_median_vs_single_process"]
+    lines += [
+        f"single process ({result['setup']['baseline']}): median step {single['step_time_median_s']} s "
+        f"(rollout {single['rollout_time_mean_s']} s + train {single['train_time_mean_s']} s), "
+        f"launch to first step {single['first_step_s']} s, CPU {single['cpu_s']} s",
+        f"target: sync loop launch to first step {first['value']} s < {first['target']} s: "
+        f"{'met' if first['met'] else 'NOT met'}",
+        f"target: sync loop median step / single process {step['value']} <= {step['target']}: "
+        f"{'met' if step['met'] else 'NOT met'}",
+    ]
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return ("n/a" if value is None else format(value, ".4g")).rjust(14)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,15 +1,27 @@
-"""Batches of Samples as one msgpack header plus columnar numpy frames.
+"""Batches of Samples on the wire, two ways.
 
-Per-token data — the bulk of a batch — travels as a handful of flat arrays (tokens int32
-concatenated with int64 offsets, masks uint8, log-probs float32) that ZeroMQ sends as raw
-frames without copying; everything else rides in a msgpack header, itself a uint8 frame. Log-probs travel as
-float32, the precision engines produce them in.
+Columnar (`encode_batch` / `decode_batch`): per-token data — the bulk of a batch — travels as
+a handful of flat arrays (tokens int32 concatenated with int64 offsets, masks uint8, log-probs
+float32) that ZeroMQ sends as raw frames without copying; everything else rides in a msgpack
+header, itself a uint8 frame. Log-probs travel as float32, the precision engines produce them
+in. For receivers that want arrays (a trainer); building the arrays from Samples' Python lists
+is the cost of this form.
+
+Whole Samples (`pack_samples` / `SampleBatch`): the Samples as msgpack (the form the debug
+dumps keep), in one uint8 frame, so bulk is sealed by its xxh3 digest rather than the
+envelope's MAC. msgspec writes Python lists at C speed, so packing costs a fraction of
+building arrays; the receiver decodes each Sample's scalar fields at once and leaves the
+per-token lists (`LAZY_FIELDS`) as msgpack until that Sample is asked for, when it gets a
+plain `Sample` with plain lists, as slime hooks expect. A receiver that reads only rewards,
+statuses and lengths never pays for rebuilding lists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import operator
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import msgspec
 import numpy as np
@@ -195,3 +207,120 @@ def decode_batch(frames: Sequence[Any]) -> list[Sample]:
             )
         )
     return samples
+
+
+# -- whole Samples ---------------------------------------------------------------------------
+WHOLE_VERSION = 1
+LAZY_FIELDS = ("tokens", "loss_mask", "rollout_log_probs", "teacher_log_probs", "rollout_routed_experts")
+"""The per-token fields of a Sample, left as msgpack in a received batch until asked for."""
+_FIELDS = msgspec.structs.fields(Sample)
+_SCALAR_FIELDS = tuple(f.name for f in _FIELDS if f.name not in LAZY_FIELDS)
+_scalars_of = operator.itemgetter(*(i for i, f in enumerate(_FIELDS) if f.name not in LAZY_FIELDS))
+_lazy_of = operator.itemgetter(*([f.name for f in _FIELDS].index(name) for name in LAZY_FIELDS))
+_LAZY_TYPES = {f.name: f.type for f in _FIELDS if f.name in LAZY_FIELDS}
+_lazy_decoder = msgspec.msgpack.Decoder(tuple[tuple(_LAZY_TYPES[name] for name in LAZY_FIELDS)])  # type: ignore[misc]
+_AT_INDEX = re.compile(r"\$\[(\d+)\]")
+
+
+def _head_type() -> Any:
+    """`Sample`'s scalar fields in order (built from `Sample`, so a field added there travels
+    without a change here), then `per_token`: the msgpack encoding of the per-token fields
+    (`LAZY_FIELDS`, in that order). Each Sample goes as an array of them, `per_token` as a
+    msgpack bin, which a reader skips in one step where a list must be walked value by value."""
+    fields = [(f.name, f.type) for f in _FIELDS if f.name not in LAZY_FIELDS]
+    return msgspec.defstruct(
+        "SampleHead", [*fields, ("per_token", memoryview)], array_like=True, module=__name__
+    )
+
+
+def _per_token_size(sample: Sample) -> int:
+    """Room for the msgpack of `sample`'s per-token fields (an int token takes at most 5 bytes
+    below 2**32, a float 9); a Sample outside these bounds only costs the buffer a regrowth."""
+    floats = len(sample.rollout_log_probs or ()) + len(sample.teacher_log_probs or ())
+    routed = sample.rollout_routed_experts
+    return (
+        64
+        + 5 * len(sample.tokens)
+        + 2 * len(sample.loss_mask or ())
+        + 9 * floats
+        + (len(routed.data) if routed else 0)
+    )
+
+
+SampleHead = _head_type()
+"""A received Sample's scalar fields under `Sample`'s names; its per-token fields still msgpack."""
+_whole_decoder = msgspec.msgpack.Decoder(tuple[int, list[SampleHead]])  # type: ignore[valid-type]
+
+
+def pack_samples(samples: Sequence[Sample]) -> np.ndarray:
+    """Whole Samples as one uint8 frame (msgpack), for `SampleBatch` on the other side."""
+    encode_into = _encoder.encode_into
+    rows = []
+    for sample in samples:
+        values = msgspec.structs.astuple(sample)
+        # Into a buffer sized for it up front: the encoder's own buffer would grow from empty.
+        per_token = bytearray(_per_token_size(sample))
+        encode_into(_lazy_of(values), per_token)
+        rows.append((*_scalars_of(values), per_token))
+    return np.frombuffer(_encoder.encode((WHOLE_VERSION, rows)), dtype=np.uint8)
+
+
+class SampleBatch(Sequence[Sample]):
+    """The Samples of a frame made by `pack_samples`, each built on first access.
+
+    `heads[i]` holds Sample i's scalar fields (index, reward, status, response_length, ...)
+    decoded; `batch[i]` is the full `Sample`, its per-token lists decoded then and kept.
+    Raises SampleCodecError for a frame that is not such a batch, or a Sample whose
+    per-token fields do not decode (naming the field and the sample). The heads hold views of
+    `frame`, which stays alive as long as they do.
+    """
+
+    __slots__ = ("_samples", "heads")
+
+    def __init__(self, frame: Any) -> None:
+        try:
+            version, heads = _whole_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise SampleCodecError(f"frame is not a whole-Sample batch: {exc}") from exc
+        if version != WHOLE_VERSION:
+            raise SampleCodecError(
+                f"whole-Sample batch version={version} is not supported (expected {WHOLE_VERSION})"
+            )
+        self.heads: list[Any] = heads
+        self._samples: list[Sample | None] = [None] * len(heads)
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    @overload
+    def __getitem__(self, i: int) -> Sample: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Sample]: ...
+    def __getitem__(self, i: int | slice) -> Sample | list[Sample]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.heads)))]
+        sample = self._samples[i]
+        if sample is None:
+            sample = self._samples[i] = _materialize(self.heads[i], i)
+        return sample
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self.heads)):
+            yield self[i]
+
+
+def _materialize(head: Any, position: int) -> Sample:
+    values = msgspec.structs.astuple(head)
+    try:
+        lazy = _lazy_decoder.decode(values[-1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        at = _AT_INDEX.search(str(exc))
+        what = (
+            f"field {LAZY_FIELDS[int(at.group(1))]!r}"
+            if at and int(at.group(1)) < len(LAZY_FIELDS)
+            else "per-token fields"
+        )
+        raise SampleCodecError(f"sample {position} (index {head.index}): {what}: {exc}") from exc
+    return Sample(
+        **dict(zip(_SCALAR_FIELDS, values, strict=False)), **dict(zip(LAZY_FIELDS, lazy, strict=True))
+    )

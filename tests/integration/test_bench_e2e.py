@@ -32,6 +32,24 @@ def test_bench_e2e_json_all_three_loops(tmp_path: Path) -> None:
         assert set(ratio) == set(RATIO_KEYS)
         assert all(v is not None and v > 0 for v in ratio.values()), (mode, ratio)
     modes = result["modes"]
+    for mode, figures in modes.items():  # the step's split and the time to the first step
+        assert 0 < figures["first_step_s"] and figures["startup_s"] < figures["first_step_s"], mode
+        assert figures["cpu_s"] > 0 and figures["step_time_median_s"] > 0, mode
+        assert figures["rollout_wait_mean_s"] >= 0 and figures["train_time_mean_s"] > 0, mode
+    # the sync loop's phases run one after the other: together they are (nearly) the whole step
+    sync = modes["sync"]
+    split = sync["rollout_wait_mean_s"] + sync["train_time_mean_s"] + sync["sync_time_mean_s"]
+    rest = sync["other_time_mean_s"] - sync["overlap_time_mean_s"]
+    assert abs(sync["step_time_mean_s"] - split - rest) < 1e-3
+    assert sync["other_time_mean_s"] < 0.5 * sync["step_time_mean_s"]
+    single = result["single_process"]  # the same-run baseline: one process, same model and recipe
+    assert single["steps"] == steps and single["threads"] == 1 and single["cpu_s"] > 0
+    assert single["step_time_median_s"] > 0 and single["first_step_s"] > 0
+    goals = result["targets"]
+    assert goals["step_median_vs_single_process"]["value"] == round(
+        sync["step_time_median_s"] / single["step_time_median_s"], 3
+    )
+    assert goals["first_step_s"]["value"] == sync["first_step_s"]
     assert modes["sync"]["version_lag_mean"] == 0.0 and modes["sync"]["version_lag_max"] == 0.0
     # async: rollout N+1 is made on the weights before step N's sync, so every later step lags one version
     assert modes["async"]["version_lag_mean_after_first_step"] == 1.0

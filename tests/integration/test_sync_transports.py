@@ -340,10 +340,11 @@ def test_flattened_bucket_is_one_broadcast_of_the_tensors_bytes(tmp_path: Path) 
     from datetime import timedelta
 
     from tether.runtime.weight_group import destroy_weight_group, init_weight_group
+    from tether.sync.bucket_fill import BucketFiller
 
     bucket = [
-        ("a.weight", torch.randn(3, 5).to(torch.bfloat16)),
         ("b.bias", torch.arange(7, dtype=torch.float32)),
+        ("a.weight", torch.randn(5, 3).to(torch.bfloat16).t()),  # not contiguous: copied by strides
         ("c.mask", torch.tensor([True, False, True])),
     ]
     nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
@@ -353,7 +354,10 @@ def test_flattened_bucket_is_one_broadcast_of_the_tensors_bytes(tmp_path: Path) 
         cfg = WeightSyncConfig(update_weight_flattened_bucket=True)
         transport = DistributedTransport([], cfg, master_port=0)
         transport.group = init_weight_group(method, 0, 2, name, "gloo", timedelta(seconds=60))
-        transport._broadcast_bucket(bucket, transport._pack(0, bucket))
+        filled = BucketFiller(bucket, 1024, torch.device("cpu"), flattened=True, buffers=[None, None]).next()
+        assert filled is not None and filled.last and filled.flat is not None
+        assert [n for n, _ in filled.tensors] == [n for n, _ in bucket]
+        transport._broadcast_bucket(filled.tensors, filled.flat)
         assert proc.wait(timeout=60) == 0
         destroy_weight_group(transport.group)
     finally:

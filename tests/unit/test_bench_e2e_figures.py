@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.bench.e2e import RATIO_KEYS, ratios, summarise
+from tether.bench.e2e import RATIO_KEYS, ratios, summarise, table, targets
 
 
 def _write_run(run: Path, *, lag: float) -> None:
@@ -59,3 +59,79 @@ def test_summarise_names_a_missing_event(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="loop_done"):
         summarise(tmp_path / "run")
+
+
+def test_summarise_splits_the_step_and_times_the_first_one(tmp_path: Path) -> None:
+    _write_run(tmp_path / "run", lag=0.0)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for record, step_s in zip(records[1:], (3.0, 5.0, 4.0), strict=True):
+        record.update({"rollout/wait_s": 2.0, "perf/step_s": step_s})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = summarise(tmp_path / "run", launched=97.5)
+    assert figures["first_step_s"] == 12.5  # launch (97.5) to the "ready" event (110)
+    assert figures["step_time_median_s"] == 4.0 and figures["step_time_mean_s"] == round(10 / 3, 4)
+    # each step: 2.0 waiting for the rollout + 1.0 train + 0.5 sync = 3.5 s, more than the 10/3 s
+    # step: the phases overlapped by the difference, and nothing is left for "other"
+    assert figures["rollout_wait_mean_s"] == 2.0
+    assert figures["other_time_mean_s"] == 0.0
+    assert figures["overlap_time_mean_s"] == round(3.5 - 10 / 3, 4)
+    assert summarise(tmp_path / "run")["first_step_s"] is None  # no launch time, no figure
+
+
+def test_targets_beside_the_single_process_baseline() -> None:
+    single = {"step_time_median_s": 0.2, "first_step_s": 5.0}
+    met = targets({"first_step_s": 3.5, "step_time_median_s": 0.19}, single)
+    assert met["first_step_s"] == {"value": 3.5, "single_process": 5.0, "target": 4.0, "met": True}
+    assert met["step_median_vs_single_process"]["value"] == 0.95
+    assert met["step_median_vs_single_process"]["met"] is True
+    missed = targets({"first_step_s": 8.3, "step_time_median_s": 0.245}, single)
+    assert missed["first_step_s"]["met"] is False
+    assert missed["step_median_vs_single_process"] == {
+        "value": 1.225,
+        "tether_s": 0.245,
+        "single_process_s": 0.2,
+        "target": 1.0,
+        "met": False,
+    }
+
+
+def test_table_prints_the_baseline_and_the_targets(tmp_path: Path) -> None:
+    _write_run(tmp_path / "sync", lag=0.0)
+    _write_run(tmp_path / "async", lag=1.0)
+    modes = {m: summarise(tmp_path / m, launched=100.0, cpu_s=30.0) for m in ("sync", "async")}
+    modes["sync"]["step_time_median_s"] = 0.5
+    single = {
+        "step_time_median_s": 0.25,
+        "rollout_time_mean_s": 0.1,
+        "train_time_mean_s": 0.15,
+        "first_step_s": 5.0,
+        "cpu_s": 9.0,
+    }
+    setup = {
+        "steps": 3,
+        "prompts": 16,
+        "samples_per_prompt": 8,
+        "update_weight_mode": "full",
+        "update_weight_transport": "disk",
+        "machine": "load 1.0/1.0 on 2 cores",
+        "baseline": "one process",
+    }
+    result = {
+        "setup": setup,
+        "modes": modes,
+        "ratio_vs_sync": ratios(modes),
+        "single_process": single,
+        "targets": targets(modes["sync"], single),
+    }
+    lines = table(result).splitlines()
+    assert next(line for line in lines if line.startswith("launch to first step s")).split()[-2:] == [
+        "10",
+        "10",
+    ]
+    assert next(line for line in lines if line.startswith("median step s")).split()[-2:] == ["0.5", "n/a"]
+    assert (
+        "median step 0.25 s (rollout 0.1 s + train 0.15 s), launch to first step 5.0 s, CPU 9.0 s"
+        in lines[-3]
+    )
+    assert lines[-2].endswith("10.0 s < 4.0 s: NOT met") and lines[-1].endswith("2.0 <= 1.0: NOT met")

@@ -1,4 +1,5 @@
-"""The columnar Sample batch codec round-trips any batch and rejects malformed frames cleanly."""
+"""The Sample batch codecs (columnar frames; whole Samples decoded lazily) round-trip any batch
+and reject malformed frames cleanly."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.bench.sample_codec import SampleCodecError, decode_batch, encode_batch
-from tether.rollout.sample import Sample
+from tether.bench.sample_codec import (
+    LAZY_FIELDS,
+    WHOLE_VERSION,
+    SampleBatch,
+    SampleCodecError,
+    decode_batch,
+    encode_batch,
+    pack_samples,
+)
+from tether.rollout.sample import RoutedExperts, Sample
 
 f32 = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
 text = st.text(max_size=20)
@@ -134,3 +143,57 @@ def test_random_corruption_never_escapes_as_another_error(data: st.DataObject) -
     except SampleCodecError:
         return
     assert len(decoded) == 2 or isinstance(decoded, list)
+
+
+# -- whole Samples ---------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(samples(), max_size=8))
+def test_whole_samples_round_trip_equal(batch: list[Sample]) -> None:
+    frame = pack_samples(batch)
+    for received in (frame, bytes(frame)):  # in-process, and as bytes off the wire
+        got = SampleBatch(received)
+        assert len(got) == len(batch)
+        assert [h.reward for h in got.heads] == [s.reward for s in batch]
+        assert [h.response_length for h in got.heads] == [s.response_length for s in batch]
+        assert list(got) == batch
+        assert all(type(s.tokens) is list for s in got)  # plain lists, as slime hooks expect
+
+
+def test_whole_samples_carry_every_field_and_build_each_sample_once() -> None:
+    sample = Sample(
+        index=3,
+        rollout_id=1,
+        tokens=[5, 6, 7, 8],
+        response_length=2,
+        loss_mask=[1, 0],
+        rollout_log_probs=[-0.5, 0.0],
+        teacher_log_probs=[-0.25, -1.0],
+        rollout_routed_experts=RoutedExperts.from_array(np.arange(18).reshape(3, 2, 3)),
+        metadata={"k": [1, 2]},
+    )
+    batch = SampleBatch(bytes(pack_samples([sample, Sample()])))
+    assert set(LAZY_FIELDS) <= {f.name for f in msgspec.structs.fields(Sample)}
+    # Scalars are there at once, under Sample's names; per-token fields are still msgpack.
+    assert (batch.heads[0].index, batch.heads[0].metadata) == (3, {"k": [1, 2]})
+    assert isinstance(batch.heads[0].per_token, memoryview) and not hasattr(batch.heads[0], "tokens")
+    assert batch._samples == [None, None]
+    first = batch[0]
+    assert first == sample and batch._samples[1] is None  # only the Sample asked for is built
+    assert batch[0] is first and batch[-1] == Sample() and batch[0:1] == [sample]
+
+
+def test_malformed_whole_sample_frames_raise_clear_errors() -> None:
+    good = bytes(pack_samples([Sample(tokens=[1, 2], response_length=1)]))
+    with pytest.raises(SampleCodecError, match="not a whole-Sample batch"):
+        SampleBatch(good[:-3])
+    with pytest.raises(SampleCodecError, match="version=99"):
+        SampleBatch(msgspec.msgpack.encode((99, [])))
+    # A per-token field that is not what Sample holds fails when that Sample is built, naming it.
+    row = list(msgspec.msgpack.decode(good)[1][0])
+    row[-1] = msgspec.msgpack.encode((["x"], None, None, None, None))  # LAZY_FIELDS, tokens first
+    batch = SampleBatch(msgspec.msgpack.encode((WHOLE_VERSION, [row])))
+    assert batch.heads[0].response_length == 1
+    with pytest.raises(SampleCodecError, match=r"sample 0 \(index None\): field 'tokens'"):
+        batch[0]

@@ -107,6 +107,29 @@ def test_sampling_params_and_choice() -> None:
     assert lps[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0, toks[0]]))
 
 
+def test_sampled_tokens_follow_the_filtered_distribution_and_each_rows_seed() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    rows = 400
+    logits = probs.log().expand(rows, 4)
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    counts = torch.zeros(4)
+    for _ in range(10):
+        c = choose_tokens(logits, [SamplingParams(temperature=1.0)] * rows, gens, False)
+        counts += torch.bincount(torch.tensor(c.tokens), minlength=4)
+    assert (counts / counts.sum() - probs).abs().max() < 0.03, counts
+    # top_p 0.6: the nucleus is the two best tokens (0.5 before the second is below 0.6), renormalised.
+    c = choose_tokens(logits, [SamplingParams(temperature=1.0, top_p=0.6)] * rows, gens, False)
+    picked = torch.bincount(torch.tensor(c.tokens), minlength=4) / rows
+    assert picked[2:].sum() == 0 and abs(float(picked[0]) - 0.5 / 0.8) < 0.08, picked
+    # A row's draws depend on its own generator only: the same seed gives the same token in any batch.
+    alone = choose_tokens(
+        logits[:1], [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(7)], False
+    )
+    mixed_gens = [torch.Generator().manual_seed(99), torch.Generator().manual_seed(7)]
+    mixed = choose_tokens(logits[:2], [SamplingParams(temperature=1.0)] * 2, mixed_gens, False)
+    assert mixed.tokens[1] == alone.tokens[0]
+
+
 def test_tensor_payload_round_trip_and_restricted_unpickler() -> None:
     named = [("a", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.float32))]
     alive: list[torch.Tensor] = []

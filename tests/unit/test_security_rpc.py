@@ -467,8 +467,15 @@ def test_large_messages_are_hashed_in_worker_threads_small_ones_inline(
         threads.append(("hash", self.large, threading.current_thread() is main))
         hash_(self)
 
+    def spy_open_compact(self: Codec, whole: memoryview) -> Any:
+        # A small message without arrays travels in one frame, checked here (never large).
+        threads.append(("verify", False, threading.current_thread() is main))
+        return open_compact(self, whole)
+
     main = threading.current_thread()
+    open_compact = Codec.open_compact
     monkeypatch.setattr(Codec, "verify", spy_verify)
+    monkeypatch.setattr(Codec, "open_compact", spy_open_compact)
     monkeypatch.setattr(wire.Outgoing, "hash", spy_hash)
 
     async def body(server: RpcServer, target: Service, secret: bytes) -> None:

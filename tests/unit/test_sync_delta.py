@@ -313,3 +313,34 @@ def test_apply_stops_every_writer_on_a_bad_frame(tmp_path: Path, chain: list) ->
     with pytest.raises(CorruptDelta, match="digest"):
         apply_delta(chain[0][1], 0, delta, out, threads=2)
     verify_checkpoint(chain[0][1])
+
+
+def test_new_shard_files_are_preallocated_or_at_least_sized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An apply's output file gets all its blocks before the pieces are written (writing into a
+    sparse file allocates at every write, several times slower); where the filesystem cannot
+    preallocate, the file is still sized."""
+    from tether.sync.delta import preallocate
+
+    size = 3 * 1024**2 + 5
+    fd = os.open(tmp_path / "a", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        preallocate(fd, size)
+        st = os.fstat(fd)
+        assert st.st_size == size and st.st_blocks * 512 >= size
+        empty = os.open(tmp_path / "empty", os.O_WRONLY | os.O_CREAT)
+        preallocate(empty, 0)
+        os.close(empty)
+        assert (tmp_path / "empty").stat().st_size == 0
+
+        def refuse(*a: object) -> None:
+            raise OSError(95, "Operation not supported")
+
+        monkeypatch.setattr(os, "posix_fallocate", refuse)
+        fd2 = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        preallocate(fd2, size)
+        assert os.fstat(fd2).st_size == size
+        os.close(fd2)
+    finally:
+        os.close(fd)
