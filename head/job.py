@@ -701,15 +701,26 @@ async def resume(cfg: Config, steps: Steps) -> int:
         steps.progress.message(f"warning: {message}")
     published = max((entry.version for entry in steps.ledger.entries), default=0)
     if state.rollout_id < 0:
-        # Weights only (an HF --load, --ref-load, a release checkpoint): a fresh run from them.
+        # Weights only (an HF --load, --ref-load, a release checkpoint, --finetune): a fresh run from them.
+        first = fresh_start_rollout_id(choice)
         _discard_after(steps, -1, f"started from {state.path}")
-        steps.run_dir.event("started_from", source=choice.kind.value, flag=choice.flag, path=state.path)
+        steps.run_dir.event(
+            "started_from", source=choice.kind.value, flag=choice.flag, path=state.path, start=first
+        )
+        if first > 0:
+            # slime's rollout manager then loads its data position of rollout start - 1 from --load.
+            position = await _slime_position(steps, state, rollout_id=first - 1)
+            if position:
+                steps.position = position
+                steps.rollouts.load_position(position)
         # The engines loaded --hf-checkpoint (version 0): publish these weights as the next version.
         if steps.engines is not None:
             steps.version = published
             await steps.sync_weights(-1)
-        steps.progress.message(f"starting from {state.path} ({choice.reason}), weights v{steps.version}")
-        return 0
+        steps.progress.message(
+            f"starting from {state.path} ({choice.reason}) at rollout {first}, weights v{steps.version}"
+        )
+        return first
     _discard_after(steps, state.rollout_id, f"resumed from {state.path}")
     steps.completed = state.rollout_id
     position = state.data_position or await _slime_position(steps, state)
@@ -750,21 +761,33 @@ def _ckpt_step(choice: StartChoice, algorithm: AlgorithmConfig) -> dict[str, Any
     return {"ckpt_step": algorithm.ckpt_step, "ckpt_step_flag": "--ckpt-step"}
 
 
-async def _slime_position(steps: Steps, state: LoadedState) -> dict[str, Any]:
+def fresh_start_rollout_id(choice: StartChoice) -> int:
+    """The first rollout of a run whose actor got weights only, as slime derives its
+    start_rollout_id: 0 from an HF directory or --ref-load (slime_validate_args sets it), but
+    iteration + 1 = 1 from a Megatron checkpoint in --load loaded with --finetune or a `release`
+    one (Megatron-LM's load_checkpoint reports iteration 0 for both)."""
+    return 1 if choice.kind is StartKind.RESUME else 0
+
+
+async def _slime_position(
+    steps: Steps, state: LoadedState, *, rollout_id: int | None = None
+) -> dict[str, Any]:
     """The data position of a checkpoint without tether's run state (slime's, Megatron-LM's):
-    slime's data-state file beside it, read as slime reads it (the loaded iteration's), mapped
-    onto tether's data source; {} (the data from its start) when there is none."""
+    slime's data-state file beside it, read as slime reads it (`rollout_id`'s, by default the
+    loaded iteration's), mapped onto tether's data source; {} (the data from its start) when there
+    is none."""
     if not steps._writes_slime_data_state():  # no data source of tether's own to position
         return {}
     data = steps.rollouts.data
     assert data is not None
     root = Path(state.path).parent
-    path = slime_data_state.state_path(root, state.rollout_id)
-    found = await asyncio.to_thread(slime_data_state.read_state, root, state.rollout_id, len(data))
+    rollout_id = state.rollout_id if rollout_id is None else rollout_id
+    path = slime_data_state.state_path(root, rollout_id)
+    found = await asyncio.to_thread(slime_data_state.read_state, root, rollout_id, len(data))
     if found is None:
         steps.progress.message(f"no slime data state {path}: the prompts start over")
         return {}
-    steps.run_dir.event("slime_data_state", path=str(path), rollout_id=state.rollout_id)
+    steps.run_dir.event("slime_data_state", path=str(path), rollout_id=rollout_id)
     return dict(msgspec.to_builtins(found))
 
 

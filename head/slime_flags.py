@@ -10,7 +10,9 @@ from __future__ import annotations
 
 NOT_IMPLEMENTED: dict[str, str] = {
     # context parallelism and its data layout
-    "--allgather-cp": "context parallelism is not supported (--context-parallel-size must be 1)",
+    "--allgather-cp": "slime's contiguous all-gather CP layout exists for DeepSeek sparse-attention "
+    "(DSA) models only, which tether does not build; tether's context parallelism uses Megatron's "
+    "load-balanced chunks",
     "--data-pad-size-multiplier": "tether pads micro-batches by its own plan; no padding multiplier applies",
     # micro-batch planning and trainer memory
     "--balance-by-flops": "micro-batches are packed by tokens (--use-dynamic-batch-size); FLOPs-based "

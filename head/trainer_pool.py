@@ -360,8 +360,17 @@ class TrainerPool:
         )
         metrics: dict[str, float] = {}
         trained: list[list[TrainBatch]] = []
+        # As slime: every step's old and reference log-probs (and the advantages built on them) come
+        # from the weights before the rollout's first step, so a later step's importance ratio is
+        # against the policy that generated the rollout. R2 routing replay records the routing in
+        # the log-prob pass the next step replays, so there each step's pass runs right before it.
+        r2 = self.cfg.algorithm.use_routing_replay and not self.cfg.algorithm.use_rollout_routing_replay
+        if not r2:
+            for step in steps:
+                await self._attach_log_probs(step)
         for i, step in enumerate(steps):
-            await self._attach_log_probs(step)
+            if r2:
+                await self._attach_log_probs(step)
             requests = step.train_requests(rollout_id)
             _mark_rollout_bounds(requests, i, len(steps))
             results = await self._per_dp(lambda rank, request: rank.train(request), requests)

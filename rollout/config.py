@@ -167,7 +167,8 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
                 "--start-rollout-id",
                 self.start_rollout_id,
                 "is not supported: tether starts at the rollout after the checkpoint it loads (--load, "
-                "--auto-resume) and at 0 otherwise, and has no way to start elsewhere",
+                "--auto-resume; 1 after --finetune from a Megatron --load, as slime) and at 0 otherwise, "
+                "and has no way to start elsewhere",
             )
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ConfigError("--max-tokens-per-gpu", None, "must be set when --use-dynamic-batch-size is on")

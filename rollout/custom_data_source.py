@@ -9,7 +9,9 @@ tether's own `DataSource`: Samples cross in both directions (slime's are convert
 sample without prompt tokens gets them from its prompt (as slime's generate tokenizes it), and
 missing `index`/`group_index` are numbered. The instance keeps its own position: tether calls
 `save`/`load` as slime does, and a resume restores what the class saved (slime writes under
-`args.save` and reads from `args.load`).
+`args.save` and reads from `args.load`). A class may subclass slime's `RolloutDataSource` or
+`RolloutDataSourceWithBuffer` (`tether.rollout.slime_api.rollout.data_source`), inheriting slime's
+prompt reading from --prompt-data, epoch/shuffle position and its save/load.
 
 `--disable-rollout-global-dataset` (slime's `rollout_global_dataset = False`): no prompt file; the
 data source hands out blank Samples (numbered, no prompt) and is never saved or loaded, so a
@@ -61,23 +63,6 @@ def check_data_source_class(path: str | None) -> Any:
     if not inspect.isclass(cls):
         raise ConfigError(
             FLAG, path, f"must name a class (slime builds it as cls(args)); got {type(cls).__name__}"
-        )
-    if path.replace(":", ".") == "slime.rollout.data_source.RolloutDataSource":
-        raise ConfigError(
-            FLAG,
-            path,
-            "slime's RolloutDataSource is its prompt-file reader; tether reads --prompt-data itself "
-            "(leave --data-source-path unset, or name RolloutDataSourceWithBuffer, which it equals)",
-        )
-    from tether.rollout.slime_api.rollout import data_source as slime_sources
-
-    if issubclass(cls, slime_sources.RolloutDataSource | slime_sources.RolloutDataSourceWithBuffer):
-        raise ConfigError(
-            FLAG,
-            path,
-            "subclasses slime's RolloutDataSource(WithBuffer), whose prompt-file reader (slime's Dataset, "
-            "its sample_offset/epoch_id state) tether does not provide; subclass "
-            "slime.rollout.data_source.DataSource and read args.prompt_data yourself",
         )
     missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
     abstract = sorted(getattr(cls, "__abstractmethods__", ()))

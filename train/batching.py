@@ -539,6 +539,10 @@ class MicroBatchTensors:
     routed_experts: torch.Tensor | None = None  # int32 [s, b, layers, topk]: the router's token order
     values: torch.Tensor | None = None  # the critic's values before the step (ppo)
     returns: torch.Tensor | None = None  # the critic's value targets (ppo)
+    total_lengths: list[int] | None = None  # each sample's prompt + response length
+    # Context parallelism (tether.train.context_parallel.localize): the places among the N response
+    # tokens of those this CP rank predicts, which `response_index` and `targets` then list alone.
+    cp_which: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatchTensors:
         def mv(t: Any) -> Any:
@@ -548,24 +552,33 @@ class MicroBatchTensors:
 
 
 def micro_batch_tensors(
-    batch: TrainBatch, indices: Sequence[int] | None = None, *, pad_to_multiple_of: int = 1
+    batch: TrainBatch,
+    indices: Sequence[int] | None = None,
+    *,
+    pad_to_multiple_of: int = 1,
+    min_shape: tuple[int, int] = (0, 0),
 ) -> MicroBatchTensors:
     """Padded tensors for the samples `indices` of `batch` (all of them when None).
 
     The sequence dimension is padded to a multiple of `pad_to_multiple_of` (TP under sequence
-    parallelism, which splits the sequence over the TP ranks).
+    parallelism, which splits the sequence over the TP ranks). `min_shape` (rows, positions): pad to
+    at least that many rows (filler rows of padding only: no token of theirs is attended to or
+    trained) and positions — the shape other ranks' micro-batches have where Megatron needs them
+    equal (`common_micro_batch_shapes`).
     """
     import torch
 
     mb = batch if indices is None else batch.select(indices)
-    b = mb.num_samples
-    lengths = mb.total_lengths
-    s = -(-int(lengths.max()) // pad_to_multiple_of) * pad_to_multiple_of
+    real = mb.num_samples
+    b = max(real, min_shape[0])
+    lengths = np.zeros(b, dtype=np.int64)
+    lengths[:real] = mb.total_lengths
+    s = -(-max(int(lengths.max()), min_shape[1]) // pad_to_multiple_of) * pad_to_multiple_of
     tokens = np.zeros((b, s), dtype=np.int64)
-    for i in range(b):
+    for i in range(real):
         tokens[i, : lengths[i]] = mb.sample_tokens(i)
     rows = []
-    for i in range(b):
+    for i in range(real):
         prompt = int(lengths[i] - mb.response_lengths[i])
         rows.append(i * s + np.arange(prompt - 1, int(lengths[i]) - 1, dtype=np.int64))
     response_index = np.concatenate(rows)
@@ -583,7 +596,7 @@ def micro_batch_tensors(
     if mb.routed_experts is not None:
         # [s, b, ...]: Megatron's routers see the hidden states sequence-first.
         table = np.full((s, b, *mb.routed_experts.shape[1:]), UNROUTED, dtype=np.int32)
-        for i in range(b):
+        for i in range(real):
             table[: lengths[i], i] = mb.routed_experts[mb.offsets[i] : mb.offsets[i + 1]]
         routed = torch.from_numpy(table)
 
@@ -604,6 +617,7 @@ def micro_batch_tensors(
         routed_experts=routed,
         values=opt(mb.values),
         returns=opt(mb.returns),
+        total_lengths=[int(x) for x in lengths[:real]],
     )
 
 

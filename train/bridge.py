@@ -337,7 +337,13 @@ def layer_spec(config: Any, transformer_engine: bool, pp_rank: int, post_sublaye
     )
     if post_sublayer_norms:
         spec = with_post_sublayer_norms(spec)
-    return spec if transformer_engine else local_spec(spec, bool(config.multi_latent_attention))
+    if transformer_engine:
+        return spec
+    return local_spec(
+        spec,
+        bool(config.multi_latent_attention),
+        context_parallel=int(getattr(config, "context_parallel_size", 1) or 1) > 1,
+    )
 
 
 def mtp_block_spec(config: Any, spec: Any, transformer_engine: bool, pp_rank: int) -> Any:

@@ -74,16 +74,23 @@ def _replace(node: Any, old: type, new: type) -> Any:
     return node
 
 
-def local_spec(spec: Any, multi_latent_attention: bool) -> Any:
-    """The local spec `spec` with Megatron's torch norm swapped for `SequenceParallelTorchNorm` and,
-    with MLA, its core attention for `MLADotProductAttention`."""
+def local_spec(spec: Any, multi_latent_attention: bool, *, context_parallel: bool = False) -> Any:
+    """The local spec `spec` with Megatron's torch norm swapped for `SequenceParallelTorchNorm`,
+    with MLA its core attention for `MLADotProductAttention`, and under context parallelism the
+    core attention for its CP form (`tether.train.context_parallel`)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     spec = _replace(spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    attention: type = DotProductAttention
     if multi_latent_attention:
-        spec = _replace(spec, DotProductAttention, _mla_attention_class())
+        attention = _mla_attention_class()
+        spec = _replace(spec, DotProductAttention, attention)
         spec = _replicated_kv_down_proj(spec)
+    if context_parallel:
+        from tether.train.context_parallel import context_parallel_attention
+
+        spec = _replace(spec, attention, context_parallel_attention(attention))
     return spec
 
 

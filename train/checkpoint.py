@@ -27,16 +27,18 @@ Also loaded (see `tether.train.checkpoint_layout`): tether's previous layout (`l
 `iter_N/{model_optim/, run_state.msgpack, rng/, digests.msgpack}`), and checkpoints Megatron-LM
 or slime wrote (tracker "12" → `iter_0000012/`, "release" → `release/`, or --load naming one
 such directory). Those have no run state: iteration N resumes after step N (weights, optimizer
-and scheduler; RNG as seeded), `release` gives weights only and the run starts at step 0, as in
-Megatron-LM. Weights reshard across TP/PP (dist_checkpointing); optimizer state does not
-(dp_reshardable: another DP size only), so a resume at another TP/PP is refused, naming both.
+and scheduler; RNG as seeded), `release` gives weights only (Megatron-LM's iteration 0: a run
+whose --load held it starts at rollout 1, as slime's does; `tether.job.fresh_start_rollout_id`).
+Weights reshard across TP/PP (dist_checkpointing); optimizer state does not (dp_reshardable:
+another DP size only), so a resume at another TP/PP is refused, naming both.
 Tensors saved under TransformerEngine's names load into the local-spec model and the other way
 round (`tether.train.checkpoint_names`); `_extra_state` entries (TE's FP8 scaling state) load
 into a TransformerEngine model when the checkpoint has them, and are left out on the local spec.
 
 Megatron's flags: --no-save-optim saves no optimizer state or LR schedule (a resume from such a
 checkpoint starts a fresh optimizer, as Megatron-LM's load does); --no-load-optim /
---no-load-rng resume without them; --finetune loads weights only (iteration 0, a fresh run);
+--no-load-rng resume without them; --finetune loads weights only (Megatron-LM's iteration 0: a
+fresh run, whose first rollout is 1 when --load held the checkpoint, as in slime);
 --ckpt-step N loads `iter_N` (`checkpoint_layout.select_checkpoint_step`); --async-save writes
 the files in the background and completes the checkpoint later (`tether.train.checkpoint_async`).
 Another tool's checkpoint resumes with Adam's step from its optimizer param groups and the data
@@ -830,7 +832,7 @@ def _load_foreign(actor: Actor, path: Path, *, load_optim: bool = True) -> RunSt
     if iteration is None:
         _load_model(actor.chunks, path)
         reload_main_params(actor)
-        log.warning("%s: a release checkpoint: its weights only, the run starts at step 0", path)
+        log.warning("%s: a release checkpoint: its weights only (iteration 0)", path)
         return fresh_state()
     if not _resumes_optimizer(path, common, load_optim):
         # As Megatron-LM and slime: the iteration still counts, the optimizer starts fresh.

@@ -326,7 +326,8 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         bool,
         Meta(
             description="Load --load's weights only: no optimizer, LR schedule, RNG or run position; the "
-            "iteration is reset to 0 and the run starts at rollout 0 (Megatron's --finetune)."
+            "iteration is reset to 0 (Megatron's --finetune) and, from a Megatron checkpoint in --load, "
+            "the run starts at rollout 1 (slime: the loaded iteration + 1)."
         ),
     ] = False
     ckpt_step: Annotated[
@@ -741,7 +742,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         int | None, Meta(description="Layers on the last pipeline stage (uneven stages; needs PP > 1).")
     ] = None
     context_parallel_size: Annotated[
-        int, Meta(ge=1, description="Context-parallel size (CP); tether supports 1 only.")
+        int,
+        Meta(
+            ge=1,
+            description="Context-parallel size (CP): each micro-batch's sequence is split over this many "
+            "ranks (Megatron's load-balanced chunks; TransformerEngine's attention on GPU, tether's "
+            "key/value all-gather attention on the local spec).",
+        ),
     ] = 1
     expert_model_parallel_size: Annotated[
         int, Meta(ge=1, description="Expert-parallel size (MoE): the experts are split over this many ranks.")
@@ -1096,22 +1103,6 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         self._check_model_flags()
 
     def _check_parallelism(self) -> None:
-        if self.context_parallel_size != 1:
-            raise ConfigError(
-                "--context-parallel-size",
-                self.context_parallel_size,
-                "context parallelism is not supported: Megatron's local attention refuses it and tether "
-                "does not split its batches along the sequence (TransformerEngine's attention and a "
-                "sequence-sharded batch layout would be needed)",
-            )
-        if self.expert_model_parallel_size > 1 and self.moe_token_dispatcher_type == "allgather":
-            raise ConfigError(
-                "--expert-model-parallel-size",
-                self.expert_model_parallel_size,
-                "needs --moe-token-dispatcher-type alltoall (or flex): the allgather dispatcher gathers "
-                "the same number of tokens from every expert-parallel rank, and tether's data-parallel "
-                "micro-batches differ in length",
-            )
         if self.moe_router_group_topk is not None and self.moe_router_num_groups is None:
             raise ConfigError(
                 "--moe-router-group-topk", self.moe_router_group_topk, "needs --moe-router-num-groups"

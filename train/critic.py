@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.train import losses, step
+from tether.train import context_parallel, losses, step
 from tether.train.batching import MicroBatchTensors, TrainBatch
 from tether.train.config import AlgorithmConfig
 from tether.train.gae import value_loss
@@ -81,7 +81,7 @@ def attach_value_head(chunk: Any, config: Any, *, seed: int) -> bool:
 
 def _values_of(out: torch.Tensor, mb: MicroBatchTensors) -> torch.Tensor:
     """[N] values of the micro-batch's response tokens from the head's output [b, s, 1]."""
-    return out.reshape(-1)[mb.response_index.to(out.device)]
+    return context_parallel.full_response(out.reshape(-1)[mb.response_index.to(out.device)], mb)
 
 
 def compute_values(critic: Any, shard: TrainBatch, plan: Sequence[Sequence[int]]) -> np.ndarray:

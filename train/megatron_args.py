@@ -155,7 +155,11 @@ def transformer_config(
     overrides = transformer_config_kwargs(megatron, caps, tp_size=tp_size)
     if not mtp:
         overrides["mtp_num_layers"] = None
-    overrides.update(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size)
+    overrides.update(
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        context_parallel_size=megatron.context_parallel_size,
+    )
     return bridge.build_config(arch, bridge.config_kwargs(base or {}, arch, overrides))
 
 
@@ -185,6 +189,7 @@ def init_distributed_kwargs(megatron: MegatronConfig, algorithm: AlgorithmConfig
         "deterministic": megatron.deterministic_mode,
         "expert_parallel": megatron.expert_model_parallel_size,
         "expert_tensor_parallel": megatron.expert_tensor_parallel_size,
+        "context_parallel": megatron.context_parallel_size,
     }
 
 
@@ -289,6 +294,9 @@ def build_scheduler(optimizer: Any, megatron: MegatronConfig, algorithm: Algorit
 
 
 def sequence_multiple(config: Any) -> int:
-    """Micro-batch sequence lengths must be a multiple of this: TP under sequence parallelism
-    (the sequence is split over the TP ranks between the layers), else 1."""
-    return int(config.tensor_model_parallel_size) if config.sequence_parallel else 1
+    """Micro-batch sequence lengths must be a multiple of this: 2 x CP under context parallelism
+    (tether.train.context_parallel's chunks), times TP under sequence parallelism (each CP rank's
+    share is split over the TP ranks between the layers)."""
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    multiple = 2 * cp if cp > 1 else 1
+    return multiple * (int(config.tensor_model_parallel_size) if config.sequence_parallel else 1)

@@ -85,13 +85,19 @@ def reset(model: Any) -> None:
     getattr(model, _RECORD).clear()
 
 
-def layer_losses(model: Any) -> list[float]:
+def layer_losses(model: Any, cp_group: Any = None) -> list[float]:
     """Each MTP layer's loss, averaged over the micro-batches run since `reset` (slime's
-    tracker values x 1/micro-batches); empty when none ran."""
+    tracker values x 1/micro-batches); empty when none ran. `cp_group`: under context parallelism
+    each rank holds a share of every micro-batch's tokens; their sums and counts are added up first,
+    so the value is the micro-batch's mean over all of its tokens."""
     recorded: list[torch.Tensor] = getattr(model, _RECORD)
     if not recorded:
         return []
-    return [float(v) for v in torch.stack(recorded).mean(dim=0).cpu().tolist()]
+    sums_counts = torch.stack(recorded)  # [micro-batches, layers, 2]
+    if cp_group is not None:
+        torch.distributed.all_reduce(sums_counts, group=cp_group)
+    means = sums_counts[..., 0] / sums_counts[..., 1].clamp(min=1.0)
+    return [float(v) for v in means.mean(dim=0).cpu().tolist()]
 
 
 def _roll(tensor: torch.Tensor, cp_group: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,8 +166,8 @@ def _postprocess(
             targets, _ = _roll(targets, self.cp_group)
             mask, count = _roll(mask, self.cp_group)
             token_loss = self.compute_language_model_loss(targets, logits_k) * mask
+            per_layer.append(torch.stack([token_loss.sum(), count.float()]).detach())
             count = count.clamp(min=1.0)  # a micro-batch with nothing to train adds 0, not NaN
-            per_layer.append((token_loss.sum() / count).detach())
             scale = float(self.config.mtp_loss_scaling_factor) / layers
             added = scale * token_loss if self.config.calculate_per_token_loss else scale * token_loss / count
             hidden_states = MTPLossAutoScaler.apply(hidden_states, added)

@@ -5,6 +5,9 @@ For every response token the student sampled, d_t = log pi_student(a_t) - log pi
 and the advantage becomes A_t - opd_kl_coef * d_t, after the advantage estimator (or a custom
 advantage function) and before --normalize-advantages whitens them, on every response token (the
 loss mask matters only to the whitening and the loss), as slime's `apply_opd_kl_to_advantages`.
+The penalty needs each DP shard's log-probs, so it is applied shard by shard; the whitening then
+uses the whole step's statistics (`tether.train.shard_whitening`), as slime's all-reduce over the
+data-parallel group does.
 
 Whose log-probs (slime's choice): the student's are the engine's (`rollout_log_probs`) with
 --use-rollout-logprobs, else the trainer's before the step (`old_log_probs`, so the actor's log-prob

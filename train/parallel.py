@@ -1,5 +1,5 @@
 """Process groups for one trainer rank: torch.distributed from torchrun's environment, then
-Megatron's parallel state (TP, PP, DP; CP=1), then seeds.
+Megatron's parallel state (TP, PP, CP, DP, and the MoE expert groups), then seeds.
 
 gloo on CPU, NCCL on GPU. On CPU the Megatron compatibility patches are applied here, after the
 default group exists and before any model is built. Every group here connects over the interface
@@ -35,6 +35,8 @@ class Topology:
     pp_size: int
     dp_rank: int
     dp_size: int
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -46,8 +48,8 @@ class Topology:
 
     @property
     def is_sync_source(self) -> bool:
-        """TP rank 0 and DP rank 0 of its stage: the rank that exports this stage's weights."""
-        return self.tp_rank == 0 and self.dp_rank == 0
+        """TP, CP and DP rank 0 of its stage: the rank that exports this stage's weights."""
+        return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
 
 
 def _env_int(name: str) -> int:
@@ -90,8 +92,9 @@ def init_distributed(
     deterministic: bool = False,
     expert_parallel: int = 1,
     expert_tensor_parallel: int | None = None,
+    context_parallel: int = 1,
 ) -> Topology:
-    """Join the torchrun job and build Megatron's TP/PP/DP (and MoE expert) groups; idempotent per
+    """Join the torchrun job and build Megatron's TP/PP/CP/DP (and MoE expert) groups; idempotent per
     process."""
     from megatron.core import parallel_state
 
@@ -108,6 +111,12 @@ def init_distributed(
             pipeline_parallel,
             f"TP*PP must divide world size {world_size} (TP={tensor_parallel})",
         )
+    if context_parallel < 1 or world_size % (tensor_parallel * pipeline_parallel * context_parallel):
+        raise ConfigError(
+            "--context-parallel-size",
+            context_parallel,
+            f"TP*PP*CP must divide world size {world_size} (TP={tensor_parallel}, PP={pipeline_parallel})",
+        )
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
         if cuda:
@@ -123,7 +132,7 @@ def init_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
-            context_parallel_size=1,
+            context_parallel_size=context_parallel,
             expert_model_parallel_size=expert_parallel,
             expert_tensor_parallel_size=expert_tensor_parallel,
             distributed_timeout_minutes=timeout_minutes,
@@ -159,6 +168,8 @@ def topology() -> Topology:
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
     )
 
 

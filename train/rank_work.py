@@ -11,7 +11,8 @@ it says so), one columnar `TrainBatch`, split into optimizer steps (a rollout_id
 step), then per step: advantages over the whole step (exact whitening), data-parallel shards
 with filler so every rank runs the same number of micro-batches, and each shard's micro-batch
 plan. When KL reward shaping is on, advantages need the per-shard old and reference log-probs
-first, so they are computed per shard once those come back (`with_log_probs`).
+first, so they are computed per shard once those come back (`with_log_probs`), and whitened with
+the whole step's sums (`tether.train.shard_whitening`, slime's all-reduce over the DP group).
 
 Old log-probs are needed when the rollout makes more than one step (later steps are off-policy)
 or for KL shaping, and with MoE routing replay (R2 records the routing in that forward);
@@ -44,6 +45,7 @@ from tether.train.batching import (
 )
 from tether.train.config import AlgorithmConfig
 from tether.train.protocol import LogProbModel, LogProbsRequest, MicroBatchPlan, TrainRequest
+from tether.train.shard_whitening import AllReduce, whiten_across_shards
 from tether.train.slime_train_data import postprocess_step, train_batch_from_train_data
 from tether.train.train_data_hooks import TrainDataHooks, custom_advantages, post_process_rewards
 
@@ -102,30 +104,56 @@ def rollout_batch(
 
 
 def batch_advantages(
-    algorithm: AlgorithmConfig, batch: TrainBatch, hooks: TrainDataHooks | None = None
+    algorithm: AlgorithmConfig,
+    batch: TrainBatch,
+    hooks: TrainDataHooks | None = None,
+    rollout_raw_reward: np.ndarray | None = None,
 ) -> np.ndarray:
     """float32 per-token advantages of `batch`, computed over the whole batch at once (by
     --custom-advantage-function-path when given, whitened after as slime does)."""
+    return advantage_computation(algorithm, batch, hooks, rollout_raw_reward)(None)
+
+
+def advantage_computation(
+    algorithm: AlgorithmConfig,
+    batch: TrainBatch,
+    hooks: TrainDataHooks | None = None,
+    rollout_raw_reward: np.ndarray | None = None,
+) -> Callable[[AllReduce | None], np.ndarray]:
+    """`batch`'s float32 per-token advantages as a function of the all-reduce their whitening
+    uses (None: over `batch` alone; `tether.train.shard_whitening` gives a step's shards the
+    group's sums). --custom-advantage-function-path runs once, here, not once per call, and sees
+    `rollout_raw_reward` (the whole rollout's) as `raw_reward`, as slime's rollout_data holds it."""
     distill = opd_penalty(algorithm, batch)
     if hooks is not None and hooks.advantage is not None:
-        adv = custom_advantages(hooks, algorithm, batch)
+        custom = custom_advantages(hooks, algorithm, batch, rollout_raw_reward)
         if distill is not None:
-            adv = distill(adv)
-        if algorithm.normalize_advantages:
-            adv = whiten(adv, torch.from_numpy(batch.loss_masks.astype(np.float64)))
-        return adv.numpy().astype(np.float32)
+            custom = distill(custom)
+
+        def whitened(all_reduce: AllReduce | None) -> np.ndarray:
+            adv = custom
+            if algorithm.normalize_advantages:
+                adv = whiten(adv, torch.from_numpy(batch.loss_masks.astype(np.float64)), all_reduce)
+            return adv.numpy().astype(np.float32)
+
+        return whitened
     as_tensor = lambda a: None if a is None else torch.from_numpy(np.asarray(a))  # noqa: E731
-    adv = compute_advantages(
-        algorithm,
-        rewards=torch.from_numpy(batch.rewards.astype(np.float32)),
-        response_lengths=batch.response_lengths.tolist(),
-        loss_mask=torch.from_numpy(batch.loss_masks.astype(np.float32)),
-        log_probs=as_tensor(batch.old_log_probs),
-        ref_log_probs=as_tensor(batch.ref_log_probs),
-        values=as_tensor(batch.values),
-        before_whitening=distill,
-    )
-    return adv.numpy().astype(np.float32)
+
+    def computed(all_reduce: AllReduce | None) -> np.ndarray:
+        adv = compute_advantages(
+            algorithm,
+            rewards=torch.from_numpy(batch.rewards.astype(np.float32)),
+            response_lengths=batch.response_lengths.tolist(),
+            loss_mask=torch.from_numpy(batch.loss_masks.astype(np.float32)),
+            log_probs=as_tensor(batch.old_log_probs),
+            ref_log_probs=as_tensor(batch.ref_log_probs),
+            values=as_tensor(batch.values),
+            all_reduce=all_reduce,
+            before_whitening=distill,
+        )
+        return adv.numpy().astype(np.float32)
+
+    return computed
 
 
 def opd_penalty(
@@ -167,9 +195,13 @@ class StepWork:
         shaped: bool,
         hooks: TrainDataHooks | None = None,
         log_prob_plans: list[MicroBatchPlan] | None = None,
+        rollout_raw_reward: np.ndarray | None = None,
     ) -> None:
         self.algorithm = algorithm
         self.hooks = hooks
+        # The whole rollout's raw rewards, in sample order: what slime's rollout_data["raw_reward"]
+        # holds on every rank (--rollout-data-postprocess-path); None: the shards' own.
+        self.rollout_raw_reward = rollout_raw_reward
         self.shards = shards  # by dp_rank
         self.plans = plans  # by dp_rank
         # --log-probs-max-tokens-per-gpu: the log-prob passes' own micro-batches (else the training ones)
@@ -221,9 +253,17 @@ class StepWork:
             shard.ref_log_probs = None if ref is None else np.asarray(ref[i], dtype=np.float32)
             if "teacher" in log_probs:  # --opd-type megatron: the trainer's teacher model
                 shard.teacher_log_probs = np.asarray(log_probs["teacher"][i], dtype=np.float32)
-            if self.shaped:
-                # Each shard whitened on its own: the shaped rewards exist per shard only.
-                shard.advantages = batch_advantages(self.algorithm, shard, self.hooks)
+        if self.shaped:
+            # Computed per shard (the shaped rewards need each shard's log-probs), whitened with the
+            # whole step's sums, as slime's distributed_masked_whiten all-reduces over the DP group.
+            advantages = whiten_across_shards(
+                [
+                    advantage_computation(self.algorithm, shard, self.hooks, self.rollout_raw_reward)
+                    for shard in self.shards
+                ]
+            )
+            for shard, adv in zip(self.shards, advantages, strict=True):
+                shard.advantages = adv
         self._attached = True
 
     def train_requests(self, rollout_id: int) -> list[TrainRequest]:
@@ -244,6 +284,7 @@ class StepWork:
                     {entropy_key(m): per_dp[i] for m, per_dp in self.entropy_per_dp.items()}
                     for i in range(self.dp_size)
                 ],
+                raw_reward=self.rollout_raw_reward,
             )
         self._postprocessed = True
         return [
@@ -319,7 +360,7 @@ def rollout_steps(
     for step_batch in split_steps(batch, num_steps, per_rollout_loss_mean=algorithm.per_rollout_loss_mean):
         if rl and not shaped:
             # Over the whole step before sharding: whitening sees every token of the step.
-            step_batch.advantages = batch_advantages(algorithm, step_batch, hooks)
+            step_batch.advantages = batch_advantages(algorithm, step_batch, hooks, batch.raw_rewards)
         shards = shard_for_data_parallel(step_batch, dp_size, balance=options.balance_data)
         plans = plan_micro_batches(
             shards, micro_batch_size=options.micro_batch_size, max_tokens_per_gpu=options.max_tokens_per_gpu
@@ -334,7 +375,18 @@ def rollout_steps(
             log_prob_plans = plan_micro_batches(
                 shards, micro_batch_size=options.micro_batch_size, max_tokens_per_gpu=budget
             )
-        steps.append(StepWork(algorithm, shards, plans, tuple(models), shaped, hooks, log_prob_plans))
+        steps.append(
+            StepWork(
+                algorithm,
+                shards,
+                plans,
+                tuple(models),
+                shaped,
+                hooks,
+                log_prob_plans,
+                rollout_raw_reward=batch.raw_rewards,
+            )
+        )
     return steps
 
 

@@ -14,8 +14,10 @@ Any other key is refused, naming it: tether would have to drop it.
 
 `postprocess_step` calls the postprocess hook once per data-parallel shard, after the step's
 log-prob passes and advantages (where slime's actor calls it, on each rank's rollout_data), with
-slime's keys: `tokens`, `response_lengths`, `total_lengths`, `rewards`, `raw_reward` (the shard's),
-`loss_masks`, `sample_indices`, `rollout_ids`, and where the step has them `rollout_log_probs`,
+slime's keys: `tokens`, `response_lengths`, `total_lengths`, `rewards`, `raw_reward` (the whole
+rollout's, every rank gets it: slime ships it whole so hooks can reshape it into prompt groups),
+`local_raw_reward` (the shard's, aligned with its other lists), `loss_masks`, `sample_indices`,
+`rollout_ids`, and where the step has them `rollout_log_probs`,
 `log_probs` (the trainer's, before the step), `ref_log_probs`, `advantages` and `returns` (equal to
 the advantages: tether's estimators keep no separate returns). What the hook leaves in
 `loss_masks`, `advantages`, `log_probs`, `ref_log_probs` and `rollout_log_probs` is what trains;
@@ -194,11 +196,15 @@ def _real(shard: TrainBatch) -> np.ndarray:
 
 
 def rollout_data_view(
-    shard: TrainBatch, real: np.ndarray, entropy: Mapping[str, np.ndarray] | None = None
+    shard: TrainBatch,
+    real: np.ndarray,
+    entropy: Mapping[str, np.ndarray] | None = None,
+    raw_reward: Sequence[float] | np.ndarray | None = None,
 ) -> dict[str, Any]:
     """slime's rollout_data for the `real` samples of one DP shard (see the module docstring);
     `entropy` (--use-rollout-entropy): the log-prob passes' per-token entropy under slime's keys
-    (`entropy`, `ref_entropy`, `teacher_entropy`), shown to the hook, not taken back."""
+    (`entropy`, `ref_entropy`, `teacher_entropy`), shown to the hook, not taken back; `raw_reward`:
+    the whole rollout's, in sample order (default: the shard's)."""
     import torch
 
     ro = shard.response_offsets
@@ -211,7 +217,10 @@ def rollout_data_view(
         "response_lengths": [int(shard.response_lengths[i]) for i in real],
         "total_lengths": [int(shard.total_lengths[i]) for i in real],
         "rewards": [float(shard.rewards[i]) for i in real],
-        "raw_reward": [float(shard.raw_rewards[i]) for i in real],
+        "raw_reward": [float(r) for r in raw_reward]
+        if raw_reward is not None
+        else [float(shard.raw_rewards[i]) for i in real],
+        "local_raw_reward": [float(shard.raw_rewards[i]) for i in real],
         "sample_indices": [int(shard.sample_indices[i]) for i in real],
         "rollout_ids": [int(shard.rollout_ids[i]) for i in real],
         "loss_masks": rows(shard.loss_masks, np.int32),
@@ -275,13 +284,15 @@ def postprocess_step(
     *,
     per_rollout_loss_mean: bool,
     entropy: Sequence[Mapping[str, np.ndarray]] | None = None,
+    raw_reward: Sequence[float] | np.ndarray | None = None,
 ) -> None:
     """--rollout-data-postprocess-path over each DP shard of one step (see the module docstring);
-    `entropy[dp_rank]`: that shard's log-prob passes' entropy under slime's keys."""
+    `entropy[dp_rank]`: that shard's log-prob passes' entropy under slime's keys; `raw_reward`: the
+    whole rollout's raw rewards, which every shard's hook call sees (as slime ships them)."""
     reals = [_real(shard) for shard in shards]
     masks_changed = False
     for i, (shard, real) in enumerate(zip(shards, reals, strict=True)):
-        data = rollout_data_view(shard, real, entropy[i] if entropy else None)
+        data = rollout_data_view(shard, real, entropy[i] if entropy else None, raw_reward)
         shown = set(data)
         hook(rollout_id, data)
         masks_changed = _take_back(path, shard, real, data, shown) or masks_changed

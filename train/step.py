@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tether.runtime.errors import ConfigError
-from tether.train import loss_hooks, losses, megatron_args, mtp
+from tether.train import context_parallel, loss_hooks, losses, megatron_args, mtp
 from tether.train.batching import MicroBatchTensors, TrainBatch, micro_batch_tensors
 from tether.train.config import AlgorithmConfig
 from tether.train.logprobs import log_probs_and_entropy
@@ -76,12 +76,19 @@ def _forward_step(
     MoE routing replay, told which router calls are forwards (the rest are recomputes). `train`: a
     training pass, where a model training MTP layers gets their labels (tether.train.mtp)."""
 
+    cp = context_parallel.current()
+
     def forward_step(data_iterator: Any, model: Any) -> Any:
-        mb = next(data_iterator)
+        # Under context parallelism the model and the loss see this CP rank's share of the sequence.
+        whole = next(data_iterator)
+        mb = context_parallel.localize(whole, cp)
         mask = getattr(mb, "attention_mask", None)
         extra: dict[str, Any] = {}
         if train and mtp.training_model(model) is not None:
-            extra = mtp.forward_inputs(mb.tokens.to(device), mb.response_index, mb.loss_mask)
+            # Labels and mask from the whole sequence, then this rank's positions (Megatron's MTP
+            # rolls them across the CP ranks itself).
+            extra = mtp.forward_inputs(whole.tokens.to(device), whole.response_index, whole.loss_mask)
+            extra = {k: context_parallel.slice_sequence(v, cp) for k, v in extra.items()}
         with routing.forward() if routing is not None else contextlib.nullcontext():
             logits = model(
                 mb.tokens.to(device),
@@ -93,7 +100,10 @@ def _forward_step(
         def loss_func(output: torch.Tensor) -> tuple[Any, ...]:
             loss, metrics = loss_fn(output, mb)
             if per_token:
-                return loss, mb.loss_mask.sum().to(torch.int), metrics
+                # Megatron divides the gradients by the count summed over DP x CP: every CP rank's
+                # loss covers the whole micro-batch, so one of them counts its tokens.
+                count = mb.loss_mask.sum().to(torch.int)
+                return loss, count if cp.rank == 0 else torch.zeros_like(count), metrics
             return loss * scale, metrics
 
         return logits, loss_func
@@ -161,7 +171,7 @@ def forward_logits(
 
     def keep(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         full = gather_vocab(logits.detach())[..., :vocab_size]
-        return logits.new_zeros(()), {"logits": full}
+        return logits.new_zeros(()), {"logits": context_parallel.gather_sequence(full, 1)}
 
     with torch.no_grad():
         out = run_schedule(chunks, config, microbatches, keep, forward_only=True)
@@ -208,8 +218,10 @@ def _load_custom_loss(path: str | None) -> Callable[..., losses.LossOutput]:
 
 
 def micro_batch_total_lengths(mb: MicroBatchTensors) -> list[int]:
-    """Each sample's prompt + response length, from the padded layout: the last query row of the
-    attention mask is blocked exactly at the padding keys."""
+    """Each sample's prompt + response length: as built, or from the padded layout (the last query
+    row of the attention mask is blocked exactly at the padding keys)."""
+    if mb.total_lengths is not None:
+        return list(mb.total_lengths)
     blocked = mb.attention_mask[:, 0, -1, :]
     return [int(n) for n in (blocked.shape[-1] - blocked.sum(dim=-1)).tolist()]
 
@@ -248,6 +260,9 @@ def rl_loss_fn(
             with_entropy=opts.with_entropy,
             chunk_size=algo.log_probs_chunk_size,
         )
+        log_probs = context_parallel.full_response(log_probs, mb)
+        if entropy is not None:
+            entropy = context_parallel.full_response(entropy, mb)
         mbd = mb.to(logits.device)
         if unit_token_weights:
             mbd = dataclasses.replace(mbd, token_weight=mbd.loss_mask.float())
@@ -327,7 +342,40 @@ def build_micro_batches(
                 "(--seq-length, default: max_position_embeddings of the model)",
             )
     multiple = 1 if config is None else megatron_args.sequence_multiple(config)
-    return [micro_batch_tensors(shard, list(idx), pad_to_multiple_of=multiple) for idx in plan]
+    shapes = [(0, 0)] * len(plan)
+    if config is not None and _gathers_equal_token_counts(config):
+        shapes = _common_shapes(shard, plan)
+    return [
+        micro_batch_tensors(shard, list(idx), pad_to_multiple_of=multiple, min_shape=shape)
+        for idx, shape in zip(plan, shapes, strict=True)
+    ]
+
+
+def _gathers_equal_token_counts(config: Any) -> bool:
+    """Megatron's allgather token dispatcher at EP > 1 all-gathers every expert-parallel rank's tokens
+    into one buffer, which needs the same token count on each; those ranks hold different DP shards."""
+    return (
+        bool(getattr(config, "num_moe_experts", None))
+        and int(getattr(config, "expert_model_parallel_size", 1) or 1) > 1
+        and getattr(config, "moe_token_dispatcher_type", "allgather") == "allgather"
+    )
+
+
+def _common_shapes(shard: TrainBatch, plan: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Each micro-batch's (rows, positions): the largest over the data- and context-parallel ranks
+    (every rank runs the same number of micro-batches), to pad to."""
+    with quiet_megatron_imports():
+        from megatron.core import parallel_state as ps
+
+    lengths = shard.total_lengths
+    mine = torch.tensor([[len(idx), int(lengths[list(idx)].max())] for idx in plan], dtype=torch.int64)
+    from tether.train.parallel import collective_device
+
+    shapes = mine.to(collective_device())
+    dist.all_reduce(
+        shapes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True)
+    )
+    return [(int(b), int(s)) for b, s in shapes.cpu().tolist()]
 
 
 def _routing_pass(
@@ -338,7 +386,7 @@ def _routing_pass(
     if routing is None:
         return contextlib.nullcontext()
     if routing.from_rollout:
-        routing.load([mb.routed_experts for mb in mbs])
+        routing.load([context_parallel.localize(mb).routed_experts for mb in mbs])  # this CP rank's tokens
         return routing.replaying(len(mbs))
     return routing.recording(len(mbs)) if log_probs else routing.replaying(len(mbs))
 
@@ -451,7 +499,8 @@ def _mtp_metrics(model: Any) -> dict[str, float]:
     with quiet_megatron_imports():
         from megatron.core import parallel_state as ps
 
-    values = torch.tensor(mtp.layer_losses(model) or [0.0] * int(model.config.mtp_num_layers))
+    cp = context_parallel.current()
+    values = torch.tensor(mtp.layer_losses(model, cp.group) or [0.0] * int(model.config.mtp_num_layers))
     values = _dp_sum(values) / ps.get_data_parallel_world_size()
     out = {f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(values.tolist())}
     out["mtp_loss"] = float(values.sum())
@@ -488,6 +537,9 @@ def compute_log_probs(
             with_entropy=opts.with_entropy,
             chunk_size=opts.chunk_size,
         )
+        lp = context_parallel.full_response(lp, mb)
+        if ent is not None:
+            ent = context_parallel.full_response(ent, mb)
         out = {"log_probs": lp.detach().float().cpu()}
         if ent is not None:
             out["entropy"] = ent.detach().float().cpu()

@@ -5,7 +5,8 @@ head, `tether.train.rank_work`; `tether.train_data_hooks` loads them):
     --custom-advantage-function-path    fn(args, rollout_data)   sets rollout_data["advantages"], ["returns"]
 
 `rollout_data` holds, per sample and as slime's trainer holds them, `tokens`, `response_lengths`,
-`total_lengths`, `rewards`, `raw_reward`, `loss_masks`, `rollout_log_probs`, `log_probs` (the
+`total_lengths`, `rewards`, `raw_reward` (the whole rollout's, as slime ships it to every rank;
+else the batch's), `local_raw_reward` (the batch's), `loss_masks`, `rollout_log_probs`, `log_probs` (the
 trainer's, before the step; None when the step computes none), `ref_log_probs` (None likewise),
 `kl` (zeros without --kl-coef) and `values` (the critic's under --advantage-estimator ppo, else
 None). A hook's output is checked and refused, naming the hook, when it does not fit the samples.
@@ -83,9 +84,15 @@ def _per_sample(flat: np.ndarray | None, lengths: list[int]) -> list[torch.Tenso
     return list(torch.split(torch.from_numpy(np.asarray(flat, dtype=np.float32)), lengths))
 
 
-def custom_advantages(hooks: TrainDataHooks, algorithm: AlgorithmConfig, batch: TrainBatch) -> torch.Tensor:
+def custom_advantages(
+    hooks: TrainDataHooks,
+    algorithm: AlgorithmConfig,
+    batch: TrainBatch,
+    rollout_raw_reward: Sequence[float] | np.ndarray | None = None,
+) -> torch.Tensor:
     """Flat per-response-token advantages (float64) from --custom-advantage-function-path, before
-    whitening; `hooks.advantage` must be set."""
+    whitening; `hooks.advantage` must be set. `rollout_raw_reward`: the whole rollout's raw
+    rewards in sample order, for `raw_reward` (default: the batch's)."""
     import torch
 
     from tether.train.advantages import approx_kl
@@ -111,7 +118,10 @@ def custom_advantages(hooks: TrainDataHooks, algorithm: AlgorithmConfig, batch: 
         "response_lengths": lengths,
         "total_lengths": [b - a for a, b in itertools.pairwise(offsets)],
         "rewards": batch.rewards.astype(np.float64).tolist(),
-        "raw_reward": batch.raw_rewards.astype(np.float64).tolist(),
+        "raw_reward": np.asarray(
+            batch.raw_rewards if rollout_raw_reward is None else rollout_raw_reward, dtype=np.float64
+        ).tolist(),
+        "local_raw_reward": batch.raw_rewards.astype(np.float64).tolist(),
         "loss_masks": masks,
         "rollout_log_probs": _per_sample(batch.rollout_log_probs, lengths),
         "log_probs": log_probs,

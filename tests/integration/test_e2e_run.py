@@ -52,16 +52,18 @@ def test_sync_loop_disk_tp2_and_receipt(ws: Workspace, tmp_path: Path, run_dir: 
 
 @pytest.mark.parametrize(
     ("transport", "parallel"),
-    [("distributed", "tensor"), ("delta", "tensor"), ("distributed", "pipeline")],
-    ids=["distributed-tp2", "delta-tp2", "distributed-pp2"],
+    [("distributed", "tensor"), ("delta", "tensor"), ("distributed", "pipeline"), ("distributed", "context")],
+    ids=["distributed-tp2", "delta-tp2", "distributed-pp2", "distributed-cp2"],
 )
 def test_sync_loop_model_parallel_engine_serves_the_trainers_weights(
     ws: Workspace, tmp_path: Path, run_dir: Path, transport: str, parallel: str
 ) -> None:
     """After every sync the engine's log-probs of the step's tokens equal the trainer's, with
-    the model split over two ranks (TP: gathered shards; PP: the second stage streamed)."""
+    the model split over two ranks (TP: gathered shards; PP: the second stage streamed; CP: each
+    sequence split, one of the two replicas the sync source)."""
     run = run_dir
-    flags = ["--num-rollout", str(STEPS), f"--{parallel}-model-parallel-size", "2"]
+    flag = "--context-parallel-size" if parallel == "context" else f"--{parallel}-model-parallel-size"
+    flags = ["--num-rollout", str(STEPS), flag, "2"]
     if transport == "distributed":
         flags += ["--update-weight-transport", "nccl"]
     else:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from support.train_checks.launcher import results, torchrun, value
 
-# One launch builds 13 families x 3 layouts and trains three of them (about a minute on 2 cores).
+# One launch builds 13 families x 3 layouts (3 more at CP=2) and trains six of them.
 pytestmark = pytest.mark.timeout(1500)
 
 LAYOUTS = ["dp2", "tp2", "pp2"]
@@ -101,8 +101,11 @@ def test_save_hf_writes_the_source_checkpoint_back(
     assert got == {"diff": [], "names_equal": True, "config": True}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    ("layout", "family"),
+    [(lay, fam) for lay in ("tp2", "pp2", "ep2") for fam in ("qwen3_moe", "deepseek_v3")]
+    + [("ep2ag", "qwen3_moe")],  # Megatron's allgather dispatcher at EP=2: micro-batches padded alike
+)
 def test_moe_training_steps_equal_across_layouts(
     checked: list[dict[str, Any]], layout: str, family: str
 ) -> None:
@@ -114,6 +117,37 @@ def test_moe_training_steps_equal_across_layouts(
         got = value(rank_results, f"{layout}/{family}/train")
         assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
+
+
+CONTEXT_PARALLEL = ["qwen3", "deepseek_v3", "mimo_mtp"]  # check_model.CONTEXT_PARALLEL
+
+
+@pytest.mark.parametrize("family", CONTEXT_PARALLEL)
+def test_context_parallel_logits_and_training_equal_the_other_layouts(
+    checked: list[dict[str, Any]], family: str
+) -> None:
+    # CP=2 splits every sequence over the two ranks (Megatron's load-balanced chunks; keys and values
+    # gathered; MLA's and MTP's rolls across the CP ranks): the logits equal transformers', the
+    # weights round trip, and two SFT steps' loss and grad norm equal DP=2's.
+    for rank_results in checked:
+        assert value(rank_results, f"cp2/{family}/logits") < 1e-5
+        assert value(rank_results, f"cp2/{family}/round_trip")["mismatched"] == []
+        want = value(rank_results, f"dp2/{family}/train")
+        got = value(rank_results, f"cp2/{family}/train")
+        if family != "mimo_mtp":
+            assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
+            assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
+            continue
+        # The first step's MTP loss over the same micro-batches as TP=2's (DP=1 in both) is the same
+        # number: the labels and mask rolled across the CP ranks line up. Its gradient, as Megatron's
+        # MTP does under CP, weighs each rank's tokens by that rank's count: the grad norm, and the
+        # second step, are only close.
+        tp2 = value(rank_results, "tp2/mimo_mtp/train")
+        assert got[0]["loss"] == pytest.approx(tp2[0]["loss"], abs=2e-6)
+        assert got[0]["mtp_loss"] == pytest.approx(tp2[0]["mtp_loss"], rel=1e-6)
+        assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in tp2], rel=2e-2)
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in tp2], rel=1e-3)
+        assert all(m["mtp_changed"] for m in got)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from support.train_checks.launcher import results, torchrun, value
 
-LAYOUTS = ["tp2", "pp2", "dp2"]
+LAYOUTS = ["tp2", "pp2", "dp2", "cp2"]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,13 @@ def test_layouts_agree(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> No
             # Tight: a looser bound once hid TP weights missing from the grad norm (and clipping).
             assert [m["loss"] for m in metrics] == pytest.approx(base_loss, abs=1e-4)
             assert [m["grad_norm"] for m in metrics] == pytest.approx(base_norm, rel=1e-4)
+
+
+def test_context_parallel_runs_its_own_attention(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:
+    """CP=2 (agreeing with the other layouts above) ran the key/value-gathering attention."""
+    for rank_results in runs[1]["train"]:
+        assert value(rank_results, "cp2/attention") == ["ContextParallelDotProductAttention"]
+        assert value(rank_results, "tp2/attention") == ["DotProductAttention"]
 
 
 def test_sft_loss_equals_mean_negative_log_prob(runs: tuple[Path, dict[str, list[dict[str, Any]]]]) -> None:

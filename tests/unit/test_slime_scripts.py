@@ -67,6 +67,22 @@ HF_CONFIGS: dict[str, dict[str, object]] = {
         "num_key_value_heads": 2,
         "tie_word_embeddings": True,
     },
+    # GLM-Z1-9B-0414: sandwich norms, half interleaved RoPE, q/k/v biases.
+    "glm4-9B": {
+        "model_type": "glm4",
+        "vocab_size": 151552,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000,
+        "partial_rotary_factor": 0.5,
+        "num_hidden_layers": 40,
+        "hidden_size": 4096,
+        "intermediate_size": 13696,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+    },
     # MiMo-7B-RL: Qwen2 plus one multi-token-prediction layer (model.mtp_layers.0).
     "mimo-7B": {
         **_QWEN2,
@@ -177,6 +193,39 @@ QWEN3_32B = [
     # MISC_ARGS
     "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
     "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/run-glm4-9B.sh (MODEL_ARGS: scripts/models/glm4-9B.sh), NUM_GPUS=8: context
+# parallelism (CP=2) under TP=2 with sequence parallelism.
+GLM4_9B = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4",
+    "--spec", "slime_plugins.models.glm4", "get_glm_spec", "--swiglu", "--num-layers", "40",
+    "--hidden-size", "4096", "--ffn-hidden-size", "13696", "--num-attention-heads", "32",
+    "--group-query-attention", "--num-query-groups", "2", "--use-rotary-position-embeddings",
+    "--disable-bias-linear", "--add-qkv-bias", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5",
+    "--rotary-base", "10000", "--vocab-size", "151552", "--post-self-attn-layernorm",
+    "--post-mlp-layernorm", "--rotary-interleaved", "--rotary-percent", "0.5",
+    "--no-rope-fusion", "--untie-embeddings-and-output-weights", "--hf-checkpoint", "/root/GLM-Z1-9B-0414/",
+    "--ref-load", "/root/GLM-Z1-9B-0414_torch_dist", "--load", "/root/GLM-Z1-9B-0414_slime/",
+    "--save", "/root/GLM-Z1-9B-0414_slime/", "--save-interval", "20", "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl",
+    "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
+    "--rollout-shuffle", "--rm-type", "deepscaler", "--num-rollout", "3000",
+    "--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8192",
+    "--rollout-temperature", "1", "--global-batch-size", "256", "--balance-data",
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--advantage-estimator", "grpo",
+    "--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    "--pipeline-model-parallel-size", "1", "--context-parallel-size", "2",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform",
+    "--recompute-num-layers", "1", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4608",
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    "--rollout-num-gpus-per-engine", "2", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+    "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32",
+    "--attention-backend", "flash",
 ]  # fmt: skip
 
 # slime: scripts/run-qwen2.5-0.5B-gb10-smoke.sh (MODEL_ARGS: scripts/models/qwen2.5-0.5B.sh)
@@ -434,6 +483,7 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scripts/run-qwen3-4B-base-sft.sh": (QWEN3_4B_BASE_SFT, "qwen3-4B"),
     "scripts/run-qwen3-4B-amd.sh": (QWEN3_4B_AMD, "qwen3-4B"),
     "scripts/run-qwen3-32B.sh": (QWEN3_32B, "qwen3-32B"),
+    "scripts/run-glm4-9B.sh": (GLM4_9B, "glm4-9B"),
     "scripts/run-qwen2.5-0.5B-gb10-smoke.sh": (QWEN25_05B_SMOKE, "qwen2.5-0.5B"),
     "scripts/run-qwen2.5-0.5B-reproducibility.sh": (QWEN25_05B_REPRODUCIBILITY, "qwen2.5-0.5B"),
     "examples/search-r1/run_qwen2.5_3B.sh": (SEARCH_R1_QWEN25_3B, "qwen2.5-3B"),

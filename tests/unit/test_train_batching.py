@@ -165,6 +165,28 @@ def test_micro_batch_tensors_align_next_token_positions() -> None:
     assert packed["tokens"][0, packed["response_index"] + 1].tolist() == mb.targets.tolist()
 
 
+def test_micro_batch_padded_to_another_ranks_shape_adds_only_padding() -> None:
+    # Megatron's allgather token dispatcher at EP > 1 needs every rank's micro-batch to hold the same
+    # number of tokens: a rank pads to the largest (rows, positions) of the group.
+    samples = make_samples([(2, 3), (1, 2)])
+    b = build_train_batch(samples, rewards=[0.0, 0.0])
+    plain = micro_batch_tensors(b)
+    padded = micro_batch_tensors(b, min_shape=(3, 7), pad_to_multiple_of=2)
+    assert padded.tokens.shape == (3, 8)  # 7 positions, to a multiple of 2
+    assert padded.tokens[:2, :5].tolist() == plain.tokens.tolist() and not padded.tokens[2].any()
+    # The same response tokens, at their rows in the wider layout; nothing of the filler row.
+    assert padded.targets.tolist() == plain.targets.tolist()
+    flat = padded.tokens.reshape(-1)
+    assert flat[padded.response_index + 1].tolist() == padded.targets.tolist()
+    assert padded.total_lengths == [5, 3] and padded.response_lengths == [3, 2]
+    assert padded.num_tokens == plain.num_tokens == 8
+    # No real query attends to a padding key; the filler row attends to nothing.
+    assert padded.attention_mask[2, 0].all()
+    assert padded.attention_mask[0, 0, 4, 5:].all() and not padded.attention_mask[0, 0, 4, :5].any()
+    # A larger own shape wins.
+    assert micro_batch_tensors(b, min_shape=(1, 2)).tokens.shape == (2, 5)
+
+
 def test_split_steps_keeps_rollouts_together() -> None:
     samples = make_samples([(1, 1)] * 6, rollout_ids=[0, 0, 1, 2, 2, 3])
     b = build_train_batch(samples, rewards=[0.0] * 6, per_rollout_loss_mean=True)

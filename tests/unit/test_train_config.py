@@ -55,8 +55,6 @@ def test_every_field_has_help_text_and_a_default() -> None:
         (AlgorithmConfig, {"save_interval": 5}, "--save-interval"),
         (AlgorithmConfig, {"save_interval": 0, "save": "/x"}, "--save-interval"),
         (MegatronConfig, {"bf16": True, "fp16": True}, "--fp16"),
-        (MegatronConfig, {"context_parallel_size": 2}, "--context-parallel-size"),
-        (MegatronConfig, {"expert_model_parallel_size": 2}, "--expert-model-parallel-size"),
         (MegatronConfig, {"recompute_granularity": "full"}, "--recompute-granularity"),
         (MegatronConfig, {"recompute_method": "uniform"}, "--recompute-method"),
         (MegatronConfig, {"num_attention_heads": 8, "num_query_groups": 3}, "--num-query-groups"),

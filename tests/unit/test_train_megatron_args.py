@@ -558,8 +558,10 @@ def test_architecture_flags_are_checked_against_the_hf_config() -> None:
 # --- parallel sizes, per-token loss, and flags of other slices ------------------------------
 
 
-def test_context_parallelism_is_refused() -> None:
-    refused(["--context-parallel-size", "2"], "--context-parallel-size", "not supported")
+def test_context_parallelism_reaches_megatron() -> None:
+    # What it builds is tests/unit/test_train_context_parallel.py's; slime's DSA-only layout is refused.
+    assert transformer(parse("--context-parallel-size", "2")).context_parallel_size == 2
+    refused(["--allgather-cp"], "--allgather-cp", "DeepSeek sparse-attention")
 
 
 # --- mixture of experts and multi-latent attention -----------------------------------------
@@ -721,8 +723,9 @@ def test_what_cpu_ranks_cannot_run_is_refused() -> None:
         "alltoall",
     )
     assert moe_transformer(parse(*cpu_ep)).expert_model_parallel_size == 2
-    # Expert parallelism needs a dispatcher that takes uneven token counts per rank.
-    refused(["--expert-model-parallel-size", "2"], "--expert-model-parallel-size", "alltoall")
+    # Megatron's default allgather dispatcher too: the ranks pad their micro-batches to one shape.
+    allgather = moe_transformer(parse("--cpu-devices", "2", "--expert-model-parallel-size", "2"))
+    assert allgather.moe_token_dispatcher_type == "allgather" and allgather.expert_model_parallel_size == 2
     refused(["--moe-router-group-topk", "1"], "--moe-router-group-topk", "--moe-router-num-groups")
     with pytest.raises(ConfigError, match="TE's GroupedLinear"):
         check_capabilities(
@@ -798,10 +801,10 @@ PROBES: dict[str, list[Probe]] = {
     "--pipeline-model-parallel-size": [flag("--pipeline-model-parallel-size", "2")],
     "--decoder-first-pipeline-num-layers": [flag("--decoder-first-pipeline-num-layers", "1", base=PP2)],
     "--decoder-last-pipeline-num-layers": [flag("--decoder-last-pipeline-num-layers", "1", base=PP2)],
-    "--context-parallel-size": [flag("--context-parallel-size", "2", expect="refused")],
+    "--context-parallel-size": [flag("--context-parallel-size", "2")],
     "--expert-model-parallel-size": [
         flag("--expert-model-parallel-size", "2", base=("--moe-token-dispatcher-type", "alltoall"), arch=MOE),
-        flag("--expert-model-parallel-size", "2", expect="refused", arch=MOE),
+        flag("--expert-model-parallel-size", "2", arch=MOE),
         flag(
             "--expert-model-parallel-size",
             "2",
@@ -1090,7 +1093,7 @@ def test_every_megatron_flag_reaches_megatron_or_is_refused() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--context-parallel-size", "2"], "--context-parallel-size=2:"),
+        (["--allgather-cp"], "--allgather-cp=True:"),
         (["--cpu-devices", "2", "--bf16", "--attention-backend", "fused"], "--attention-backend='fused':"),
         (["--cpu-devices", "2", "--offload-train"], "--offload-train=True:"),
         (["--lambd", "0.9"], "--lambd=0.9:"),
@@ -1115,7 +1118,6 @@ def test_plan_and_run_refuse_alike(argv: list[str], message: str, capsys: pytest
             ["--rotary-percent", "1.0"],
             "--rotary-percent=1.0: the Hugging Face config (glm4) has 0.5",
         ),
-        ({"model_type": "glm4"}, ["--context-parallel-size", "2"], "--context-parallel-size=2:"),
         (
             {"model_type": "llama"},
             ["--rotary-interleaved"],

@@ -24,8 +24,20 @@ from tether.train import export, model, parallel, step
 from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.hf_convert import HFWeights
 
-# layout -> (TP, PP, EP); EP=2 (MoE families only) dispatches tokens with Megatron's alltoall.
-LAYOUTS = {"dp2": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
+# layout -> (TP, PP, EP, CP); EP=2 (MoE families only) dispatches tokens with Megatron's alltoall,
+# and "ep2ag" with its allgather dispatcher (the families in ALLGATHER_EP only; every rank's
+# micro-batches padded to the same shape); CP=2 (context parallelism) runs CONTEXT_PARALLEL only.
+LAYOUTS = {
+    "dp2": (1, 1, 1, 1),
+    "tp2": (2, 1, 1, 1),
+    "pp2": (1, 2, 1, 1),
+    "ep2": (1, 1, 2, 1),
+    "ep2ag": (1, 1, 2, 1),
+    "cp2": (1, 1, 1, 2),
+}
+ALLGATHER_EP = ("qwen3_moe",)
+# Dense attention, MLA + MoE, and a trained MTP layer (its labels rolled across the CP ranks).
+CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp")
 MOE_ARCHES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 # Family name -> TinyModelSpec fields (tether init-model's families).
 FAMILIES: dict[str, dict[str, object]] = {
@@ -100,7 +112,7 @@ CONFIG_CHANGES: dict[str, dict[str, object]] = {
 # Families also trained for two SFT steps per layout: loss and grad norm at TP=2 (with sequence
 # parallelism) and PP=2 must equal DP=2's (experts' TP shards counted once, MLA's shared RoPE key
 # summed over TP, GLM-4's sequence-parallel output norms' gradients summed over TP).
-TRAINED = ("qwen3_moe", "deepseek_v3", "glm4", "mimo_mtp", "mimo_mtp_frozen")
+TRAINED = ("qwen3_moe", "deepseek_v3", "glm4", "mimo_mtp", "mimo_mtp_frozen", "qwen3")
 # Families built with --sequence-parallel at TP=2: MoE (Megatron requires it) and GLM-4 (slime's
 # GLM-4-9B script runs with it).
 SEQUENCE_PARALLEL = ("glm4",)
@@ -173,12 +185,12 @@ def make_models(root: Path, families: list[str]) -> dict[str, Path]:
     return common.make_models(root, families=chosen, config_changes=CONFIG_CHANGES)
 
 
-def reinit(tp: int, pp: int, ep: int) -> parallel.Topology:
+def reinit(tp: int, pp: int, ep: int, cp: int = 1) -> parallel.Topology:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return parallel.init_distributed(tp, pp, seed=1234, expert_parallel=ep)
+    return parallel.init_distributed(tp, pp, seed=1234, expert_parallel=ep, context_parallel=cp)
 
 
 def round_trip(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> dict[str, object]:
@@ -253,15 +265,19 @@ def main() -> None:
     if rank == 0:
         make_models(work / "models", families)
     topo = None
-    for layout, (tp, pp, ep) in LAYOUTS.items():
-        topo = reinit(tp, pp, ep)
+    for layout, (tp, pp, ep, cp) in LAYOUTS.items():
+        topo = reinit(tp, pp, ep, cp)
         dist.barrier()
         models = make_models(work / "models", families)
         for family, hf_dir in models.items():
             # Megatron runs MoE layers at TP > 1 with sequence parallelism (the local norms accept it).
             moe = FAMILIES[family]["arch"] in MOE_ARCHES
             sequence_parallel = (moe or family in SEQUENCE_PARALLEL) and tp > 1
-            if ep > 1 and not moe:
+            if (
+                (ep > 1 and not moe)
+                or (cp > 1 and family not in CONTEXT_PARALLEL)
+                or (layout == "ep2ag" and family not in ALLGATHER_EP)
+            ):
                 continue
             opts = model.ModelOptions(
                 hf_checkpoint=str(hf_dir),
@@ -274,7 +290,8 @@ def main() -> None:
                     pipeline_model_parallel_size=pp,
                     sequence_parallel=sequence_parallel,
                     expert_model_parallel_size=ep,
-                    moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
+                    context_parallel_size=cp,
+                    moe_token_dispatcher_type="alltoall" if layout == "ep2" else "allgather",
                     **MTP_FLAGS.get(family, {}),  # type: ignore[arg-type]
                 ),
             )

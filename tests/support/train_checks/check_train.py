@@ -1,7 +1,7 @@
 """torchrun --nproc-per-node 2 check_train.py WORK_DIR PHASE: train steps, log-probs, checkpoints.
 
-PHASE "train": SFT steps at TP=2, PP=2 and DP=2 (distributed optimizer) on a fixed batch (the
-loss must fall); log-probs of one batch in every layout; at TP=2 also chunked log-probs and one
+PHASE "train": SFT steps at TP=2, PP=2, DP=2 (distributed optimizer) and CP=2 (context parallelism)
+on a fixed batch (the loss must fall); log-probs of one batch in every layout; at TP=2 also chunked log-probs and one
 CISPO step with slime-style TIS/reducer hooks (`rl_run`); at DP=2 a checkpoint after step 1 of 3,
 the final weights recorded, then a half-written save left behind (a crash).
 PHASE "resume": a fresh job loads that checkpoint (skipping the broken one), trains steps 2-3,
@@ -34,19 +34,25 @@ def options(hf_dir: Path, **megatron: object) -> model.ModelOptions:
     )
 
 
-def reinit(tp: int, pp: int) -> parallel.Topology:
+def reinit(tp: int, pp: int, cp: int = 1) -> parallel.Topology:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return parallel.init_distributed(tp, pp, seed=1234)
+    return parallel.init_distributed(tp, pp, seed=1234, context_parallel=cp)
 
 
 def sft_run(
     hf_dir: Path, topo: parallel.Topology, results: common.Results, layout: str, distopt: bool, work: Path
 ) -> None:
-    opts = options(hf_dir, use_distributed_optimizer=distopt, clip_grad=1.0)
+    opts = options(
+        hf_dir, use_distributed_optimizer=distopt, clip_grad=1.0, context_parallel_size=topo.cp_size
+    )
     actor = model.build_actor(opts, topo)
+    attention = {
+        type(m).__name__ for m in actor.chunks[0].modules() if "DotProductAttention" in type(m).__name__
+    }
+    results.set(f"{layout}/attention", sorted(attention))
     batch = common.make_batch(8, seed=5)
     shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
     lp, ent = step.compute_log_probs(
@@ -168,12 +174,13 @@ def main() -> None:
         common.make_models(work / "models")
     dist_ready = False
     if phase == "train":
-        for layout, (tp, pp, distopt) in {
-            "tp2": (2, 1, False),
-            "pp2": (1, 2, False),
-            "dp2": (1, 1, True),
+        for layout, (tp, pp, cp, distopt) in {
+            "tp2": (2, 1, 1, False),
+            "pp2": (1, 2, 1, False),
+            "dp2": (1, 1, 1, True),
+            "cp2": (1, 1, 2, False),
         }.items():
-            topo = reinit(tp, pp)
+            topo = reinit(tp, pp, cp)
             if not dist_ready:
                 dist.barrier()
                 dist_ready = True

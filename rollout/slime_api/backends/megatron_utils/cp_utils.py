@@ -2,9 +2,10 @@
 (slime's examples/train_infer_mismatch_helper/mis.py imports `all_gather_with_cp` and
 `slice_log_prob_with_cp`).
 
-tether trains with a context-parallel size of 1 (it refuses more), so a rank always holds every
-response token of its samples: gathering a sample's response over the CP group and slicing this
-rank's share of it both give the tensor back unchanged.
+Under context parallelism tether hands the loss (and these hooks) every response token of a sample
+on every CP rank (`tether.train.context_parallel.full_response`), not a rank's share as slime does:
+gathering a sample's response over the CP group and slicing "this rank's share" of what the hook
+computed both give the tensor back unchanged, and the loss stays over whole responses.
 """
 
 from __future__ import annotations
