@@ -104,6 +104,21 @@ def _configure(sock: zmq.Socket[Any], max_message_bytes: int, *, sndhwm: int, rc
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
 
 
+def _open_compact(codec: Codec, whole: memoryview, max_bytes: int) -> tuple[Envelope, SealHeader] | str:
+    """A compact (one-frame) message opened, or why it is dropped: "short" (no room for a seal),
+    "oversized", "malformed" or "unauthenticated". Shared by the server's and the caller's side."""
+    size = whole.nbytes
+    if size <= COMPACT_SEAL_BYTES:
+        return "short"
+    if size > max_bytes:
+        return "oversized"
+    try:
+        opened = codec.open_compact(whole)
+    except MalformedMessage:
+        return "malformed"
+    return "unauthenticated" if opened is None else opened
+
+
 def _log_drop(owner: str, what: str, count: int, peer: str) -> None:
     # Only at counts 1, 2, 4, 8, ...: a flood of bad messages cannot flood the log.
     if count & (count - 1) == 0:
@@ -375,19 +390,12 @@ class RpcServer:
     def _receive_compact(self, identity: bytes, whole: memoryview) -> None:
         """A message in the compact form: one frame, no arrays, never large."""
         size = whole.nbytes
-        if size <= COMPACT_SEAL_BYTES:  # too short to hold a seal
-            self.dropped_malformed += 1
-            return
-        if size > self.max_message_bytes:
-            self._drop("oversized", identity)
-            return
-        try:
-            opened = self._codec.open_compact(whole)
-        except MalformedMessage:
-            self.dropped_malformed += 1
-            return
-        if opened is None:
-            self._drop("unauthenticated", identity)
+        opened = _open_compact(self._codec, whole, self.max_message_bytes)
+        if isinstance(opened, str):
+            if opened in ("short", "malformed"):
+                self.dropped_malformed += 1
+            else:
+                self._drop(opened, identity)
             return
         env, header = opened
         if env.kind == Kind.HELLO and header[0] == _CALL:
@@ -887,17 +895,12 @@ class ActorHandle:
 
     def _on_compact(self, whole: memoryview) -> None:
         """A message in the compact form: one frame, no arrays, never large."""
-        size = whole.nbytes
-        if size <= COMPACT_SEAL_BYTES or size > self.max_message_bytes:
-            self.dropped_malformed += 1
-            return
-        try:
-            opened = self._codec.open_compact(whole)
-        except MalformedMessage:
-            self.dropped_malformed += 1
-            return
-        if opened is None:
-            self._drop("unauthenticated")
+        opened = _open_compact(self._codec, whole, self.max_message_bytes)
+        if isinstance(opened, str):
+            if opened == "unauthenticated":
+                self._drop("unauthenticated")
+            else:
+                self.dropped_malformed += 1
             return
         env, header = opened
         if self._hello_nonce is not None and header[1] == self._hello_nonce and header[0] == _REPLY:
