@@ -139,6 +139,10 @@ def choose_tokens(
         # milliseconds over a 150k vocabulary).
         kept = sorted_probs * keep
         cdf = kept.cumsum(dim=-1)
+        bad = ~(torch.isfinite(cdf[:, -1]) & (cdf[:, -1] > 0))
+        if bool(bad.any()):  # non-finite logits (poisoned weights): no distribution to sample from
+            rows = [sampled[int(r)] for r in torch.nonzero(bad).flatten()]
+            raise ValueError(f"rows {rows}: the sampling distribution is not finite (inf/NaN logits)")
         draws = torch.stack([torch.rand((), generator=generators[i]) for i in sampled]).view(-1, 1)
         position = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True)
         position = torch.minimum(position, keep.sum(dim=-1, keepdim=True) - 1)  # float round-off

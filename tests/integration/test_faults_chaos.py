@@ -139,6 +139,8 @@ def test_chaos_every_step_once(ws: Workspace, tmp_path: Path, run_dir: Path) -> 
         wait_for("the second restart", lambda: count(run, "engine_restarted") >= 2, proc)
         before = live_steps(run)
         wait_for("a step on the new engines", lambda: live_steps(run) > before, proc)
+        # The next attempt resumes from a checkpoint: let the first (--save-interval 3) land.
+        wait_for("the first checkpoint", lambda: count(run, "checkpoint") >= 1, proc)
         (rank,) = [p for p in descendants(proc.pid, ["-u", "-m", "tether.train.worker"])][-1:]
         rank.kill()
         killed_rank_at = time.time()

@@ -128,6 +128,11 @@ def test_sampled_tokens_follow_the_filtered_distribution_and_each_rows_seed() ->
     mixed_gens = [torch.Generator().manual_seed(99), torch.Generator().manual_seed(7)]
     mixed = choose_tokens(logits[:2], [SamplingParams(temperature=1.0)] * 2, mixed_gens, False)
     assert mixed.tokens[1] == alone.tokens[0]
+    # NaN logits (poisoned weights) have no distribution: the sampler refuses, naming the row.
+    poisoned = logits[:2].clone()
+    poisoned[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[1\]"):
+        choose_tokens(poisoned, [SamplingParams(temperature=1.0)] * 2, mixed_gens, False)
 
 
 def test_tensor_payload_round_trip_and_restricted_unpickler() -> None:
