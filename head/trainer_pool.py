@@ -364,7 +364,7 @@ class TrainerPool:
         # from the weights before the rollout's first step, so a later step's importance ratio is
         # against the policy that generated the rollout. R2 routing replay records the routing in
         # the log-prob pass the next step replays, so there each step's pass runs right before it.
-        r2 = self.cfg.algorithm.use_routing_replay and not self.cfg.algorithm.use_rollout_routing_replay
+        r2 = self.cfg.algorithm.records_routing_per_step
         if not r2:
             for step in steps:
                 await self._attach_log_probs(step)

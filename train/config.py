@@ -545,6 +545,12 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         """Whether a step needs the frozen reference model's log-probs."""
         return self.use_kl_loss or self.kl_coef != 0
 
+    @property
+    def records_routing_per_step(self) -> bool:
+        """R2 routing replay (--use-routing-replay without R3): the actor's log-prob pass records
+        the routing its training step replays, so that pass runs right before every step."""
+        return self.use_routing_replay and not self.use_rollout_routing_replay
+
 
 def _check_opd(cfg: AlgorithmConfig) -> None:
     """slime's checks of the on-policy distillation flags, and tether's: no OPD flag goes unused."""

@@ -66,6 +66,16 @@ def current() -> CPLayout:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _global_order(local: int, size: int) -> torch.Tensor:
+    """Where each global position sits among the CP ranks' shares laid end to end (rank order):
+    the index that puts an all-gather back in position order. Cached: every layer asks per pass."""
+    order = torch.cat([positions(local * size, size, r) for r in range(size)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return inverse
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather along dim `dim` into global position order; backward: the gradients every rank
     computed for this rank's positions, summed (all-reduce, which gloo has; then this rank's rows)."""
@@ -75,10 +85,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.dim, ctx.layout = dim, layout
         parts = [torch.empty_like(x) for _ in range(layout.size)]
         dist.all_gather(parts, x.contiguous(), group=layout.group)
-        local = x.shape[dim]
-        order = torch.cat([positions(local * layout.size, layout.size, r) for r in range(layout.size)])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
+        inverse = _global_order(int(x.shape[dim]), layout.size)
         return torch.cat(parts, dim=dim).index_select(dim, inverse.to(x.device))
 
     @staticmethod

@@ -345,7 +345,7 @@ def rollout_steps(
     models: list[LogProbModel] = []
     # R2 (routing replay without R3) records the routing in the actor's log-prob forward, which
     # therefore runs before every step, as in slime.
-    r2 = algorithm.use_routing_replay and not algorithm.use_rollout_routing_replay
+    r2 = algorithm.records_routing_per_step
     # --keep-old-actor: the old log-probs always come from the old actor's weights (as in slime).
     old_actor = algorithm.keep_old_actor
     # --get-mismatch-metrics: the trainer's old log-probs, against the engines', every step (slime's).

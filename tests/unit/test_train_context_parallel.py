@@ -113,3 +113,11 @@ def test_world_must_divide_by_tp_pp_cp() -> None:
     with pytest.raises(ConfigError):
         cfg.megatron.data_parallel_size(3)
     assert np.all(context_parallel.positions(8, 1, 0).numpy() == np.arange(8))
+
+
+def test_the_gathered_shares_go_back_to_position_order() -> None:
+    # What each rank holds, laid end to end in rank order (an all-gather), then reordered.
+    for size in (2, 3):
+        shares = torch.cat([context_parallel.positions(12 * size, size, r) for r in range(size)])
+        inverse = context_parallel._global_order(12, size)
+        assert shares.index_select(0, inverse).tolist() == list(range(12 * size))
