@@ -334,7 +334,10 @@ def _load() -> str:
 def main(args: argparse.Namespace) -> int:
     from tether.job import run_job
     from tether.plot import plot_run
+    from tether.process_threads import one_torch_thread
     from tether.runtime.loop import run
+
+    one_torch_thread()  # this process is the runs' head
 
     started = time.monotonic()
     out: Path = args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,7 +48,6 @@ from tether.runtime.secret import SECRET_ENV, new_secret, secret_from_env
 from tether.runtime.signals import StopRequest, StopRequested, handle_signals
 from tether.runtime.supervisor import LOCAL, Heartbeat, Supervisor
 from tether.sync.ledger import VersionLedger
-from tether.sync.local_store import LocalCheckpointStore
 from tether.train.checkpoint_layout import StartChoice, StartKind, save_hf_path, start_attempts
 from tether.train.config import AlgorithmConfig
 from tether.train.protocol import LoadedState
@@ -71,6 +70,28 @@ async def _start_trainers(stack: contextlib.AsyncExitStack, pools: list[TrainerP
         async with asyncio.TaskGroup() as tg:
             for pool in pools:
                 tg.create_task(start(pool))
+    except* Exception as group:  # the first failure as the user needs it, not the task group
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from group
+
+
+def overlap_start(cfg: Config) -> bool:
+    """Whether the engines (and the rollout manager after them) start while the trainer ranks
+    start: each side is mostly its processes' imports and model loads, and the trainers need
+    nothing of the engines' until the first weight sync. Not under --colocate (both sides would
+    take the same devices' memory at once), nor where --num-epoch counts the rollouts the
+    trainers' LR schedule needs first."""
+    return not cfg.cluster.colocate and not counts_epochs(cfg)
+
+
+async def _concurrently(*starts: Coroutine[Any, Any, None]) -> None:
+    """Run `starts` at once; the first failure cancels the others and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for start in starts:
+                tg.create_task(start)
     except* Exception as group:  # the first failure as the user needs it, not the task group
         first: BaseException = group
         while isinstance(first, BaseExceptionGroup):
@@ -227,6 +248,9 @@ class Steps:
             ws = self.cfg.weight_sync
             if ws.update_weight_mode == "delta":
                 assert ws.update_weight_local_checkpoint_dir is not None
+                # Imported here: its module imports torch, which the head's start-up does not need.
+                from tether.sync.local_store import LocalCheckpointStore
+
                 current = LocalCheckpointStore(Path(ws.update_weight_local_checkpoint_dir)).current_path()
                 if current is None:
                     raise RuntimeError(
@@ -445,36 +469,62 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                 run_dir.event("agents_ready", nodes=remote)
             engines: EnginePool | None = None
             router: Router | None = None
-            if not cfg.debug.debug_train_only:
-                progress.phase("starting engines")
-                engines = await stack.enter_async_context(
-                    EnginePool(sup, plan, cfg, run_dir, names, api_key=engine_key)
-                )
-                router_url = await engines.start_sglang_router() if cfg.rollout.use_sglang_router else None
-                router = Router.from_config(
-                    cfg.rollout, engines.urls, router_url=router_url, api_key=engine_key
-                )
             rollouts: RolloutManager | None = None
-            if counts_epochs(cfg):
+            trainer: TrainerPool | None = None
+            # Three stacks, entered in this order, so they close as a serial start would: the
+            # rollout manager first, then the trainers (whose shut-down still tells the engines
+            # to drop the weight-update group), then the engines.
+            engine_stack = await stack.enter_async_context(contextlib.AsyncExitStack())
+            trainer_stack = await stack.enter_async_context(contextlib.AsyncExitStack())
+            rollout_stack = await stack.enter_async_context(contextlib.AsyncExitStack())
+
+            async def start_rollout_side() -> None:
+                nonlocal engines, router, rollouts
+                if not cfg.debug.debug_train_only:
+                    progress.phase("starting engines")
+                    pool = await engine_stack.enter_async_context(
+                        EnginePool(sup, plan, cfg, run_dir, names, api_key=engine_key)
+                    )
+                    engines = pool
+                    router_url = await pool.start_sglang_router() if cfg.rollout.use_sglang_router else None
+                    router = Router.from_config(
+                        cfg.rollout, pool.urls, router_url=router_url, api_key=engine_key
+                    )
+                if overlap:  # else after the trainers, as before
+                    rollouts = await rollout_stack.enter_async_context(RolloutManager(cfg, router))
+
+            async def start_trainer_side(into: contextlib.AsyncExitStack) -> None:
+                nonlocal trainer
+                if cfg.debug.debug_rollout_only:
+                    return
+                progress.phase("starting trainer")
+                trainer = TrainerPool(sup, plan, cfg, run_dir, secret, names, engine_key=engine_key)
+                if plan.train_group("critic") is not None:  # --advantage-estimator ppo
+                    trainer.critic = TrainerPool(sup, plan, cfg, run_dir, secret, names, role="critic")
+                await _start_trainers(into, [p for p in (trainer.critic, trainer) if p is not None])
+
+            overlap = overlap_start(cfg)
+            if overlap:
+                await _concurrently(start_rollout_side(), start_trainer_side(trainer_stack))
+            else:
+                await start_rollout_side()
+            if not overlap and counts_epochs(cfg):
                 # --num-epoch without --num-rollout: slime counts the rollouts from the loaded
                 # prompts before its trainer starts, which needs the LR schedule's horizon. The
                 # prompts load here, once; the trainers, the loop and the receipt get the count.
-                rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
+                # Before the trainers, and closed after them, as in a serial start.
+                rollouts = await trainer_stack.enter_async_context(RolloutManager(cfg, router))
                 cfg = await _count_epochs(cfg, rollouts, run_dir, plan, argv)
                 progress.set_total(cfg.data.num_rollout or 0, 0)
                 progress.message(
                     f"--num-epoch {cfg.data.num_epoch}: {cfg.data.num_rollout} rollouts, "
                     f"--train-iters {cfg.megatron.train_iters}"
                 )
-            trainer: TrainerPool | None = None
-            if not cfg.debug.debug_rollout_only:
-                progress.phase("starting trainer")
-                trainer = TrainerPool(sup, plan, cfg, run_dir, secret, names, engine_key=engine_key)
-                if plan.train_group("critic") is not None:  # --advantage-estimator ppo
-                    trainer.critic = TrainerPool(sup, plan, cfg, run_dir, secret, names, role="critic")
-                await _start_trainers(stack, [p for p in (trainer.critic, trainer) if p is not None])
+            if not overlap:
+                await start_trainer_side(rollout_stack if rollouts is not None else trainer_stack)
             if rollouts is None:
-                rollouts = await stack.enter_async_context(RolloutManager(cfg, router))
+                rollouts = await rollout_stack.enter_async_context(RolloutManager(cfg, router))
+            assert rollouts is not None  # mypy: set by a start above
             steps = Steps(cfg, run_dir, trainer, engines, rollouts, sink, progress, notifier)
             steps.stop_request = stop
             holder.append(steps)

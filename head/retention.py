@@ -11,11 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tether.config import Config
 from tether.run_dir import RunDir
-from tether.train.checkpoint_retention import DeletedCheckpoint, prune_checkpoints, resolve_protected
-from tether.train.critic_work import critic_checkpoint_dir
+
+if TYPE_CHECKING:
+    from tether.train.checkpoint_retention import DeletedCheckpoint
+
+# The policy's modules are imported where used: they import torch (tether.train.checkpoint),
+# ~1.5 s of the head's start-up that a run without --keep-last/--keep-every never needs.
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +39,20 @@ class CheckpointRetention:
         )
         # Resolved now: once the run saves into a --load that is also --save, "what --load names"
         # would move to the newest checkpoint; the one the run started from is what stays protected.
-        self.protected: set[Path] = resolve_protected([alg.load, alg.ref_load]) if self.enabled else set()
+        self.protected: set[Path] = set()
+        if self.enabled:
+            from tether.train.checkpoint_retention import resolve_protected
+
+            self.protected = resolve_protected([alg.load, alg.ref_load])
 
     async def prune(self) -> list[DeletedCheckpoint]:
         """Delete what the policy no longer keeps; never raises for a filesystem error (the run
         goes on with more checkpoints on disk, and says so in events.jsonl)."""
         if not self.enabled or self.save_dir is None:
             return []
+        from tether.train.checkpoint_retention import prune_checkpoints
+        from tether.train.critic_work import critic_checkpoint_dir
+
         # The PPO critic's checkpoints (`--save/critic/iter_N`) follow the actor's policy.
         critic = critic_checkpoint_dir(self.save_dir)
         deleted: list[DeletedCheckpoint] = []

@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import EllipsisType
 from typing import Any
@@ -283,11 +283,13 @@ async def generate_one(
     params: dict[str, Any],
     *,
     max_context_len: int | EllipsisType | None = ...,
+    batch_key: Hashable | None = None,
 ) -> Sample:
     """The default generate: continue `sample` on an engine by one segment until it stops or is aborted.
 
     `max_context_len`: the cap on prompt plus response tokens (default: --rollout-max-context-len;
-    evaluation passes its own)."""
+    evaluation passes its own). `batch_key`: the samples generated together under one key (a
+    group's) reach their engine in one batched request (Router.generate)."""
     cfg = ctx.rollout
     context_cap = cfg.rollout_max_context_len if max_context_len is ... else max_context_len
     if ctx.stop.is_set():
@@ -306,7 +308,11 @@ async def generate_one(
     routing = rollout_routing(ctx)
     try:
         _, resp = await ctx.router.generate(
-            sample.tokens, params, routing_key=sample.session_id, return_routed_experts=routing is not None
+            sample.tokens,
+            params,
+            routing_key=sample.session_id,
+            return_routed_experts=routing is not None,
+            batch_key=batch_key,
         )
     except (EngineUnavailable, NoEngineError) as exc:
         if not ctx.fault_tolerant:
@@ -347,10 +353,12 @@ async def generate_sample(
     evaluation: bool = False,
     generate_hook: tuple[Callable[..., Any], str] | EllipsisType | None = ...,
     max_context_len: int | EllipsisType | None = ...,
+    batch_key: Hashable | None = None,
 ) -> list[Sample]:
     """One sample through the custom generate hook (checked) or the default generate.
 
-    `evaluation` reaches a slime-API hook whose signature takes it, as slime passes it."""
+    `evaluation` reaches a slime-API hook whose signature takes it, as slime passes it;
+    `batch_key` reaches the default generate."""
     hook = ctx.generate_hook if generate_hook is ... else generate_hook
     if hook is not None:
         if ctx.stop.is_set():
@@ -359,7 +367,7 @@ async def generate_sample(
         fn, path = hook
         out = await call_generate_hook(fn, path, ctx.args, sample, params, evaluation=evaluation)
     else:
-        out = [await generate_one(ctx, sample, params, max_context_len=max_context_len)]
+        out = [await generate_one(ctx, sample, params, max_context_len=max_context_len, batch_key=batch_key)]
     for fn, path in ctx.sample_hooks:  # --rollout-sample-hook-path, in order, before the reward
         out = [
             await call_sample_hook(fn, path, ctx.args, s, rollout_id=s.rollout_id, evaluation=evaluation)
@@ -386,7 +394,9 @@ async def generate_group(
     """Generate every unfinished sample of a group concurrently, then score the group (unless aborted).
 
     Evaluation datasets pass their own `generate_hook`, `reward_model` and `max_context_len`
-    (default: the rollout's)."""
+    (default: the rollout's). The group's prompts go to an engine in one batched request: the
+    group is scored only once its last sample is back, so none of them waits for anything more."""
+    batch_key = object()
     async with asyncio.TaskGroup() as tg:
         tasks = [
             (
@@ -399,6 +409,7 @@ async def generate_group(
                         evaluation=evaluation,
                         generate_hook=generate_hook,
                         max_context_len=max_context_len,
+                        batch_key=batch_key,
                     )
                 )
                 if _unfinished(s)

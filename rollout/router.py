@@ -18,7 +18,7 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -93,8 +93,12 @@ class Router:
         concurrency_per_engine: int = 512,
         clock: Callable[[], float] = time.monotonic,
         engineless: str | None = None,
+        batch_requests: bool = True,
     ) -> None:
         self.policy: RoutingPolicy = policy
+        self.batch_requests = batch_requests
+        """Requests under one batch key go to their engine together (see `generate`); off in front
+        of the sglang-router, whose per-request balancing tether does not second-guess."""
         self.engineless = engineless
         """Why no engine will ever be routed (a run without engines): asking for one fails at once
         with this reason instead of waiting for an engine that never comes."""
@@ -130,7 +134,7 @@ class Router:
                 request_timeout=timeout,
                 api_key=api_key,
             )
-            return cls([client], policy="round_robin", concurrency_per_engine=total)
+            return cls([client], policy="round_robin", concurrency_per_engine=total, batch_requests=False)
         clients = [
             EngineClient(
                 url,
@@ -228,9 +232,12 @@ class Router:
         return_logprob: bool = True,
         rid: str | None = None,
         return_routed_experts: bool = False,
+        batch_key: Hashable | None = None,
     ) -> tuple[str, GenerateResponse]:
         """Generate on the chosen engine; returns (engine name, response). `return_routed_experts`:
-        the MoE experts each token was routed to come back too (--use-rollout-routing-replay)."""
+        the MoE experts each token was routed to come back too (--use-rollout-routing-replay).
+        `batch_key`: requests under one key made together reach their engine in one batched call
+        (EngineClient.generate); each still counts as one request here."""
         slot = self._pick_slot(routing_key)
         rid = rid or new_request_id()
         async with self._occupy(slot, rid):
@@ -241,6 +248,7 @@ class Router:
                 return_logprob=return_logprob,
                 routing_key=routing_key,
                 return_routed_experts=return_routed_experts,
+                batch_key=batch_key if self.batch_requests else None,
             )
         return slot.client.name, response
 

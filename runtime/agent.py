@@ -8,7 +8,9 @@ and exits. On a single machine the head runs the same `NodeAgent` class inside i
 
 Every process runs under `tether.runtime.shim` in its own session and process group, with
 its output in `<run_dir>/logs/<name>.log`, and with its gloo and NCCL sockets on the interface
-holding its node's planned address (`ProcessSpec.address`, see runtime/netif.py).
+holding its node's planned address (`ProcessSpec.address`, see runtime/netif.py). A process
+whose spec sets `zygote` is forked instead from the agent's zygote (runtime/zygote.py, started
+with the agent), which stands in for the shim; when the zygote cannot start it, it is spawned.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tether.runtime.liveness import LivenessMonitor
 from tether.runtime.netif import socket_ifname_env
 from tether.runtime.process import ExitInfo, ProcessSpec, log_path, read_log_tail
 from tether.runtime.secret import SECRET_ENV, secret_to_env
+from tether.runtime.zygote_client import ZYGOTE_LOG, ZygoteChild, ZygoteClient, ZygoteUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def _command_pid(shim_pid: int) -> int:
 @dataclass
 class _Child:
     spec: ProcessSpec
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ZygoteChild  # the shim, or the command forked by the zygote
     log: Path
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     info: ExitInfo | None = None
@@ -88,7 +91,9 @@ class NodeAgent:
 
     Use as `async with NodeAgent(...) as agent:`; leaving the block stops every process
     (SIGTERM, `grace` seconds, SIGKILL to the process group). Public async methods are the
-    agent's RPC interface.
+    agent's RPC interface. With `zygote`, the first start of a spec that sets `zygote` launches
+    the zygote (a run that starts no such process pays nothing for it); leaving stops it after
+    the processes, within `grace` + 5 s.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class NodeAgent:
         inventory: InventoryProvider | None = None,
         grace: float = 10.0,
         bind_host: str = "127.0.0.1",
+        zygote: bool = True,
     ) -> None:
         self.node = node
         self.run_dir = Path(run_dir)
@@ -111,6 +117,8 @@ class NodeAgent:
         self._inventory = inventory or (lambda: default_inventory(node, bind_host))
         self._children: dict[str, _Child] = {}
         self._tg: asyncio.TaskGroup | None = None
+        self._use_zygote = zygote
+        self.zygote: ZygoteClient | None = None
         self.shutdown_requested = asyncio.Event()
 
     async def __aenter__(self) -> NodeAgent:
@@ -122,6 +130,8 @@ class NodeAgent:
     async def __aexit__(self, *exc_info: Any) -> None:
         try:
             await self.stop_all(self.grace)
+            if self.zygote is not None:
+                await self.zygote.close(self.grace + 5.0)
         finally:
             tg, self._tg = self._tg, None
             if tg is not None:
@@ -132,16 +142,21 @@ class NodeAgent:
         return self._inventory()
 
     async def processes(self) -> dict[str, int]:
-        """Name → pid (of the shim, which leads the process group) of every running process."""
+        """Name → pid of every running process: of its shim, or of the command itself when the
+        zygote forked it (either leads the process group)."""
         return {name: child.proc.pid for name, child in self._children.items()}
 
     async def start_process(self, spec: ProcessSpec) -> int:
-        """Start `spec` under the shim; return the shim's pid (= its process group id)."""
+        """Start `spec` under the shim, or forked from the zygote (`spec.zygote`); return the
+        pid that leads its process group (the shim's, or the forked command's)."""
         spec.validate()
         if self._tg is None:
             raise RuntimeError(f"agent {self.node!r} is not running")
         if spec.name in self._children:
             raise ValueError(f"process name {spec.name!r} is already running on node {self.node!r}")
+        if spec.zygote and self._use_zygote and self.zygote is None:
+            self.zygote = ZygoteClient(log=self.run_dir / "logs" / ZYGOTE_LOG, grace=self.grace)
+            self.zygote.launch()  # its imports overlap the rest of this start
         env = {**os.environ, **spec.env}
         # Collectives on the node's planned address (a host name there resolves: off the loop).
         env.update(await asyncio.to_thread(socket_ifname_env, spec.address, env))
@@ -154,26 +169,49 @@ class NodeAgent:
         env["TETHER_PROCESS_NAME"] = spec.name
         env["TETHER_NODE"] = self.node
         path = log_path(self.run_dir, spec.name)
-        # The shim needs only the standard library: run its file without `site` (-S), which
-        # saves most of an interpreter start on every process launched.
-        argv = [
-            sys.executable, "-S", shim.__file__,
-            "--parent-pid", str(os.getpid()), "--grace", repr(self.grace), "--", *spec.argv,
-        ]  # fmt: skip
-        with open(path, "ab") as logf:  # noqa: ASYNC230  # a local log file opens at once
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=spec.cwd,
-                start_new_session=True,  # own session and group: killed as a group
-            )
+        proc: asyncio.subprocess.Process | ZygoteChild | None = None
+        if spec.zygote:
+            proc = await self._fork(spec, env, path)
+        if proc is None:
+            # The shim needs only the standard library: run its file without `site` (-S), which
+            # saves most of an interpreter start on every process launched.
+            argv = [
+                sys.executable, "-S", shim.__file__,
+                "--parent-pid", str(os.getpid()), "--grace", repr(self.grace), "--", *spec.argv,
+            ]  # fmt: skip
+            with open(path, "ab") as logf:  # noqa: ASYNC230  # a local log file opens at once
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=spec.cwd,
+                    start_new_session=True,  # own session and group: killed as a group
+                )
         child = _Child(spec, proc, path)
         self._children[spec.name] = child
         self._tg.create_task(self._reap(child), name=f"reap:{spec.name}")
         return proc.pid
+
+    async def _fork(self, spec: ProcessSpec, env: dict[str, str], path: Path) -> ZygoteChild | None:
+        """`spec` forked from the zygote; None (logged) when it must be spawned instead."""
+        if self.zygote is None:
+            log.info("process %r: agent %r runs no zygote; spawning it", spec.name, self.node)
+            return None
+        try:
+            return await self.zygote.spawn(
+                name=spec.name,
+                argv=spec.argv,
+                env=env,
+                # As a spawn resolves them: against the agent's working directory now.
+                cwd=os.path.abspath(spec.cwd) if spec.cwd else os.getcwd(),  # noqa: ASYNC240  # no I/O
+                log=str(path),
+                preload=spec.preload,
+            )
+        except ZygoteUnavailable as exc:
+            log.warning("process %r: not forked from the zygote (%s); spawning it", spec.name, exc)
+            return None
 
     async def stop_process(self, name: str, grace: float | None = None) -> ExitInfo:
         """SIGTERM the command (which stops its own children), wait `grace` seconds, then
@@ -206,7 +244,9 @@ class NodeAgent:
             if child.exited.is_set():
                 break
             with contextlib.suppress(ProcessLookupError):
-                if sig == signal.SIGTERM:
+                if sig == signal.SIGTERM and isinstance(child.proc, ZygoteChild):
+                    child.proc.send_signal(sig)  # the command itself, through its pidfd
+                elif sig == signal.SIGTERM:
                     # To the command alone, once: it stops its own children its own way (SGLang
                     # drains and ends its scheduler, torchrun its ranks), and the shim then ends
                     # whatever it left. Sent to the whole group, the children would die under
@@ -224,7 +264,7 @@ class NodeAgent:
 
     async def _reap(self, child: _Child) -> None:
         rc = await child.proc.wait()
-        # The shim is gone; a straggler in its group (it could not clean up) dies now.
+        # The shim (or the forked command) is gone; a straggler in its group dies now.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.proc.pid, signal.SIGKILL)
         child.info = ExitInfo(
@@ -234,6 +274,7 @@ class NodeAgent:
             returncode=rc if rc >= 0 else None,
             signal=-rc if rc < 0 else None,
             log_tail=read_log_tail(child.log),
+            reason=child.proc.reason if isinstance(child.proc, ZygoteChild) else "",
         )
         self._children.pop(child.spec.name, None)
         child.exited.set()

@@ -11,7 +11,6 @@ returning it to the kernel at once. Set TETHER_MALLOC_TUNING=0 to leave malloc a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -29,7 +28,9 @@ def tune_malloc() -> bool:
     if os.environ.get(ENV, "1") == "0":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        # The process's own symbols (libc among them): find_library("c") would run ldconfig
+        # in a subprocess, some 10-150 ms of every actor's start.
+        libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc: nothing to tune
         return False

@@ -12,7 +12,10 @@
 
 Processes start through the node agent of their node: an in-process `NodeAgent` for the
 node named `local` (this machine), and agents that registered with `tether agent --head
-<sup.address>` for the others. Failures the owner did not ask for reach it three ways:
+<sup.address>` for the others. An agent launches a zygote (runtime/zygote.py) at the first
+start of a spec that sets `zygote`: such a Python process is forked from it, a few
+milliseconds instead of an interpreter start and the runtime's imports; any other is spawned.
+Failures the owner did not ask for reach it three ways:
 `on_exit(ExitInfo)` / `on_unresponsive(HeartbeatLost)` callbacks, `ManagedProcess.wait()`,
 and `watch()`, which raises the first failure (run it in the run loop's TaskGroup).
 
@@ -183,7 +186,11 @@ class Supervisor:
         on_exit: Callable[[ExitInfo], None] | None = None,
         on_unresponsive: Callable[[HeartbeatLost], None] | None = None,
         inventory: Callable[[], dict[str, Any]] | None = None,
+        zygote: bool = True,
     ) -> None:
+        """`zygote`: fork this machine's processes whose spec sets `zygote` from a zygote
+        (launched at the first such start); without it they are spawned, as every other
+        process is."""
         self.run_dir = Path(run_dir)
         self.grace = grace
         self.heartbeat = heartbeat or Heartbeat()
@@ -193,6 +200,7 @@ class Supervisor:
         self._on_exit_cb = on_exit
         self._on_unresponsive_cb = on_unresponsive
         self._inventory = inventory
+        self._zygote = zygote
         self._procs: dict[str, ManagedProcess] = {}
         self._agents: dict[str, _RemoteAgent] = {}
         self._agent_changed = asyncio.Event()
@@ -242,6 +250,7 @@ class Supervisor:
                     inventory=self._inventory,
                     grace=self.grace,
                     bind_host=self.bind_host,
+                    zygote=self._zygote,
                 )
             )
             self._stack.push_async_callback(self._shutdown)

@@ -60,6 +60,8 @@ class BucketFiller:
 
     `flattened`: fill flat buffers (the tensors start at offsets their element size divides,
     as SGLang requires); else each tensor is moved to the wire device and kept as it is.
+    `pack` False (with `flattened`): a flattened bucket's boundaries, but its tensors kept as
+    they are, for a receiver that lands them in one buffer itself (a streamed update).
     `buffers`: the two kept flat buffers, replaced in place when a bucket needs a larger one.
     Not thread-safe: one `next()` at a time (the sender awaits each before the next).
     """
@@ -72,6 +74,7 @@ class BucketFiller:
         *,
         flattened: bool,
         buffers: list[torch.Tensor | None],
+        pack: bool = True,
     ) -> None:
         if max_bytes < 1:
             raise ValueError(f"update_weight_buffer_size={max_bytes}: must be at least 1 byte")
@@ -81,6 +84,7 @@ class BucketFiller:
         self._limit = max_bytes
         self._device = device
         self._flattened = flattened
+        self._pack = flattened and pack
         self._buffers = buffers
         self._carry: Named | None = None
         self._index = 0
@@ -117,7 +121,7 @@ class BucketFiller:
             if bucket and (size + n > limit or (self._flattened and size % t.element_size())):
                 self._carry = got  # starts the next bucket
                 break
-            if not self._flattened:
+            if not self._pack:
                 bucket.append((name, t.detach().to(self._device).contiguous()))
                 size += n
                 continue
@@ -135,7 +139,7 @@ class BucketFiller:
         if not bucket:
             return None
         self._index += 1
-        if not self._flattened:
+        if not self._pack:
             return Bucket(self._index - 1, bucket, self._done, None)
         if len(bucket) == 1:
             name, t = bucket[0]

@@ -38,7 +38,8 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     update_weight_flattened_bucket: Annotated[
         bool,
         Meta(
-            description="Broadcast each bucket as one flat byte buffer (SGLang's load_format='flattened_bucket'); engines must support it."
+            description="Broadcast each bucket as one flat byte buffer (SGLang's load_format='flattened_bucket'); engines must support it. "
+            "To engines that take the streamed update (tether's CPU engine) the tensors go one by one, unpacked, and land in one flat buffer there."
         ),
     ] = False
     update_weights_interval: Annotated[

@@ -7,6 +7,9 @@ pause (mode by flag) -> flush -> /begin_weight_update -> for each bucket of at m
 --update-weight-buffer-size bytes: /update_weights_from_distributed on every engine while this
 process broadcasts the bucket's tensors in order -> /end_weight_update -> continue. Only the last
 bucket carries the new weight_version, so a failed sync leaves engines reporting the old one.
+Engines that offer it (tether's CPU engine; see tether.runtime.bucket_stream) take the buckets
+of a sync as one stream instead: one request each, every bucket's names, dtypes and shapes sent
+over the group ahead of its bytes, so no HTTP round trip sits between two buckets.
 Blocking collectives run in a worker thread; every HTTP call and the group set-up have timeouts.
 """
 
@@ -19,11 +22,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from tether.runtime.bucket_stream import STREAM_CAPABILITY, STREAM_ENDPOINT
 from tether.runtime.weight_group import (
     WeightGroup,
     broadcast,
@@ -32,6 +36,7 @@ from tether.runtime.weight_group import (
     init_weight_group,
 )
 from tether.sync.bucket_fill import Bucket, BucketFiller
+from tether.sync.bucket_pump import BucketPump
 from tether.sync.buckets import dtype_name
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import (
@@ -49,6 +54,7 @@ from tether.sync.engine_control import (
 from tether.sync.ledger import LedgerEntry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def broadcast_async(tensor: torch.Tensor, src: int, group: WeightGroup) -> dist.Work:
@@ -79,8 +85,8 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], into: torch.Tensor | 
 
 
 async def _sent_unless_refused(
-    sending: asyncio.Future[None], posts: Sequence[asyncio.Task[list[object]]], limit_s: float
-) -> None:
+    sending: asyncio.Future[T], posts: Sequence[asyncio.Task[list[object]]], limit_s: float
+) -> T:
     """Wait for a bucket's broadcast; raise at once when any engine's answer so far is a
     failure (an engine that refused before receiving would otherwise leave it blocked)."""
     async with asyncio.timeout(limit_s):
@@ -92,6 +98,22 @@ async def _sent_unless_refused(
                 return sending.result()
             waiting: list[asyncio.Future[Any]] = [sending, *(p for p in posts if not p.done())]
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+
+
+async def _let_engines_answer(posts: Sequence[asyncio.Task[list[object]]], limit_s: float) -> None:
+    """After a failure: the engines finish (or refuse) what they were sent, within `limit_s`,
+    before the session closes."""
+    unanswered = [p for p in posts if not p.done()]
+    if unanswered:
+        await asyncio.wait(unanswered, timeout=limit_s)
+
+
+async def _close_posts(posts: Sequence[asyncio.Task[list[object]]]) -> None:
+    """Cancel the requests still open (after a cancellation or the wait above) and read every
+    outcome, so that none is reported as lost."""
+    for p in posts:
+        p.cancel()
+    await asyncio.gather(*posts, return_exceptions=True)
 
 
 class DistributedTransport:
@@ -110,8 +132,12 @@ class DistributedTransport:
         backend: str = "gloo",
         control_engines: bool = True,
         group_tag: str = "",
+        stream_buckets: bool = True,
     ) -> None:
         """engine_ranks: ranks each engine contributes (its TP size; default 1 each).
+
+        stream_buckets: send a sync's buckets as one stream (tether.runtime.bucket_stream) when
+        every engine offers it; False keeps SGLang's request per bucket (tests of that path).
 
         control_engines: whether this source pauses/continues the engines (exactly one source
         does when several pipeline stages each broadcast their own tensors, see sync_stage).
@@ -128,6 +154,9 @@ class DistributedTransport:
         self.device = wire_device(backend)
         self.control_engines = control_engines
         self.group_tag = group_tag
+        self.stream_buckets = stream_buckets
+        self.streamed = False
+        """Whether the current group's engines all take the streamed update (set by connect)."""
         self.group: WeightGroup | None = None
         self._flat: list[torch.Tensor | None] = [None, None]
         self._stale = True
@@ -162,6 +191,8 @@ class DistributedTransport:
         init_method = f"tcp://{self.master_address}:{port}"
         offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.engines))]
 
+        offers: list[bool] = [False] * len(self.engines)
+
         async def engine_join(i: int) -> None:
             body = {
                 "master_address": self.master_address,
@@ -176,6 +207,7 @@ class DistributedTransport:
                 raise SyncFailed(
                     f"engine {self.engines[i].name} /init_weights_update_group: {answer.get('message')}"
                 )
+            offers[i] = isinstance(answer, dict) and answer.get(STREAM_CAPABILITY) is True
 
         async with asyncio.timeout(limit), asyncio.TaskGroup() as tg:
             own = tg.create_task(
@@ -193,6 +225,7 @@ class DistributedTransport:
             for i in range(len(self.engines)):
                 tg.create_task(engine_join(i))
         self.group = own.result()
+        self.streamed = self.stream_buckets and all(offers)
         self._stale = False
 
     async def close(self) -> None:
@@ -254,7 +287,12 @@ class DistributedTransport:
             self.device,
             flattened=flattened,
             buffers=self._flat,
+            # A streamed bucket goes tensor by tensor; the engine lands a flattened one in one
+            # buffer itself, so the sender packs nothing.
+            pack=not self.streamed,
         )
+        if self.streamed:
+            return await self._send_stream(version, filler)
         moved = 0
 
         def fill() -> asyncio.Future[Bucket | None]:
@@ -299,20 +337,58 @@ class DistributedTransport:
                 moved += bucket.nbytes
             await asyncio.gather(*posts)
         except Exception:
-            # The engines finish (or refuse) what they were sent before the session closes.
-            unanswered = [p for p in posts if not p.done()]
-            if unanswered:
-                await asyncio.wait(unanswered, timeout=timeout)
+            await _let_engines_answer(posts, timeout)
             raise
         finally:
-            for p in posts:
-                p.cancel()  # only those still open: after a cancellation or the wait above
-            await asyncio.gather(*posts, return_exceptions=True)
+            await _close_posts(posts)
             if upcoming is not None:
                 # A filling thread cannot be cancelled: it must stop advancing the export (the
                 # caller drains it next) and stop writing its buffer before either is reused.
                 await asyncio.gather(upcoming, return_exceptions=True)
         return moved
+
+    def _pumped(self, pump: BucketPump) -> int:
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                return pump.run()
+        return pump.run()
+
+    async def _send_stream(self, version: int | None, filler: BucketFiller) -> int:
+        """Every bucket to every engine as one stream: one request per engine, and the buckets
+        (each after its header) from one worker thread that also runs the export one bucket
+        ahead (tether.sync.bucket_pump). The version is set by the engines once the stream has
+        ended complete. Like `_send`: every engine answers before this returns, the first
+        refusal is raised then, and the export never runs on after this returns."""
+        assert self.group is not None
+        timeout = self.cfg.update_weight_request_timeout
+        body: dict[str, object] = {
+            "group_name": self.group.group_name,
+            "flattened": self.cfg.update_weight_flattened_bucket,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+
+        async def post(e: EngineEndpoint) -> object:
+            return await call(e, STREAM_ENDPOINT, body, timeout)
+
+        posts = [asyncio.create_task(on_all(self.engines, post))]
+        pump = BucketPump(filler, self.group, self.device)
+        sending = asyncio.ensure_future(asyncio.to_thread(self._pumped, pump))
+        # Left behind when an engine refuses first, its outcome is read here (the group is
+        # rebuilt then), not reported as lost.
+        sending.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            await _sent_unless_refused(sending, posts, timeout)
+            await asyncio.gather(*posts)
+        except BaseException:
+            # No export step after this returns; the pump ends the stream (ABORT) at its next
+            # bucket boundary, so the engines answer rather than wait for more.
+            await asyncio.to_thread(pump.stop)
+            await _let_engines_answer(posts, timeout)
+            raise
+        finally:
+            await _close_posts(posts)
+        return sending.result()
 
     async def sync(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> LedgerEntry:
         cfg = self.cfg

@@ -38,12 +38,6 @@ from tether.train.model import Actor
 
 log = logging.getLogger(__name__)
 
-# Tests only: a fork-context Event the writer process waits on before writing, so a test sees
-# the step boundary pass while the checkpoint's files are not written yet.
-WRITE_GATE: Any = None
-
-_queue: Any = None  # this process's AsyncCallsQueue, made on the first async save
-
 
 @dataclass
 class PendingSave:
@@ -57,47 +51,57 @@ class PendingSave:
     call_idx: int
 
 
-def _calls() -> Any:
-    global _queue
-    if _queue is None:
-        with quiet_megatron_imports():
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-        _queue = AsyncCallsQueue(persistent=False)  # a writer forked per save (Megatron's default)
-    return _queue
-
-
 def _gated(gate: Any, write: Any, *args: Any, **kwargs: Any) -> Any:
     gate.wait()
     return write(*args, **kwargs)
 
 
-def start_save(
-    actor: Actor, save_dir: str | Path, state: RunState, *, save_optim: bool = True
-) -> PendingSave:
-    """Begin checkpoint `iter_{state.step}` and return once its writer runs in the background.
-    Collective over every rank."""
-    with quiet_megatron_imports():
-        from megatron.core import dist_checkpointing
+class AsyncCheckpointer:
+    """One rank's background checkpoint writes: it owns the Megatron `AsyncCallsQueue` (made on
+    the first async save) that forks a writer per save and finalises them in order.
 
-    root, tmp, final = begin_save(save_dir, state.step)
-    sharded = save_state(actor, state, save_optim=save_optim)
-    request = dist_checkpointing.save(
-        sharded, str(tmp), content_metadata=dict(CONTENT_METADATA), async_sharded_save=True
-    )
-    rng = capture_rng()  # the RNG as at this step boundary, written at finalisation
-    if WRITE_GATE is not None and request.async_fn is not None:
-        request = request._replace(async_fn=functools.partial(_gated, WRITE_GATE, request.async_fn))
-    call_idx = _calls().schedule_async_request(request)
-    log.info("checkpoint %s: writing in the background", final)
-    return PendingSave(root=root, tmp=tmp, final=final, state=state, rng=rng, call_idx=call_idx)
+    `write_gate` (tests only): a fork-context Event each writer waits on before writing, so a
+    test sees the step boundary pass while the checkpoint's files are not written yet.
+    """
 
+    def __init__(self, *, write_gate: Any = None) -> None:
+        self.write_gate = write_gate
+        self._queue: Any = None
 
-def finalize(pending: PendingSave) -> Path:
-    """Wait for the writer and complete the checkpoint (renamed into place, then the tracker).
-    Collective over every rank; raises on every rank when a writer failed (the `.tmp` directory
-    then stays behind, never loaded, and the previous checkpoint stays current)."""
-    done = _calls().maybe_finalize_async_calls(blocking=True)
-    if pending.call_idx not in done:
-        raise RuntimeError(f"checkpoint {pending.final}: its background write was not finalised ({done})")
-    return finish_save(pending.root, pending.tmp, pending.final, pending.state, pending.rng)
+    def _calls(self) -> Any:
+        if self._queue is None:
+            with quiet_megatron_imports():
+                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue(persistent=False)  # a writer forked per save (Megatron's default)
+        return self._queue
+
+    def start_save(
+        self, actor: Actor, save_dir: str | Path, state: RunState, *, save_optim: bool = True
+    ) -> PendingSave:
+        """Begin checkpoint `iter_{state.step}` and return once its writer runs in the
+        background. Collective over every rank."""
+        with quiet_megatron_imports():
+            from megatron.core import dist_checkpointing
+
+        root, tmp, final = begin_save(save_dir, state.step)
+        sharded = save_state(actor, state, save_optim=save_optim)
+        request = dist_checkpointing.save(
+            sharded, str(tmp), content_metadata=dict(CONTENT_METADATA), async_sharded_save=True
+        )
+        rng = capture_rng()  # the RNG as at this step boundary, written at finalisation
+        if self.write_gate is not None and request.async_fn is not None:
+            request = request._replace(async_fn=functools.partial(_gated, self.write_gate, request.async_fn))
+        call_idx = self._calls().schedule_async_request(request)
+        log.info("checkpoint %s: writing in the background", final)
+        return PendingSave(root=root, tmp=tmp, final=final, state=state, rng=rng, call_idx=call_idx)
+
+    def finalize(self, pending: PendingSave) -> Path:
+        """Wait for the writer and complete the checkpoint (renamed into place, then the
+        tracker). Collective over every rank; raises on every rank when a writer failed (the
+        `.tmp` directory then stays behind, never loaded, and the previous checkpoint stays
+        current)."""
+        done = self._calls().maybe_finalize_async_calls(blocking=True)
+        if pending.call_idx not in done:
+            raise RuntimeError(f"checkpoint {pending.final}: its background write was not finalised ({done})")
+        return finish_save(pending.root, pending.tmp, pending.final, pending.state, pending.rng)

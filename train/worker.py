@@ -97,6 +97,7 @@ class TrainerWorker(RankApi):
         self._offloaded: Any = None  # what offload_trainer moved to host, until the next work
         self._routing: Any = None  # the actor's MoE routing replay (RoutingReplay), when asked for
         self._pending_save: Any = None  # an --async-save checkpoint not finalised yet (PendingSave)
+        self._async_saver: Any = None  # its AsyncCheckpointer, made on the first --async-save
         self._old_actor: Any = None  # --keep-old-actor: the old actor's weights (train.old_actor.OldActor)
         self._role = "actor"  # or "critic" (InitRequest.role): which step `train` runs
 
@@ -372,7 +373,9 @@ class TrainerWorker(RankApi):
                 return SaveResult(
                     path=str(checkpoint.save(actor, request.save_dir, state, save_optim=save_optim))
                 )
-            self._pending_save = checkpoint_async.start_save(
+            if self._async_saver is None:
+                self._async_saver = checkpoint_async.AsyncCheckpointer()
+            self._pending_save = self._async_saver.start_save(
                 actor, request.save_dir, state, save_optim=save_optim
             )
             if request.finalize:
@@ -387,9 +390,8 @@ class TrainerWorker(RankApi):
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return None
-        from tether.train import checkpoint_async
-
-        return checkpoint_async.finalize(pending)
+        assert self._async_saver is not None  # it made `pending`
+        return self._async_saver.finalize(pending)
 
     async def load(self, request: LoadRequest) -> LoadedState | None:
         """Resume from the newest loadable complete checkpoint in load_dir, or None if none.

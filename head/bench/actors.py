@@ -6,7 +6,7 @@
         await sup.watch()          # raises ActorDied / HeartbeatLost at the first failure
 
 The process is `python -m tether.bench.actor_host`, started through the supervisor like any
-other: it fetches its constructor arguments with the head's `process_setup`, serves the object
+other (forked from its node's zygote: `ProcessSpec.zygote`): it fetches its constructor arguments with the head's `process_setup`, serves the object
 with `RpcServer` and announces its address with `process_ready` (see
 `Supervisor.start_announced`). The product starts no Python actors; `tether bench runtime`
 and the runtime's tests do.
@@ -23,6 +23,7 @@ from tether.runtime.rpc import ActorHandle
 from tether.runtime.supervisor import LOCAL, Supervisor
 
 TRANSPORTS = ("auto", "tcp", "ipc")
+_HOST_MODULE = "tether.bench.actor_host"
 
 
 async def start_actor(
@@ -50,7 +51,7 @@ async def start_actor(
         raise ValueError(f"transport={transport!r}: expected 'auto', 'tcp' or 'ipc'")
     if transport == "ipc" and node != LOCAL:
         raise ValueError(f"transport='ipc' with node={node!r}: ipc reaches this machine only")
-    argv = [sys.executable, "-m", "tether.bench.actor_host", "--name", name, "--target", target]
+    argv = [sys.executable, "-m", _HOST_MODULE, "--name", name, "--target", target]
     argv += ["--head", sup.address]
     if transport != "tcp" and node == LOCAL:
         sock_dir = sup.run_dir / "sock"
@@ -60,7 +61,15 @@ async def start_actor(
         if endpoint is not None:
             sock_dir.mkdir(exist_ok=True)
             argv += ["--bind", endpoint]
-    spec = ProcessSpec(name=name, argv=argv, env=dict(env or {}), node=node)
+    # Forked from the node's zygote, which has imported the runtime: a fork, not an interpreter
+    # start (spawned when the zygote cannot give the same process; see ProcessSpec.zygote). The
+    # zygote also imports the host and, when it is tether's own (no side effects at import),
+    # the target's module: the next actor of the kind starts with them imported.
+    preload = [_HOST_MODULE]
+    target_module = target.partition(":")[0]
+    if target_module.startswith("tether."):
+        preload.append(target_module)
+    spec = ProcessSpec(name=name, argv=argv, env=dict(env or {}), node=node, zygote=True, preload=preload)
     proc, address = await sup.start_announced(spec, dict(args or {}), ready_timeout)
     handle = await sup.connect(proc, address)
     if heartbeat:

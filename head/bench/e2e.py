@@ -16,6 +16,8 @@ and each step's split: `rollout_wait_mean_s` (the loop waiting for its rollout),
 `overlap_time_mean_s` where the async loops ran phases at once, so they sum to more than the step);
 `step_time_median_s` (the loop's own per-step seconds) and `first_step_s`, seconds from launching
 `tether run` to its first step (the "ready" event: imports, engines, trainer ranks, models built).
+Each mode and the baseline also carry `load_1m`, the machine's 1-minute load average before and
+after its run: the ratios below hold for a quiet machine only when those are near 0.
 
 Beside them, the same-run baselines: each figure's ratio against the sync loop measured in the
 same invocation, and the demo's GRPO step in one plain-torch process on the same model, prompts,
@@ -323,14 +325,19 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
+        load = os.getloadavg()[0]
         modes[mode] = summarise(*run_mode(args, mode, out, model))
+        # The machine's 1-minute load before and after: figures from a loaded machine are not a quiet one's.
+        modes[mode]["load_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         print(
             f"[bench e2e] {mode}: {modes[mode]['samples_per_s']} samples/s over {modes[mode]['wall_s']}s",
             file=sys.stderr,
             flush=True,
         )
     print(f"[bench e2e] single-process baseline: {args.steps} steps ...", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
     baseline = run_baseline(args, out, model, prompts)
+    baseline["load_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     return {
         "benchmark": "e2e",
         "setup": {
@@ -396,7 +403,8 @@ def table(result: dict[str, Any]) -> str:
     lines += [
         f"single process ({result['setup']['baseline']}): median step {single['step_time_median_s']} s "
         f"(rollout {single['rollout_time_mean_s']} s + train {single['train_time_mean_s']} s), "
-        f"launch to first step {single['first_step_s']} s, CPU {single['cpu_s']} s",
+        f"launch to first step {single['first_step_s']} s, CPU {single['cpu_s']} s, "
+        f"load {single.get('load_1m')} (sync loop's: {modes['sync'].get('load_1m')})",
         f"target: sync loop launch to first step {first['value']} s < {first['target']} s: "
         f"{'met' if first['met'] else 'NOT met'}",
         f"target: sync loop median step / single process {step['value']} <= {step['target']}: "

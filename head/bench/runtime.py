@@ -3,9 +3,12 @@
 Each figure is the min and median over `--repeats` runs, measured in this one run:
 cold start (head plus 4 actor processes all answering), sequential RPC round trip (p50, p99),
 pipelined RPC throughput, Sample-batch throughput (64 and 512 Samples of 1024 tokens: 512
-prompt and 512 response tokens, with loss mask and log-probs), and a raw blocking pyzmq round
-trip (REQ/REP over TCP, 64 bytes) as the floor, measured between the tether runs so that both
-see the same load. Sample batches are measured three ways:
+prompt and 512 response tokens, with loss mask and log-probs), and two floors measured between
+the tether runs so that all see the same load: a raw blocking pyzmq round trip (REQ/REP over
+TCP, 64 bytes), which no RPC over ZeroMQ can beat, and a raw blocking Unix stream socket round
+trip, which no local transport can beat. With Ray, `rtt_p50_ray_over_raw_pyzmq` is therefore
+the highest `rtt_p50_ray_over_tether` that ZeroMQ allows on the machine at hand. Sample
+batches are measured three ways:
 
 - `samples_per_s_<n>`: the columnar frames of `tether.bench.sample_codec.encode_batch`
   (encoded once, outside the timing) through RPC; Ray gets the same frames (its numpy path).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -129,46 +133,94 @@ while True:
     s.send(m)
 """
 
+# The operating system's floor: a blocking echo over a Unix stream socket, no ZeroMQ I/O
+# threads in between (each ZeroMQ message crosses two of them, a thread wake-up each way).
+_UNIX_ECHO = """
+import os, socket, sys
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); srv.bind(sys.argv[1]); srv.listen(1)
+print(0, flush=True)
+conn, _ = srv.accept()
+while True:
+    m = conn.recv(65536)
+    if not m or m == b"stop":
+        break
+    conn.sendall(m)
+"""
 
-def raw_pyzmq_round_trip(n: int) -> list[float]:
-    """Blocking REQ/REP round trips (seconds each) to an echo process: the floor."""
-    import zmq
+_PAYLOAD = b"x" * 64
 
-    proc = subprocess.Popen([sys.executable, "-c", _RAW_ECHO], stdout=subprocess.PIPE, text=True)
+
+def _echo_round_trips(script: str, argv: list[str], n: int, connect: Any, what: str) -> list[float]:
+    """Blocking round trips (seconds each) of a 64-byte message to an echo process running
+    `script`; `connect(port)` returns (send, recv, close) for the client's end."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        port = int(proc.stdout.readline())
+        send, recv, close = connect(int(proc.stdout.readline()))
+        try:
+            for _ in range(200):
+                send(_PAYLOAD)
+                recv()
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                send(_PAYLOAD)
+                recv()
+                times.append(time.perf_counter() - t)
+            send(b"stop")
+        finally:
+            close()
+        return times
+    except (TimeoutError, OSError) as exc:  # zmq.Again is an OSError too
+        raise RuntimeError(
+            f"the {what} echo process stopped answering (exit code {proc.poll()}): {exc}"
+        ) from None
+    finally:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def raw_pyzmq_round_trip(n: int) -> list[float]:
+    """Blocking REQ/REP round trips (seconds each) to an echo process: the ZeroMQ floor."""
+    import zmq
+
+    def connect(port: int) -> tuple[Any, Any, Any]:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.RCVTIMEO, 10_000)  # a dead echo process fails the figure, not the run
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://127.0.0.1:{port}")
-        payload = b"x" * 64
-        for _ in range(200):
-            sock.send(payload)
-            sock.recv()
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            sock.send(payload)
-            sock.recv()
-            times.append(time.perf_counter() - t)
-        sock.send(b"stop")
-        sock.recv()
-        sock.close()
-        ctx.term()
-        return times
-    except zmq.Again:
-        raise RuntimeError(
-            f"the raw pyzmq echo process stopped answering (exit code {proc.poll()})"
-        ) from None
+
+        def close() -> None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.recv()  # the echo's answer to "stop"
+            sock.close()
+            ctx.term()
+
+        return sock.send, sock.recv, close
+
+    return _echo_round_trips(_RAW_ECHO, [], n, connect, "raw pyzmq")
+
+
+def raw_unix_round_trip(n: int, sock_dir: Path) -> list[float]:
+    """Blocking round trips over a Unix stream socket: what the OS allows without ZeroMQ."""
+    import socket
+
+    path = str(sock_dir / "raw-unix-echo.sock")
+
+    def connect(_port: int) -> tuple[Any, Any, Any]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10.0)
+        sock.connect(path)
+        return sock.sendall, lambda: sock.recv(65536), sock.close
+
+    try:
+        return _echo_round_trips(_UNIX_ECHO, [path], n, connect, "raw Unix socket")
     finally:
-        if proc.poll() is None:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        Path(path).unlink(missing_ok=True)
 
 
 def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
@@ -304,14 +356,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batches[n] = (samples, encode_batch(samples))
     tether_runs = []
     raw = []
+    unix = []
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
-        for i in range(args.repeats):  # raw and tether in turn: both see the same load
+        for i in range(args.repeats):  # the floors and tether in turn: all see the same load
             raw.append(statistics.median(raw_pyzmq_round_trip(args.calls)))
+            unix.append(statistics.median(raw_unix_round_trip(args.calls, Path(tmp))))
             tether_runs.append(run_loop(_tether_once(args, Path(tmp) / f"run{i}", batches)))
     result: dict[str, Any] = {
         "transport": args.transport,
         "tether": _summarise(tether_runs),
         "raw_pyzmq": {"rtt_p50_s": _stats(raw)},
+        "raw_unix_socket": {"rtt_p50_s": _stats(unix)},
         "ray": None,
         "ratios": {},
         "targets_met": {},
@@ -328,6 +383,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ratios["cold_start_ray_over_tether"] = median(r, "cold_start_s") / median(t, "cold_start_s")
         ratios["rtt_p50_ray_over_tether"] = median(r, "rtt_p50_s") / median(t, "rtt_p50_s")
+        # The ceilings of the same figure: no RPC over ZeroMQ can beat raw blocking pyzmq,
+        # and nothing over a local socket can beat the raw Unix socket.
+        ratios["rtt_p50_ray_over_raw_pyzmq"] = median(r, "rtt_p50_s") / median(
+            result["raw_pyzmq"], "rtt_p50_s"
+        )
+        ratios["rtt_p50_ray_over_raw_unix_socket"] = median(r, "rtt_p50_s") / median(
+            result["raw_unix_socket"], "rtt_p50_s"
+        )
         ratios["pipelined_calls_tether_over_ray"] = median(t, "pipelined_calls_per_s") / median(
             r, "pipelined_calls_per_s"
         )

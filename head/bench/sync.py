@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--syncs", type=int, default=5, help="Distributed syncs per bucket size (best is kept)."
+    )
+    parser.add_argument(
+        "--per-request-buckets",
+        action="store_true",
+        help="Time SGLang's request per bucket even though the CPU engine offers the streamed "
+        "update (tether.runtime.bucket_stream): the path tether takes against a real SGLang.",
     )
     parser.add_argument("--skip-engine", action="store_true", help="Only the delta format figures.")
     parser.add_argument(
@@ -222,9 +229,13 @@ def delta_figures(
                 "apply_verify_first_gb_s": first_gb_s,
                 "raw_write_gb_s": raw_write,
                 "apply_verify_first_over_raw_write": first_gb_s / raw_write,
+                # Whether this disk, written raw, could reach the absolute target at all: when it
+                # cannot, the first apply is held to 0.9 of what it allows instead (both shown).
+                "raw_write_allows_1_5_gb_s": raw_write >= 1.5,
                 "targets_met": {
                     "apply_verify_at_least_1_5_gb_s": steady_gb_s >= 1.5,
                     "apply_verify_first_at_least_1_5_gb_s": first_gb_s >= 1.5,
+                    "apply_verify_first_at_least_0_9_of_raw_write": first_gb_s / raw_write >= 0.9,
                 },
             }
         )
@@ -291,7 +302,13 @@ class RawBroadcaster:
 
 
 async def engine_figures(
-    work: Path, hidden: int, layers: int, bucket_mib: list[int], syncs: int, allow_nonfinite: bool = False
+    work: Path,
+    hidden: int,
+    layers: int,
+    bucket_mib: list[int],
+    syncs: int,
+    allow_nonfinite: bool = False,
+    per_request: bool = False,
 ) -> dict[str, Any]:
     from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
     from tether.rollout.engine_api.auth import new_engine_key
@@ -324,7 +341,9 @@ async def engine_figures(
                     cfg = WeightSyncConfig(
                         update_weight_buffer_size=mib * 1024**2, update_weight_flattened_bucket=flat, **base
                     )  # type: ignore[arg-type]
-                    dist = DistributedTransport([client], cfg, master_port=free_port())
+                    dist = DistributedTransport(
+                        [client], cfg, master_port=free_port(), stream_buckets=not per_request
+                    )
                     times, raw_times = [], []
                     try:
                         await dist.connect()
@@ -340,10 +359,18 @@ async def engine_figures(
                         {
                             "bucket_mib": mib,
                             "flattened_bucket": flat,
+                            # One request and stream per sync, or SGLang's request per bucket.
+                            "streamed": dist.streamed,
                             "first_gb_s": nbytes / times[0] / 1e9,
                             "best_gb_s": nbytes / min(times) / 1e9,
                             "raw_best_gb_s": nbytes / min(raw_times) / 1e9,
                             "over_raw": min(raw_times) / min(times),
+                            # Each sync against the raw broadcast right after it, the median of
+                            # those pairs: steadier than best / best while this machine's load drifts
+                            # (shown beside it; the target stays on over_raw).
+                            "over_raw_paired_median": statistics.median(
+                                r / s for r, s in zip(raw_times, times, strict=True)
+                            ),
                             "targets_met": {"at_least_0_9_of_raw": min(raw_times) / min(times) >= 0.9},
                         }
                     )
@@ -379,14 +406,19 @@ async def engine_figures(
 
 def sync_targets(result: dict[str, Any]) -> dict[str, bool | None]:
     """Whether the run met each target (those of parts it measured): the 1% delta's size, encode
-    and apply speeds, and 0.9 of the raw broadcast in every bucket size and mode."""
+    and apply speeds (the first apply also against 0.9 of the disk's raw write in the same run,
+    what this disk allows), and 0.9 of the raw broadcast in every bucket size and mode."""
     targets: dict[str, bool | None] = {}
     if "delta" in result:
         one = next((r for r in result["delta"] if r["changed_fraction"] == 0.01), None)
         targets["delta_1pct_at_most_5pct"] = None if one is None else one["delta_over_full"] <= 0.05
         targets["encode_at_least_1_gb_s"] = None if one is None else one["encode_gb_s"] >= 1.0
-        for name in ("apply_verify_at_least_1_5_gb_s", "apply_verify_first_at_least_1_5_gb_s"):
-            targets[name] = None if one is None else one["targets_met"][name]
+        for name in (
+            "apply_verify_at_least_1_5_gb_s",
+            "apply_verify_first_at_least_1_5_gb_s",
+            "apply_verify_first_at_least_0_9_of_raw_write",
+        ):
+            targets[name] = None if one is None else one["targets_met"].get(name)
     engine = result.get("engine")
     if isinstance(engine, dict):
         targets["distributed_every_row_at_least_0_9_of_raw"] = all(
@@ -415,6 +447,7 @@ def main(args: argparse.Namespace) -> int:
                     [int(x) for x in args.bucket_mib.split(",")],
                     args.syncs,
                     args.engine_allow_nonfinite_weights,
+                    args.per_request_buckets,
                 )
             )
         result["targets"] = sync_targets(result)

@@ -46,12 +46,14 @@ from tether.rollout.cpu_engine.model import (
 )
 from tether.rollout.cpu_engine.prompt_logprobs import check_start, wants_scoring
 from tether.rollout.cpu_engine.receive import BucketReceiver
+from tether.rollout.cpu_engine.receive_stream import receive_stream
 from tether.rollout.cpu_engine.sampling import SamplingParams, parse_sampling_params
 from tether.rollout.cpu_engine.scheduler import EngineUnavailable, Request, Scheduler, progress
 from tether.rollout.cpu_engine.sse import send_events
 from tether.rollout.cpu_engine.weights_checker import CheckWeightsReq, WeightsChecker, WeightsCheckFailed
 from tether.rollout.engine_api.auth import authorized
 from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors
+from tether.runtime.bucket_stream import STREAM_CAPABILITY, STREAM_ENDPOINT
 from tether.runtime.weight_group import WeightGroup, destroy_weight_group, init_weight_group
 
 ENGINE_VERSION = "tether-cpu-engine 0.1 (SGLang 0.5.23 API)"
@@ -128,6 +130,16 @@ class DistUpdateReq(msgspec.Struct, kw_only=True):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+
+
+class DistStreamReq(msgspec.Struct, kw_only=True):
+    """tether's streamed update (tether.runtime.bucket_stream): the buckets' names, dtypes and
+    shapes arrive over the group, ahead of each bucket's bytes."""
+
+    group_name: str = "weight_update_group"
+    flattened: bool = False
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 class DestroyGroupReq(msgspec.Struct, kw_only=True):
@@ -420,6 +432,7 @@ class EngineApp:
         r.add_post("/begin_weight_update", self.begin_update)
         r.add_post("/end_weight_update", self.end_update)
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        r.add_post(STREAM_ENDPOINT, self.update_from_distributed_stream)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_tensor", self.update_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
@@ -811,7 +824,10 @@ class EngineApp:
             f" ({body.master_address}:{body.master_port}, {body.backend})",
             flush=True,
         )
-        return result_response(True, "Succeeded to initialize custom process group.")
+        # Beyond SGLang's answer: this engine also takes a sync's buckets as one stream.
+        return result_response(
+            True, "Succeeded to initialize custom process group.", **{STREAM_CAPABILITY: True}
+        )
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         body: DestroyGroupReq = await read_body(request, DestroyGroupReq, allow_empty=True)
@@ -848,37 +864,81 @@ class EngineApp:
         if body.load_format not in (None, "flattened_bucket"):
             return result_response(False, f"load_format={body.load_format!r} is not supported")
         dtypes = [parse_dtype(d) for d in body.dtypes]
+        receive = functools.partial(
+            self.s.receiver.receive,
+            self.sched.model,
+            body.names,
+            dtypes,
+            body.shapes,
+            group,
+            body.load_format == "flattened_bucket",
+            not self.s.limits.allow_nonfinite_weights,
+        )
+        failed, _ = await self._receive_between_steps(receive, body.abort_all_requests, body.weight_version)
+        if failed is not None:
+            return result_response(False, failed)
+        message = "Succeeded to update parameter online."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return result_response(True, message)
+
+    async def update_from_distributed_stream(self, request: web.Request) -> web.Response:
+        """Every bucket of one sync in one request (tether.runtime.bucket_stream)."""
+        body: DistStreamReq = await read_body(request, DistStreamReq)
+        if not self.s.session_open:
+            return result_response(
+                False,
+                f"{STREAM_ENDPOINT} must run between begin_weight_update() and end_weight_update()",
+            )
+        group = self.s.groups.get(body.group_name)
+        if group is None:
+            return result_response(False, f"group_name={body.group_name!r} is not an open group")
+        receive = functools.partial(
+            receive_stream,
+            self.s.receiver,
+            self.sched.model,
+            group,
+            body.flattened,
+            parse_dtype,
+            not self.s.limits.allow_nonfinite_weights,
+        )
+        failed, buckets = await self._receive_between_steps(
+            receive, body.abort_all_requests, body.weight_version
+        )
+        if failed is not None:
+            return result_response(False, failed)
+        message = f"Succeeded to update parameter online ({buckets} buckets)."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return result_response(True, message, buckets=buckets)
+
+    async def _receive_between_steps(
+        self, receive: Callable[[], Any], abort_all_requests: bool, weight_version: str | None
+    ) -> tuple[str | None, Any]:
+        """Run `receive` on the group's thread between two scheduler steps, under the update
+        lock (aborting every request first when asked), then take `weight_version`; returns
+        (the refusal, or None, and what `receive` returned)."""
+        received: Any = None
 
         async def op() -> None:
-            if body.abort_all_requests:
+            nonlocal received
+            if abort_all_requests:
                 self.sched.abort(None, True, "Aborted for a weight update")
                 self.sched.apply_aborts()
             self.s.receiving += 1
             try:
-                await self._on_group_thread(
-                    self.s.receiver.receive,
-                    self.sched.model,
-                    body.names,
-                    dtypes,
-                    body.shapes,
-                    group,
-                    body.load_format == "flattened_bucket",
-                    not self.s.limits.allow_nonfinite_weights,
-                )
+                received = await self._on_group_thread(receive)
             finally:
                 self.s.receiving -= 1
-            if body.weight_version is not None:
-                self.sched.weight_version = body.weight_version
+            if weight_version is not None:
+                self.sched.weight_version = weight_version
 
         try:
             async with self.s.update_lock:
                 await self.sched.between_steps(op)
         except WeightMismatch as e:
-            return result_response(False, f"Failed to update weights: {e}")
-        message = "Succeeded to update parameter online."
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return result_response(True, message)
+            return f"Failed to update weights: {e}", None
+        return None, received
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body: TensorUpdateReq = await read_body(request, TensorUpdateReq)

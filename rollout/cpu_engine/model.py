@@ -341,6 +341,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(var + eps))
 
 
+def _additive(valid: torch.Tensor) -> torch.Tensor:
+    """An attention mask to add to the scores: 0 where a key may be seen, -inf elsewhere."""
+    return torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -501,7 +506,10 @@ class TinyLM:
         rep = c.heads // c.kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # Written out rather than F.scaled_dot_product_attention: at the engine's small shapes
+        # (a few query rows against tens of keys) three plain ops cost half the fused kernel.
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(c.head_dim**-0.5).add_(mask)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
         b, _, t, _ = out.shape
         return out.transpose(1, 2).reshape(b, t, c.heads * c.head_dim)
 
@@ -543,30 +551,42 @@ class TinyLM:
         `score_from` maps a row to the first position whose logits it also wants (prompt scoring,
         SGLang's logprob_start_len); prefill writes that row's logits [len - start, V] to `scores`."""
         c = self.cfg
-        lens = torch.tensor([len(x) for x in prompts])
+        # The n samples of a group share their prompt: each distinct sequence runs once and its
+        # keys and values go to every slot that holds it (what SGLang's prefix cache saves too).
+        distinct: dict[tuple[int, ...], int] = {}
+        inverse = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompts]
+        shared = len(distinct) < len(prompts)
+        where = torch.tensor(inverse)
+        lens = torch.tensor([len(ids) for ids in distinct])
         t = int(lens.max())
-        tokens = torch.zeros(len(prompts), t, dtype=torch.long)
-        for row, ids in enumerate(prompts):
+        tokens = torch.zeros(len(distinct), t, dtype=torch.long)
+        for row, ids in enumerate(distinct):
             tokens[row, : len(ids)] = torch.tensor(ids)
-        pos = torch.arange(t).expand(len(prompts), t)
+        pos = torch.arange(t).expand(len(distinct), t)
         key_valid = torch.arange(t)[None, :] < lens[:, None]
-        mask = torch.ones(t, t, dtype=torch.bool).tril()[None] & key_valid[:, None, :]
-        mask = mask[:, None]  # [B, 1, T, T]
+        mask = _additive(torch.ones(t, t, dtype=torch.bool).tril()[None] & key_valid[:, None, :])[:, None]
+        slot_idx = torch.tensor(slots)
         x = F.embedding(tokens, self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
             h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
             q, entries = self._project(i, h, pos)
             for store, entry in zip(cache.stores, entries, strict=True):
-                for row, slot in enumerate(slots):
-                    n = int(lens[row])
-                    store[i][slot, :, :n] = entry[row, :, :n]
+                # The whole padded block in one copy: a slot's positions past its sequence get
+                # padding's entries, which decode overwrites before its mask lets a query see them.
+                store[i][slot_idx, :, :t] = entry[where] if shared else entry
             x = self._block_tail(i, x, self._attend(i, q, entries, mask), routes)
+        if routes is not None and shared:
+            for layer, experts in routes.items():
+                routes[layer] = experts[where]
         if score_from and scores is not None:
             for row, start in score_from.items():
-                h = _rms_norm(x[row, start : int(lens[row])], self.params["model.norm.weight"], c.eps)
+                h = _rms_norm(
+                    x[inverse[row], start : len(prompts[row])], self.params["model.norm.weight"], c.eps
+                )
                 scores[row] = F.linear(h, self._lm_head())
-        last = x[torch.arange(len(prompts)), lens - 1]
-        return F.linear(_rms_norm(last, self.params["model.norm.weight"], c.eps), self._lm_head())
+        last = x[torch.arange(len(distinct)), lens - 1]
+        logits = F.linear(_rms_norm(last, self.params["model.norm.weight"], c.eps), self._lm_head())
+        return logits[where] if shared else logits
 
     def decode(
         self,
@@ -582,9 +602,13 @@ class TinyLM:
         c = self.cfg
         b = len(tokens)
         slot_idx = torch.tensor(slots)
+        # A batch admitted together holds consecutive slots: their cache rows are read in place
+        # (a view) instead of gathered into a copy every layer and step.
+        first = slots[0]
+        consecutive = slots == list(range(first, first + b))
         pos = torch.tensor(positions)
         t = int(pos.max()) + 1
-        mask = (torch.arange(t)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        mask = _additive(torch.arange(t)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, T]
         x = F.embedding(torch.tensor(tokens).view(b, 1), self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
             h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
@@ -592,6 +616,7 @@ class TinyLM:
             kept = []
             for store, entry in zip(cache.stores, entries, strict=True):
                 store[i][slot_idx, :, pos] = entry[:, :, 0]
-                kept.append(store[i][slot_idx, :, :t])
+                known = store[i][:, :, :t]
+                kept.append(known[first : first + b] if consecutive else known.index_select(0, slot_idx))
             x = self._block_tail(i, x, self._attend(i, q, kept, mask), routes)
         return F.linear(_rms_norm(x[:, 0], self.params["model.norm.weight"], c.eps), self._lm_head())

@@ -77,10 +77,15 @@ class BucketReceiver:
         group: WeightGroup,
         flattened: bool,
         check_values: bool = True,
+        refuse: WeightMismatch | None = None,
+        pieces: bool = False,
     ) -> None:
         """Receive the bucket from rank 0 of `group` and load it; WeightMismatch if it does not fit
-        or (with `check_values`) holds NaN or inf, the parameters untouched in both cases."""
-        refusal: WeightMismatch | None = None
+        or (with `check_values`) holds NaN or inf, the parameters untouched in both cases.
+        `refuse`: drain the bucket without loading it and raise this (a streamed update that
+        already failed an earlier bucket). `pieces`: a flattened bucket's tensors arrive one by
+        one (a streamed update: the sender packs nothing) and land in its one buffer all the same."""
+        refusal: WeightMismatch | None = refuse
         try:
             if len(set(names)) != len(names):
                 raise WeightMismatch("a name appears twice in one bucket")
@@ -94,10 +99,10 @@ class BucketReceiver:
             if flattened:
                 _check_aligned(names, dtypes, shapes)
         except WeightMismatch as e:
-            refusal = e
+            refusal = refusal or e
         items = [(n, d, s, _nbytes(d, s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
         if flattened:
-            refusal = self._receive_flat(model, items, group, refusal, check_values) or refusal
+            refusal = self._receive_flat(model, items, group, refusal, check_values, pieces) or refusal
         else:
             refusal = self._receive_each(model, items, group, refusal, check_values) or refusal
         if refusal is not None:
@@ -110,10 +115,11 @@ class BucketReceiver:
         group: WeightGroup,
         refusal: WeightMismatch | None,
         check_values: bool,
+        pieces: bool = False,
     ) -> WeightMismatch | None:
         total = sum(size for *_, size in items)
         if refusal is not None:
-            broadcast(self._staging(total), 0, group)
+            _land(self._staging(total), items, group, pieces)
             return None
         # A bucket's bytes land in a buffer that then backs its parameters (views, no copy); the
         # next sync's identical bucket lands in the same buffer, in place. The model owns these
@@ -127,19 +133,17 @@ class BucketReceiver:
             landing = self._spare_arenas.pop(key, None)
             if landing is None or landing.numel() != total:
                 landing = torch.empty(total, dtype=torch.uint8)
-            broadcast(landing, 0, group)
-            try:
-                check_finite(_views(landing, items))
-            except WeightMismatch as e:
+            bad = _land(landing, items, group, pieces, check=True)
+            if bad is not None:
                 self._spare_arenas[key] = landing
-                return e
+                return bad
             if arena is not None and backs:
                 self._spare_arenas[key] = arena
             arena = landing
         else:
             if arena is None or not backs:
                 arena = torch.empty(total, dtype=torch.uint8)
-            broadcast(arena, 0, group)
+            _land(arena, items, group, pieces)
         offset = 0
         for name, dtype, shape, size in items:
             raw = arena[offset : offset + size]
@@ -229,6 +233,41 @@ class BucketReceiver:
             else:
                 model.assign(name, tensor)
         return None
+
+
+def _land(
+    buffer: torch.Tensor,
+    items: list[tuple[str, torch.dtype, Sequence[int], int]],
+    group: WeightGroup,
+    pieces: bool,
+    check: bool = False,
+) -> WeightMismatch | None:
+    """Receive a flattened bucket into `buffer`: as one broadcast, or (`pieces`) one per tensor
+    into its byte range, every receive posted at once. `check`: the first tensor holding NaN or
+    inf (with `pieces` each is checked as soon as it has arrived, while the rest arrive)."""
+    views = _views(buffer, items) if check else []
+    if not pieces:
+        broadcast(buffer, 0, group)
+        try:
+            check_finite(views)
+        except WeightMismatch as e:
+            return e
+        return None
+    works = []
+    offset = 0
+    for *_, size in items:
+        works.append(dist.broadcast(buffer[offset : offset + size], src=0, group=group.group, async_op=True))
+        offset += size
+    bad: WeightMismatch | None = None
+    for i, work in enumerate(works):
+        assert work is not None
+        work.wait()
+        if check and bad is None:
+            try:
+                check_finite([views[i]])
+            except WeightMismatch as e:
+                bad = e
+    return bad
 
 
 def _check_aligned(

@@ -120,40 +120,83 @@ def choose_tokens(
         temps = torch.tensor([params[i].temperature for i in sampled]).view(-1, 1)
         scaled = logits[idx] / temps
         report = raw_logprobs[idx] if original_logprob else torch.log_softmax(scaled, dim=-1)
-        if not original_logprob:
+        if not original_logprob and any(k > 0 for k in top_logprobs or ()):
             reported = raw_logprobs.clone()
             reported[idx] = report
         probs = torch.softmax(scaled, dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(probs.shape[-1]).view(1, -1)
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else probs.shape[-1] for i in sampled])
-        top_p = torch.tensor([params[i].top_p for i in sampled]).view(-1, 1)
-        min_p = torch.tensor([params[i].min_p for i in sampled]).view(-1, 1)
-        # A token survives when it is inside top-k, inside the top-p nucleus (the mass before it
-        # is below top_p) and at least min_p times the most likely token's probability.
-        keep = (ranks < top_k.view(-1, 1)) & ((sorted_probs.cumsum(-1) - sorted_probs) < top_p)
-        keep &= sorted_probs >= min_p * sorted_probs[:, :1]
-        keep[:, 0] = True
-        # Inverse-CDF sampling over the kept tokens, in probability order: one uniform draw from each
-        # row's own generator, then one vectorised search (torch.multinomial per row costs tens of
-        # milliseconds over a 150k vocabulary).
-        kept = sorted_probs * keep
-        cdf = kept.cumsum(dim=-1)
-        bad = ~(torch.isfinite(cdf[:, -1]) & (cdf[:, -1] > 0))
-        if bool(bad.any()):  # non-finite logits (poisoned weights): no distribution to sample from
-            rows = [sampled[int(r)] for r in torch.nonzero(bad).flatten()]
-            raise ValueError(f"rows {rows}: the sampling distribution is not finite (inf/NaN logits)")
         draws = torch.stack([torch.rand((), generator=generators[i]) for i in sampled]).view(-1, 1)
-        position = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True)
-        position = torch.minimum(position, keep.sum(dim=-1, keepdim=True) - 1)  # float round-off
-        chosen = order.gather(1, position).view(-1)
+        # A row that filters nothing (no top-k, top-p or min-p) draws over the vocabulary as it
+        # is; only a filtering row needs its tokens in probability order. Which way a row goes
+        # depends on its own parameters only, so its seed gives the same token in any batch.
+        filtering = [_filters(params[i]) for i in sampled]
+        if not any(filtering):
+            chosen = _draw_unfiltered(probs, draws, sampled)
+        elif all(filtering):
+            chosen = _draw_filtered(probs, draws, [params[i] for i in sampled], sampled)
+        else:
+            chosen = torch.empty(len(sampled), dtype=torch.long)
+            plain = [row for row, f in enumerate(filtering) if not f]
+            at = torch.tensor(plain)
+            chosen[at] = _draw_unfiltered(probs[at], draws[at], [sampled[r] for r in plain])
+            kept = [row for row, f in enumerate(filtering) if f]
+            at = torch.tensor(kept)
+            names = [sampled[r] for r in kept]
+            chosen[at] = _draw_filtered(probs[at], draws[at], [params[i] for i in names], names)
         chosen_logprobs = report.gather(1, chosen.view(-1, 1)).view(-1)
-        for row, i in enumerate(sampled):
-            tokens[i] = int(chosen[row])
-            logprobs[i] = float(chosen_logprobs[row])
+        for i, token, logprob in zip(sampled, chosen.tolist(), chosen_logprobs.tolist(), strict=True):
+            tokens[i] = token
+            logprobs[i] = logprob
     top: list[list[tuple[float, int]] | None] = [None] * len(params)
     for i, k in enumerate(top_logprobs or []):
         if k > 0:
             values, ids = reported[i].topk(min(k, reported.shape[-1]))
             top[i] = list(zip(values.tolist(), ids.tolist(), strict=True))
     return Choice(tokens=tokens, logprobs=logprobs, top=top)
+
+
+def _filters(p: SamplingParams) -> bool:
+    """Whether the row keeps only part of the vocabulary (top-k, top-p or min-p)."""
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+
+
+def _check_finite(total: torch.Tensor, rows: list[int]) -> None:
+    bad = ~(torch.isfinite(total) & (total > 0))
+    if bool(bad.any()):  # non-finite logits (poisoned weights): no distribution to sample from
+        named = [rows[int(r)] for r in torch.nonzero(bad).flatten()]
+        raise ValueError(f"rows {named}: the sampling distribution is not finite (inf/NaN logits)")
+
+
+def _draw_unfiltered(probs: torch.Tensor, draws: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Inverse-CDF sampling over each row's whole vocabulary: the token ids [n]."""
+    cdf = probs.cumsum(dim=-1)
+    _check_finite(cdf[:, -1], rows)
+    position = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True).view(-1)
+    # A draw lands on a token with probability > 0 (the CDF rises there), except when float
+    # round-off puts it at the very top: then the last token with any probability is taken.
+    over = position >= probs.shape[-1]
+    if bool(over.any()):
+        position[over] = (probs[over] > 0).cumsum(dim=-1).argmax(dim=-1)
+    return position
+
+
+def _draw_filtered(
+    probs: torch.Tensor, draws: torch.Tensor, params: list[SamplingParams], rows: list[int]
+) -> torch.Tensor:
+    """Top-k, top-p and min-p filtering, then inverse-CDF sampling over the kept tokens in
+    probability order: the token ids [n]."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1]).view(1, -1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params])
+    top_p = torch.tensor([p.top_p for p in params]).view(-1, 1)
+    min_p = torch.tensor([p.min_p for p in params]).view(-1, 1)
+    # A token survives when it is inside top-k, inside the top-p nucleus (the mass before it
+    # is below top_p) and at least min_p times the most likely token's probability.
+    keep = (ranks < top_k.view(-1, 1)) & ((sorted_probs.cumsum(-1) - sorted_probs) < top_p)
+    keep &= sorted_probs >= min_p * sorted_probs[:, :1]
+    keep[:, 0] = True
+    kept = sorted_probs * keep
+    cdf = kept.cumsum(dim=-1)
+    _check_finite(cdf[:, -1], rows)
+    position = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True)
+    position = torch.minimum(position, keep.sum(dim=-1, keepdim=True) - 1)  # float round-off
+    return order.gather(1, position).view(-1)

@@ -214,6 +214,7 @@ class Scheduler:
                 future.set_exception(EngineUnavailable(message))
 
     async def _loop(self) -> None:
+        idle = True  # nothing ran since the loop last slept
         while True:
             while self._ops:
                 op, future = self._ops.popleft()
@@ -228,8 +229,17 @@ class Scheduler:
             self.apply_aborts()
             admit = self._admissible()
             if not admit and not (self.running and self._can_step()):
+                idle = True
                 await self._sleep_until_work()
                 continue
+            if idle and not self.running:
+                # Work after a rest: one turn of the event loop first lets requests that arrived
+                # together (a rollout's groups, each its own HTTP request) join the first prefill;
+                # then everything is looked at again (operations, aborts, admission).
+                idle = False
+                await asyncio.sleep(0)
+                continue
+            idle = False
             await self._step(admit)
 
     def _can_step(self) -> bool:

@@ -14,13 +14,14 @@ import asyncio
 import base64
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 import aiohttp
 import msgspec
 
 from tether.rollout.engine_api.auth import bearer_header
+from tether.rollout.engine_api.generate_batch import GenerateBatcher, Pending
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """Header carrying the session id; sglang-router (and our router) hash it to pick the engine."""
@@ -130,6 +131,19 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
 
 
 _generate_decoder = msgspec.json.Decoder(GenerateResponse)
+_batch_decoder = msgspec.json.Decoder(list[GenerateResponse])
+
+
+class _GenerateOptions(NamedTuple):
+    """What every prompt of one batched /generate call shares."""
+
+    return_logprob: bool
+    routing_key: str | None
+    request_timeout: float | None
+    return_routed_experts: bool
+
+
+_BatchKey = tuple[Hashable, _GenerateOptions]
 
 
 def new_request_id() -> str:
@@ -164,6 +178,7 @@ class EngineClient:
         self._retired = False
         self._in_flight: set[asyncio.Task[Any]] = set()  # tasks awaiting a request of this client
         self._abandoned: set[asyncio.Task[Any]] = set()  # ... cancelled by `retire`
+        self._batcher: GenerateBatcher[_BatchKey, GenerateResponse] = GenerateBatcher(self._generate_batch)
 
     def __repr__(self) -> str:
         return f"EngineClient({self.name!r}, {self.url!r})"
@@ -188,6 +203,7 @@ class EngineClient:
                 task.cancel()
 
     async def close(self) -> None:
+        await self._batcher.close()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
@@ -356,17 +372,32 @@ class EngineClient:
         routing_key: str | None = None,
         request_timeout: float | None = None,
         return_routed_experts: bool = False,
+        batch_key: Hashable | None = None,
     ) -> GenerateResponse:
         """POST /generate for one tokenized prompt; the answer keeps the engine's token ids.
 
         `return_routed_experts` (MoE, --use-rollout-routing-replay): the answer's meta_info carries
         the experts every token of the sequence was routed to (`GenerateResponse.routed_experts`).
+        `batch_key`: prompts sent under the same key in the same event-loop iteration go to the
+        engine in one batched /generate call (generate_batch.py); each still gets its own answer.
         """
+        request = Pending(list(input_ids), dict(sampling_params), rid or new_request_id())
+        options = _GenerateOptions(return_logprob, routing_key, request_timeout, return_routed_experts)
+        if batch_key is not None:
+            return await self._batcher.submit((batch_key, options), request)
+        return (await self._generate_batch((None, options), [request]))[0]
+
+    async def _generate_batch(self, key: _BatchKey, requests: list[Pending]) -> list[GenerateResponse]:
+        """One /generate call for `requests` (SGLang's batch form when there are several)."""
+        return_logprob, routing_key, request_timeout, return_routed_experts = key[1]
+        single = len(requests) == 1
         body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": dict(sampling_params),
+            "input_ids": requests[0].input_ids if single else [r.input_ids for r in requests],
+            "sampling_params": requests[0].sampling_params
+            if single
+            else [r.sampling_params for r in requests],
             "return_logprob": return_logprob,
-            "rid": rid or new_request_id(),
+            "rid": requests[0].rid if single else [r.rid for r in requests],
         }
         if return_routed_experts:
             body["return_routed_experts"] = True
@@ -375,9 +406,14 @@ class EngineClient:
             "POST", "/generate", body, retry="connect", request_timeout=request_timeout, headers=headers
         )
         try:
-            return _generate_decoder.decode(raw)
+            answers = [_generate_decoder.decode(raw)] if single else _batch_decoder.decode(raw)
         except msgspec.ValidationError as exc:
             raise EngineResponseError(f"engine {self.name} /generate: {exc}") from exc
+        if len(answers) != len(requests):
+            raise EngineResponseError(
+                f"engine {self.name} /generate: {len(answers)} answers for a batch of {len(requests)} prompts"
+            )
+        return answers
 
     # ----- health and info -----
     async def health(self, request_timeout: float = 5.0) -> bool:

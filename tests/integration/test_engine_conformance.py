@@ -10,6 +10,7 @@ weights put v1 back before they return, so their order does not matter.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import pickle
@@ -232,6 +233,29 @@ def test_text_prompt_and_stream(engine: Engine) -> None:
     assert len(events) >= 3  # more than one chunk before [DONE]
 
 
+def test_group_batched_generate_equals_single_requests(engine: Engine) -> None:
+    """A rollout group's prompts go as one batched /generate (SGLang's list form, sent by
+    EngineClient for calls made together under one batch_key): each caller gets its own answer,
+    under its own rid, equal to the answer of its prompt sent alone."""
+    singles = [greedy(engine, p) for p in PROMPTS]
+    rids = [f"batched-{i}" for i in range(len(PROMPTS))]
+    params = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
+
+    async def body() -> list[Any]:
+        async with engine_client(engine.url, name=engine.kind) as client:
+            calls = [
+                client.generate(p, params, rid=rid, batch_key="group-0")
+                for p, rid in zip(PROMPTS, rids, strict=True)
+            ]
+            return list(await asyncio.gather(*calls))
+
+    answers = uvloop.run(body())
+    for single, answer, rid in zip(singles, answers, rids, strict=True):
+        assert answer.output_ids == single["output_ids"]
+        assert answer.meta_info.id == rid
+        assert len(answer.meta_info.output_token_logprobs) == N
+
+
 def test_sampling_seed_is_reproducible(engine: Engine) -> None:
     payload = {
         "input_ids": [1, 2, 3],
@@ -316,6 +340,7 @@ MUTATIONS: list[tuple[str, Any]] = [
         "/update_weights_from_distributed",
         {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]},
     ),
+    ("/update_weights_from_distributed_stream", {"flattened": True}),  # tether's streamed update
     ("/release_memory_occupation", {}),
     ("/resume_memory_occupation", {}),
     ("/weights_checker", {"action": "reset_tensors"}),  # would overwrite every weight with noise

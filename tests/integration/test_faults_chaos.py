@@ -16,6 +16,7 @@ interval + timeout + a small margin.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -109,6 +110,11 @@ def descendants(pid: int, argv: list[str]) -> list[psutil.Process]:
     return found
 
 
+def read_addresses_pid(path: Path) -> int:
+    """The pid a trainer rank wrote beside its RPC address (train/worker.py)."""
+    return int(json.loads(path.read_text())["pid"])
+
+
 def engines(pid: int) -> list[psutil.Process]:
     return descendants(pid, ["-m", "tether.rollout.cpu_engine"])
 
@@ -141,7 +147,11 @@ def test_chaos_every_step_once(ws: Workspace, tmp_path: Path, run_dir: Path) -> 
         wait_for("a step on the new engines", lambda: live_steps(run) > before, proc)
         # The next attempt resumes from a checkpoint: let the first (--save-interval 3) land.
         wait_for("the first checkpoint", lambda: count(run, "checkpoint") >= 1, proc)
-        (rank,) = [p for p in descendants(proc.pid, ["-u", "-m", "tether.train.worker"])][-1:]
+        # The last rank, by the pid it published (ranks are forked from torchrun's forkserver,
+        # train/rank_zygote.py, so their command line is not `-m tether.train.worker`).
+        last = sorted((run / "trainer").glob("rank_*.json"))[-1]
+        rank = psutil.Process(read_addresses_pid(last))
+        assert rank in psutil.Process(proc.pid).children(recursive=True)
         rank.kill()
         killed_rank_at = time.time()
         assert proc.wait(timeout=120) == 1

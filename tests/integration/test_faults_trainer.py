@@ -97,7 +97,9 @@ def rank_pid(run: Path, run_pid: int, rank: int) -> tuple[int, list[psutil.Proce
     descendants = psutil.Process(run_pid).children(recursive=True)
     match = [p for p in descendants if p.pid == pid]
     assert match, f"rank {rank} (pid {pid}) is not a descendant of the run (pid {run_pid})"
-    assert match[0].cmdline()[1:4] == ["-u", "-m", "tether.train.worker"]
+    # The rank itself: not its torchrun agent nor a shim (a rank forked from torchrun's
+    # forkserver, train/rank_zygote.py, carries the forkserver's command line).
+    assert not any("tether.train.torchrun" in arg or arg.endswith("shim.py") for arg in match[0].cmdline())
     return pid, descendants
 
 

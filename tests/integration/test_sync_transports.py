@@ -120,15 +120,21 @@ def run(coro: object) -> object:
 
 
 @pytest.mark.parametrize(
-    ("flattened", "wire"),
-    [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16), (False, torch.bfloat16)],
-    ids=["per-tensor", "flattened", "flattened-bf16", "per-tensor-bf16"],
+    ("flattened", "wire", "streamed"),
+    [
+        (False, torch.float32, True),
+        (True, torch.float32, True),
+        (True, torch.bfloat16, False),
+        (False, torch.bfloat16, False),
+    ],
+    ids=["per-tensor-streamed", "flattened-streamed", "flattened-bf16", "per-tensor-bf16"],
 )
 def test_distributed_transport_buckets_and_matches_transformers(
-    engine: Engine, model_dir: Path, tmp_path: Path, flattened: bool, wire: torch.dtype
+    engine: Engine, model_dir: Path, tmp_path: Path, flattened: bool, wire: torch.dtype, streamed: bool
 ) -> None:
     """Per-tensor broadcasts land in the live parameters; flattened buckets become their storage;
-    bf16 on the wire is converted into the engine's float32 parameters."""
+    bf16 on the wire is converted into the engine's float32 parameters. Streamed: the buckets go
+    as one stream (the CPU engine offers it); else one SGLang request per bucket."""
 
     async def body() -> None:
         async with engine_client(engine.url, name="e0") as client:
@@ -138,10 +144,13 @@ def test_distributed_transport_buckets_and_matches_transformers(
                     tmp_path, update_weight_collective_timeout=60.0, update_weight_flattened_bucket=flattened
                 ),
                 master_port=free_port(),
+                stream_buckets=streamed,
             )
             try:
                 base = (await served_versions([client], 10))["e0"]  # the engine served earlier cases
                 assert base is not None
+                await t.connect()
+                assert t.streamed == streamed
                 state = {n: x.to(wire) for n, x in trained(model_dir, seed=1).items()}
                 entry = await t.sync(base + 1, iter(state.items()))
                 assert entry.ok and entry.engine_versions == {"e0": base + 1}
@@ -201,7 +210,10 @@ def test_distributed_buckets_are_pipelined(engine: Engine, model_dir: Path, tmp_
         async with engine_client(engine.url, name="p0") as client:
             held = AnswersAfterNextBucket(client)
             t = DistributedTransport(
-                [held], cfg(tmp_path, update_weight_collective_timeout=60.0), master_port=free_port()
+                [held],
+                cfg(tmp_path, update_weight_collective_timeout=60.0),
+                master_port=free_port(),
+                stream_buckets=False,  # SGLang's request per bucket, as against a real SGLang
             )
             try:
                 base = (await served_versions([client], 10))["p0"]

@@ -481,9 +481,9 @@ def flags(work: Path, hf: Path, results: common.Results) -> None:
     root = work / "async"
     checkpoint.save(actor, root, checkpoint.RunState(step=3, rollout_id=3))
     gate = mp.get_context("fork").Event()
-    checkpoint_async.WRITE_GATE = gate
+    saver = checkpoint_async.AsyncCheckpointer(write_gate=gate)
     want = hf_tensors(actor.chunks, actor.arch)
-    pending = checkpoint_async.start_save(actor, root, checkpoint.RunState(step=4, rollout_id=4))
+    pending = saver.start_save(actor, root, checkpoint.RunState(step=4, rollout_id=4))
     before = {
         "shards_written": sorted(p.name for p in pending.tmp.glob("*.distcp")),
         "tracker": (root / "latest_checkpointed_iteration.txt").read_text(),
@@ -493,8 +493,7 @@ def flags(work: Path, hf: Path, results: common.Results) -> None:
     moved = same(hf_tensors(actor.chunks, actor.arch), want)
     before["still_no_shards"] = not list(pending.tmp.glob("*.distcp"))
     gate.set()
-    checkpoint_async.WRITE_GATE = None
-    final = checkpoint_async.finalize(pending)
+    final = saver.finalize(pending)
     checkpoint.validate_checkpoint(final)  # every file whole, digests recorded
     other = fresh()
     state = checkpoint.load(other, root)
