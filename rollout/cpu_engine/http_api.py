@@ -204,6 +204,13 @@ def result_response(success: bool, message: str, **extra: Any) -> web.Response:
     )
 
 
+def updated_response(message: str, weight_version: str | None, **extra: Any) -> web.Response:
+    """A weight update's success, naming the new version when the request set one (as SGLang)."""
+    if weight_version is not None:
+        message += f" Weight version updated to {weight_version}."
+    return result_response(True, message, **extra)
+
+
 MAX_BODY = web.AppKey("max_request_bytes", int)
 
 
@@ -573,6 +580,8 @@ class EngineApp:
                 "tp_size": 1,
                 "dp_size": 1,
                 "version": ENGINE_VERSION,
+                # A server argument, reported as SGLang reports its own (what the engine enforces).
+                "allow_nonfinite_weights": self.s.limits.allow_nonfinite_weights,
                 "internal_states": [
                     {
                         "running": len(s.running),
@@ -739,10 +748,9 @@ class EngineApp:
             return result_response(False, f"Failed to update weights: {e}", num_paused_requests=0)
         self.s.disk_path = body.model_path
         self.s.disk_version = self.sched.weight_version
-        message = "Succeeded to update model weights."
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return result_response(True, message, num_paused_requests=0)
+        return updated_response(
+            "Succeeded to update model weights.", body.weight_version, num_paused_requests=0
+        )
 
     def _read_checked(self, path: str) -> dict[str, torch.Tensor]:
         """Worker thread: a checkpoint's tensors, refused if any holds NaN or inf (unless allowed)."""
@@ -877,10 +885,7 @@ class EngineApp:
         failed, _ = await self._receive_between_steps(receive, body.abort_all_requests, body.weight_version)
         if failed is not None:
             return result_response(False, failed)
-        message = "Succeeded to update parameter online."
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return result_response(True, message)
+        return updated_response("Succeeded to update parameter online.", body.weight_version)
 
     async def update_from_distributed_stream(self, request: web.Request) -> web.Response:
         """Every bucket of one sync in one request (tether.runtime.bucket_stream)."""
@@ -907,10 +912,9 @@ class EngineApp:
         )
         if failed is not None:
             return result_response(False, failed)
-        message = f"Succeeded to update parameter online ({buckets} buckets)."
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return result_response(True, message, buckets=buckets)
+        return updated_response(
+            f"Succeeded to update parameter online ({buckets} buckets).", body.weight_version, buckets=buckets
+        )
 
     async def _receive_between_steps(
         self, receive: Callable[[], Any], abort_all_requests: bool, weight_version: str | None
@@ -962,10 +966,7 @@ class EngineApp:
                 await self._apply(named, False, body.weight_version, body.abort_all_requests)
         except (PayloadRejected, WeightMismatch) as e:
             return result_response(False, f"Failed to update weights: {e}")
-        message = "Succeeded to update model weights."
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return result_response(True, message)
+        return updated_response("Succeeded to update model weights.", body.weight_version)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body: VersionReq = await read_body(request, VersionReq)
