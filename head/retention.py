@@ -50,8 +50,8 @@ class CheckpointRetention:
         goes on with more checkpoints on disk, and says so in events.jsonl)."""
         if not self.enabled or self.save_dir is None:
             return []
+        from tether.train.checkpoint_layout import critic_checkpoint_dir
         from tether.train.checkpoint_retention import prune_checkpoints
-        from tether.train.critic_work import critic_checkpoint_dir
 
         # The PPO critic's checkpoints (`--save/critic/iter_N`) follow the actor's policy.
         critic = critic_checkpoint_dir(self.save_dir)

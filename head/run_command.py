@@ -44,8 +44,6 @@ def main_argv(argv: Sequence[str]) -> int:
             return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tether.job import run_job
-    from tether.process_threads import one_torch_thread
     from tether.runtime.loop import run
 
-    one_torch_thread()
     return run(run_job(cfg, list(argv)))

@@ -18,17 +18,19 @@ that signal there.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from tether.config import Config
 from tether.placement.plan import Plan, TorchrunNode
+from tether.process_threads import one_torch_thread
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
 from tether.rollout.sample import Sample
 from tether.run_dir import RunDir
@@ -38,7 +40,7 @@ from tether.runtime.rpc import connect
 from tether.runtime.supervisor import LOCAL, ManagedProcess, Supervisor
 from tether.sync.ledger import LedgerEntry
 from tether.train.batching import TrainBatch
-from tether.train.critic_work import CriticWork, critic_checkpoint_dir
+from tether.train.checkpoint_layout import critic_checkpoint_dir
 from tether.train.protocol import (
     ExportRequest,
     InitRequest,
@@ -55,11 +57,13 @@ from tether.train.protocol import (
     ValuesRequest,
     WorkerInfo,
 )
-from tether.train.rank_work import StepWork, WorkOptions, rollout_steps
 from tether.train.slime_train_data import correct_sample_metrics
 from tether.train.worker import read_addresses
 from tether.train_data_hooks import load_train_data_hooks
 from tether.train_dump import save_train_data
+
+if TYPE_CHECKING:
+    from tether.train.rank_work import StepWork
 
 log = logging.getLogger(__name__)
 Q = TypeVar("Q")
@@ -73,6 +77,15 @@ EXIT_REPORT_TIMEOUT = 45.0
 # After `shutdown` a rank finishes the work on its thread, closes its weight-sync group and
 # leaves its process groups; a job not gone by then is stopped by signal.
 SHUTDOWN_GRACE = 60.0
+# The head's step work (advantages, batching) needs torch: ~1.2 s of import, made while the ranks
+# start (`import_step_work`), not before the run starts them.
+STEP_WORK_MODULES = ("tether.train.rank_work", "tether.train.critic_work")
+
+
+def import_step_work() -> None:
+    """Import the head's step-work modules (and torch); the run does it on a thread at start."""
+    for name in STEP_WORK_MODULES:
+        importlib.import_module(name)
 
 
 def _first(group: BaseExceptionGroup[Exception]) -> Exception:
@@ -198,7 +211,13 @@ class TrainerPool:
         for stale in self.address_dir.glob("rank_*.json"):
             stale.unlink(missing_ok=True)
 
+        warm: list[asyncio.Task[None]] = []
+
         async def all_ranks_serving() -> bool:
+            # First asked once torchrun runs: the head's own torch import overlaps the ranks'
+            # start from then on instead of delaying it.
+            if not warm:
+                warm.append(tg.create_task(asyncio.to_thread(import_step_work)))
             return read_addresses(self.address_dir, world) is not None
 
         started = time.monotonic()
@@ -212,6 +231,7 @@ class TrainerPool:
                     for n in group.nodes
                 ]
             self.procs = [t.result() for t in starts]
+            one_torch_thread()  # on the loop's thread, where the step work runs (imported by now)
             addresses = read_addresses(self.address_dir, world)
             assert addresses is not None
             for r in range(world):
@@ -350,6 +370,8 @@ class TrainerPool:
             values, critic_metrics = await self.critic.train_critic(rollout_id, groups)
             if rollout_id < self.cfg.algorithm.num_critic_only_steps:
                 return {**critic_metrics, "train/weight_version": float(weight_version)}
+        from tether.train.rank_work import WorkOptions, rollout_steps
+
         steps = rollout_steps(
             groups,
             self.cfg.algorithm,
@@ -398,6 +420,9 @@ class TrainerPool:
         """The critic pool's part of a rollout: its values of every response token (its weights
         before the rollout), then its value-loss steps. Returns the values in sample order (the
         actor's GAE baseline) and the last step's metrics under slime's names (train/critic-*)."""
+        from tether.train.critic_work import CriticWork
+        from tether.train.rank_work import WorkOptions
+
         work = CriticWork.build(
             groups,
             self.cfg.algorithm,

@@ -61,6 +61,7 @@ from tether.runtime.rpc import ActorHandle, RpcServer, connect
 log = logging.getLogger(__name__)
 
 LOCAL = "local"
+READY_POLL_MAX = 0.1  # seconds between readiness checks of a starting process, at most
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -440,7 +441,9 @@ class Supervisor:
                     delay = 0.01
                     while proc.running and not await ready():
                         await asyncio.wait((proc.exit,), timeout=delay)
-                        delay = min(delay * 2, 0.5)
+                        # At most READY_POLL_MAX late: a check costs a directory listing or one
+                        # local HTTP request, and every run's first step waits on the last one.
+                        delay = min(delay * 2, READY_POLL_MAX)
         except TimeoutError:
             info = await self.stop(spec.name)
             raise ActorDied(

@@ -296,3 +296,9 @@ def save_hf_path(template: str, rollout_id: int) -> str:
         raise ConfigError(
             "--save-hf", template, f"is formatted with rollout_id= only (as slime does): {exc!r}"
         ) from None
+
+
+def critic_checkpoint_dir(save_dir: str | Path) -> Path:
+    """Where the critic's checkpoints go: `critic/` under the actor's --save (slime's critic
+    inherits --save and would write over the actor's; its role YAML is not implemented here)."""
+    return Path(save_dir) / "critic"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,12 +35,6 @@ from tether.train.gae import gae, ppo_token_rewards
 from tether.train.protocol import MicroBatchPlan, TrainRequest, ValuesRequest
 from tether.train.rank_work import WorkOptions, rollout_batch
 from tether.train.train_data_hooks import TrainDataHooks, TrainHookError, custom_advantages
-
-
-def critic_checkpoint_dir(save_dir: str | Path) -> Path:
-    """Where the critic's checkpoints go: `critic/` under the actor's --save (slime's critic
-    inherits --save and would write over the actor's; its role YAML is not implemented here)."""
-    return Path(save_dir) / "critic"
 
 
 def critic_returns(batch: TrainBatch, algorithm: AlgorithmConfig) -> np.ndarray:
@@ -189,4 +182,4 @@ class CriticWork:
         return steps
 
 
-__all__ = ["CriticWork", "critic_checkpoint_dir", "critic_returns", "custom_critic_returns"]
+__all__ = ["CriticWork", "critic_returns", "custom_critic_returns"]

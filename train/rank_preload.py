@@ -27,6 +27,7 @@ QUIET = (
 # The rank's own modules (and the torchrun pieces a forked rank unpickles its entry point with).
 PLAIN = (
     "torch.distributed.elastic.multiprocessing.api",
+    "torch._dynamo",  # torch.optim's constructors import it at their first call (_disable_dynamo)
     "uvloop",
     "tether.runtime.rpc",
     "tether.train.worker",

@@ -79,3 +79,16 @@ def test_sigterm_during_start_up_stops_cleanly(ws: Workspace, run_dir: Path) -> 
     events = read_jsonl(run / "events.jsonl")
     assert events[-1]["event"] == "stopped" and "ready" not in [e["event"] for e in events], events
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_the_head_starts_its_processes_before_it_imports_torch() -> None:
+    """torch costs the head ~1.2 s of import: made on a thread once the trainer ranks start
+    (`tether.trainer_pool.import_step_work`), not before the run starts anything."""
+    code = (
+        "import sys; import tether.run_command, tether.job; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('tether'))\n"
+        "from tether.trainer_pool import import_step_work; import_step_work(); "
+        "assert 'torch' in sys.modules and 'tether.train.rank_work' in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
