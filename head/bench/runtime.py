@@ -3,11 +3,14 @@
 Each figure is the min and median over `--repeats` runs, measured in this one run:
 cold start (head plus 4 actor processes all answering), sequential RPC round trip (p50, p99),
 pipelined RPC throughput, Sample-batch throughput (64 and 512 Samples of 1024 tokens: 512
-prompt and 512 response tokens, with loss mask and log-probs), and two floors measured between
-the tether runs so that all see the same load: a raw blocking pyzmq round trip (REQ/REP over
-TCP, 64 bytes), which no RPC over ZeroMQ can beat, and a raw blocking Unix stream socket round
-trip, which no local transport can beat. With Ray, `rtt_p50_ray_over_raw_pyzmq` is therefore
-the highest `rtt_p50_ray_over_tether` that ZeroMQ allows on the machine at hand. Sample
+prompt and 512 response tokens, with loss mask and log-probs), and two floors: a raw blocking
+pyzmq round trip (REQ/REP over TCP, 64 bytes), which no RPC over ZeroMQ can beat, and a raw
+blocking Unix stream socket round trip, which no local transport can beat. The floors' round
+trips are taken in blocks alternating with tether's (and, in Ray's repeats, with Ray's), so each
+ratio compares figures taken in the same seconds: this machine's thread wake-up latency, which
+every round trip here is made of, drifts by 2x and more from one second to the next. With Ray,
+`rtt_p50_ray_over_raw_pyzmq` is therefore the highest `rtt_p50_ray_over_tether` that ZeroMQ
+allows on the machine at hand. Sample
 batches are measured three ways:
 
 - `samples_per_s_<n>`: the columnar frames of `tether.bench.sample_codec.encode_batch`
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +60,7 @@ TARGETS = {  # the issue's targets on this machine (issue #21)
     "full_samples_512_tether_over_ray": 4.0,
 }
 RTT_VS_RAW_PYZMQ_TARGET = 1.5
+RTT_BLOCKS = 20  # round-trip figures are taken in this many alternating blocks (see interleaved_round_trips)
 
 
 def _offsets_frame() -> int:
@@ -150,41 +155,59 @@ while True:
 _PAYLOAD = b"x" * 64
 
 
-def _echo_round_trips(script: str, argv: list[str], n: int, connect: Any, what: str) -> list[float]:
-    """Blocking round trips (seconds each) of a 64-byte message to an echo process running
-    `script`; `connect(port)` returns (send, recv, close) for the client's end."""
-    proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        send, recv, close = connect(int(proc.stdout.readline()))
+class EchoClient:
+    """A blocking client of an echo process running `script` (a floor): it stays up for a whole
+    repeat, so its round trips can be measured in blocks between tether's, under the same load.
+    `connect(port)` returns (send, recv, close) for the client's end."""
+
+    def __init__(self, script: str, argv: list[str], connect: Any, what: str) -> None:
+        self.what = what
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, text=True)
         try:
-            for _ in range(200):
-                send(_PAYLOAD)
-                recv()
-            times = []
+            assert self.proc.stdout is not None
+            self._send, self._recv, self._close = connect(int(self.proc.stdout.readline()))
+            self.round_trips(200)  # warm: connection set up, pages and caches touched
+        except BaseException:
+            self._stop_process()
+            raise
+
+    def round_trips(self, n: int) -> list[float]:
+        """`n` blocking round trips of a 64-byte message, seconds each."""
+        send, recv = self._send, self._recv
+        times = []
+        try:
             for _ in range(n):
                 t = time.perf_counter()
                 send(_PAYLOAD)
                 recv()
                 times.append(time.perf_counter() - t)
-            send(b"stop")
-        finally:
-            close()
+        except (TimeoutError, OSError) as exc:  # zmq.Again is an OSError too
+            raise RuntimeError(
+                f"the {self.what} echo process stopped answering (exit code {self.proc.poll()}): {exc}"
+            ) from None
         return times
-    except (TimeoutError, OSError) as exc:  # zmq.Again is an OSError too
-        raise RuntimeError(
-            f"the {what} echo process stopped answering (exit code {proc.poll()}): {exc}"
-        ) from None
-    finally:
+
+    def close(self) -> None:
         try:
-            proc.wait(10)
+            with contextlib.suppress(OSError):
+                self._send(b"stop")
+            self._close()
+        finally:
+            self._stop_process()
+
+    def _stop_process(self) -> None:
+        try:
+            self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
 
-def raw_pyzmq_round_trip(n: int) -> list[float]:
-    """Blocking REQ/REP round trips (seconds each) to an echo process: the ZeroMQ floor."""
+def raw_pyzmq_echo() -> EchoClient:
+    """Blocking REQ/REP round trips (over TCP) to an echo process: the ZeroMQ floor."""
     import zmq
 
     def connect(port: int) -> tuple[Any, Any, Any]:
@@ -202,25 +225,64 @@ def raw_pyzmq_round_trip(n: int) -> list[float]:
 
         return sock.send, sock.recv, close
 
-    return _echo_round_trips(_RAW_ECHO, [], n, connect, "raw pyzmq")
+    return EchoClient(_RAW_ECHO, [], connect, "raw pyzmq")
 
 
-def raw_unix_round_trip(n: int, sock_dir: Path) -> list[float]:
+def raw_unix_echo(sock_dir: Path) -> EchoClient:
     """Blocking round trips over a Unix stream socket: what the OS allows without ZeroMQ."""
     import socket
 
-    path = str(sock_dir / "raw-unix-echo.sock")
+    path = sock_dir / "raw-unix-echo.sock"
+    path.unlink(missing_ok=True)
 
     def connect(_port: int) -> tuple[Any, Any, Any]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(10.0)
-        sock.connect(path)
-        return sock.sendall, lambda: sock.recv(65536), sock.close
+        sock.connect(str(path))
 
-    try:
-        return _echo_round_trips(_UNIX_ECHO, [path], n, connect, "raw Unix socket")
-    finally:
-        Path(path).unlink(missing_ok=True)
+        def close() -> None:
+            sock.close()
+            path.unlink(missing_ok=True)
+
+        return sock.sendall, lambda: sock.recv(65536), close
+
+    return EchoClient(_UNIX_ECHO, [str(path)], connect, "raw Unix socket")
+
+
+@contextlib.contextmanager
+def floors(sock_dir: Path) -> Iterator[dict[str, EchoClient]]:
+    """Both floors' echo processes, up for the `with` block."""
+    with contextlib.ExitStack() as stack:
+        out = {}
+        for name, start in (
+            ("raw_pyzmq", raw_pyzmq_echo),
+            ("raw_unix_socket", lambda: raw_unix_echo(sock_dir)),
+        ):
+            out[name] = echo = start()
+            stack.callback(echo.close)
+        yield out
+
+
+async def interleaved_round_trips(
+    own_block: Callable[[int], Awaitable[list[float]]], echoes: dict[str, EchoClient], calls: int
+) -> dict[str, list[float]]:
+    """`calls` round trips each of the system measured (`own_block(n)`: n round trips, seconds
+    each) and of every floor, in RTT_BLOCKS alternating blocks: this machine's wake-up latency
+    drifts by 2x and more from one second to the next, so the figures compared are taken in the
+    same seconds. The floors block the loop while they run (nothing else is in flight then)."""
+    out: dict[str, list[float]] = {"own": [], **{name: [] for name in echoes}}
+    blocks = min(RTT_BLOCKS, calls)
+    for b in range(blocks):
+        n = calls // blocks + (1 if b < calls % blocks else 0)
+        for name, echo in echoes.items():
+            out[name] += echo.round_trips(n)
+        out["own"] += await own_block(n)
+    return out
+
+
+def _p50_p99(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    return {"rtt_p50_s": times[len(times) // 2], "rtt_p99_s": times[int(len(times) * 0.99)]}
 
 
 def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
@@ -228,7 +290,10 @@ def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
     return max(2, args.batch_rounds * 64 // n // (4 if full else 1))
 
 
-async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[int, Any]) -> dict[str, Any]:
+async def _tether_once(
+    args: argparse.Namespace, run_dir: Path, batches: dict[int, Any], echoes: dict[str, EchoClient]
+) -> dict[str, Any]:
+    """One repeat of every tether figure; the floors' round trips go in `out["floors"]`."""
     from tether.bench.actors import start_actor
     from tether.bench.sample_codec import pack_samples
     from tether.runtime.secret import new_secret
@@ -255,14 +320,18 @@ async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[in
         payload = b"x" * 64
         for _ in range(200):
             await h.echo(payload)
-        times = []
-        for _ in range(args.calls):
-            t = time.perf_counter()
-            await h.echo(payload)
-            times.append(time.perf_counter() - t)
-        times.sort()
-        out["rtt_p50_s"] = times[len(times) // 2]
-        out["rtt_p99_s"] = times[int(len(times) * 0.99)]
+
+        async def block(n: int) -> list[float]:
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                await h.echo(payload)
+                times.append(time.perf_counter() - t)
+            return times
+
+        trips = await interleaved_round_trips(block, echoes, args.calls)
+        out.update(_p50_p99(trips.pop("own")))
+        out["floors"] = {name: statistics.median(t) for name, t in trips.items()}
         t = time.perf_counter()
         await asyncio.gather(*(h.echo(payload) for _ in range(args.calls)))
         out["pipelined_calls_per_s"] = args.calls / (time.perf_counter() - t)
@@ -285,7 +354,11 @@ async def _tether_once(args: argparse.Namespace, run_dir: Path, batches: dict[in
     return out
 
 
-def _ray_once(args: argparse.Namespace, batches: dict[int, Any]) -> dict[str, Any]:
+def _ray_once(
+    args: argparse.Namespace, batches: dict[int, Any], echoes: dict[str, EchoClient]
+) -> dict[str, Any]:
+    """One repeat of every Ray figure; the floors' round trips (taken between Ray's) go in
+    `out["floors"]`."""
     import ray
 
     out: dict[str, Any] = {}
@@ -311,14 +384,18 @@ def _ray_once(args: argparse.Namespace, batches: dict[int, Any]) -> dict[str, An
         payload = b"x" * 64
         for _ in range(200):
             ray.get(a.echo.remote(payload))
-        times = []
-        for _ in range(args.calls):
-            t = time.perf_counter()
-            ray.get(a.echo.remote(payload))
-            times.append(time.perf_counter() - t)
-        times.sort()
-        out["rtt_p50_s"] = times[len(times) // 2]
-        out["rtt_p99_s"] = times[int(len(times) * 0.99)]
+
+        async def block(n: int) -> list[float]:
+            times = []
+            for _ in range(n):
+                t = time.perf_counter()
+                ray.get(a.echo.remote(payload))
+                times.append(time.perf_counter() - t)
+            return times
+
+        trips = asyncio.run(interleaved_round_trips(block, echoes, args.calls))
+        out.update(_p50_p99(trips.pop("own")))
+        out["floors"] = {name: statistics.median(t) for name, t in trips.items()}
         t = time.perf_counter()
         ray.get([a.echo.remote(payload) for _ in range(args.calls)])
         out["pipelined_calls_per_s"] = args.calls / (time.perf_counter() - t)
@@ -355,18 +432,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         samples = make_samples(n)
         batches[n] = (samples, encode_batch(samples))
     tether_runs = []
-    raw = []
-    unix = []
+    raw: dict[str, list[float]] = {"raw_pyzmq": [], "raw_unix_socket": []}
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
-        for i in range(args.repeats):  # the floors and tether in turn: all see the same load
-            raw.append(statistics.median(raw_pyzmq_round_trip(args.calls)))
-            unix.append(statistics.median(raw_unix_round_trip(args.calls, Path(tmp))))
-            tether_runs.append(run_loop(_tether_once(args, Path(tmp) / f"run{i}", batches)))
+        for i in range(args.repeats):
+            # The floors' echo processes start before tether's cold start and are measured
+            # in blocks between tether's round trips: all three see the same load.
+            with floors(Path(tmp)) as echoes:
+                once = run_loop(_tether_once(args, Path(tmp) / f"run{i}", batches, echoes))
+            for name, p50 in once.pop("floors").items():
+                raw[name].append(p50)
+            tether_runs.append(once)
     result: dict[str, Any] = {
         "transport": args.transport,
         "tether": _summarise(tether_runs),
-        "raw_pyzmq": {"rtt_p50_s": _stats(raw)},
-        "raw_unix_socket": {"rtt_p50_s": _stats(unix)},
+        "raw_pyzmq": {"rtt_p50_s": _stats(raw["raw_pyzmq"])},
+        "raw_unix_socket": {"rtt_p50_s": _stats(raw["raw_unix_socket"])},
         "ray": None,
         "ratios": {},
         "targets_met": {},
@@ -376,7 +456,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios["rtt_p50_vs_raw_pyzmq"] = t["rtt_p50_s"]["median"] / result["raw_pyzmq"]["rtt_p50_s"]["median"]
     result["targets_met"]["rtt_p50_vs_raw_pyzmq"] = ratios["rtt_p50_vs_raw_pyzmq"] <= RTT_VS_RAW_PYZMQ_TARGET
     if not args.skip_ray and importlib.util.find_spec("ray") is not None:
-        r = result["ray"] = _summarise([_ray_once(args, batches) for _ in range(args.repeats)])
+        ray_runs = []
+        ray_floors: dict[str, list[float]] = {"raw_pyzmq": [], "raw_unix_socket": []}
+        with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+            for _ in range(args.repeats):
+                with floors(Path(tmp)) as echoes:
+                    once = _ray_once(args, batches, echoes)
+                for name, p50 in once.pop("floors").items():
+                    ray_floors[name].append(p50)
+                ray_runs.append(once)
+        r = result["ray"] = _summarise(ray_runs)
+        # The floors as measured between Ray's round trips, for the ceilings below.
+        for name, p50s in ray_floors.items():
+            r[f"{name}_rtt_p50_s"] = _stats(p50s)
 
         def median(side: dict[str, Any], key: str) -> float:
             return float(side[key]["median"])
@@ -384,12 +476,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios["cold_start_ray_over_tether"] = median(r, "cold_start_s") / median(t, "cold_start_s")
         ratios["rtt_p50_ray_over_tether"] = median(r, "rtt_p50_s") / median(t, "rtt_p50_s")
         # The ceilings of the same figure: no RPC over ZeroMQ can beat raw blocking pyzmq,
-        # and nothing over a local socket can beat the raw Unix socket.
-        ratios["rtt_p50_ray_over_raw_pyzmq"] = median(r, "rtt_p50_s") / median(
-            result["raw_pyzmq"], "rtt_p50_s"
-        )
+        # and nothing over a local socket can beat the raw Unix socket (each floor as measured
+        # in the same seconds as Ray's round trips).
+        ratios["rtt_p50_ray_over_raw_pyzmq"] = median(r, "rtt_p50_s") / median(r, "raw_pyzmq_rtt_p50_s")
         ratios["rtt_p50_ray_over_raw_unix_socket"] = median(r, "rtt_p50_s") / median(
-            result["raw_unix_socket"], "rtt_p50_s"
+            r, "raw_unix_socket_rtt_p50_s"
         )
         ratios["pipelined_calls_tether_over_ray"] = median(t, "pipelined_calls_per_s") / median(
             r, "pipelined_calls_per_s"
