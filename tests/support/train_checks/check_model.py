@@ -35,6 +35,13 @@ LAYOUTS = {
     "ep2ag": (1, 1, 2, 1),
     "cp2": (1, 1, 1, 2),
 }
+# A 4-rank launch (`torchrun --nproc-per-node 4`) checks these instead: TP=2 with sequence
+# parallelism and CP=2 together (every family's activations split over the TP ranks' sequence
+# shards inside each CP rank's load-balanced chunks), against DP=4.
+LAYOUTS_4 = {
+    "dp4": (1, 1, 1, 1),
+    "tp2cp2": (2, 1, 1, 2),
+}
 ALLGATHER_EP = ("qwen3_moe",)
 # Dense attention, MLA + MoE, and a trained MTP layer (its labels rolled across the CP ranks).
 CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp")
@@ -265,14 +272,15 @@ def main() -> None:
     if rank == 0:
         make_models(work / "models", families)
     topo = None
-    for layout, (tp, pp, ep, cp) in LAYOUTS.items():
+    layouts = LAYOUTS_4 if int(os.environ["WORLD_SIZE"]) == 4 else LAYOUTS
+    for layout, (tp, pp, ep, cp) in layouts.items():
         topo = reinit(tp, pp, ep, cp)
         dist.barrier()
         models = make_models(work / "models", families)
         for family, hf_dir in models.items():
             # Megatron runs MoE layers at TP > 1 with sequence parallelism (the local norms accept it).
             moe = FAMILIES[family]["arch"] in MOE_ARCHES
-            sequence_parallel = (moe or family in SEQUENCE_PARALLEL) and tp > 1
+            sequence_parallel = (moe or family in SEQUENCE_PARALLEL or cp > 1) and tp > 1
             if (
                 (ep > 1 and not moe)
                 or (cp > 1 and family not in CONTEXT_PARALLEL)
@@ -296,6 +304,15 @@ def main() -> None:
                 ),
             )
             actor = model.build_actor(opts, topo)
+            results.record(
+                f"{layout}/{family}/layout",
+                lambda a=actor, t=topo: {
+                    "tp": t.tp_size,
+                    "cp": t.cp_size,
+                    "dp": t.dp_size,
+                    "sequence_parallel": bool(a.config.sequence_parallel),
+                },
+            )
             if family in MTP_FLAGS:
                 results.record(
                     f"{layout}/{family}/mtp_logits",
