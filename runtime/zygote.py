@@ -51,6 +51,8 @@ from typing import NoReturn
 
 import msgspec
 
+from tether.runtime.proc_title import show_as
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 MAX_MESSAGE = 1 << 20  # a request larger than this is refused by the agent before sending
@@ -172,21 +174,6 @@ def _ppid_of(pid: int) -> int | None:
     except OSError:
         return None
     return int(data[data.rindex(b")") + 2 :].split()[1])
-
-
-def show_as(argv: list[str]) -> None:
-    """Make this process's /proc/PID/cmdline (what ps and pgrep -f read) show `argv`, cut to the
-    room of the command line it was started with (the zygote's, padded for this)."""
-    with open("/proc/self/stat", "rb") as f:
-        data = f.read()
-    fields = data[data.rindex(b")") + 2 :].split()
-    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49
-    room = end - start
-    if start <= 0 or room <= 1:
-        return
-    text = b"\0".join(os.fsencode(a) for a in argv)[: room - 1]
-    # The interpreter keeps its own copies of argv: this memory is only what the kernel shows.
-    ctypes.memmove(start, text + b"\0" * (room - len(text)), room)
 
 
 _HELD = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}

@@ -20,6 +20,7 @@ or TETHER_FORK_RANKS=0, runs torchrun exactly as before.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import io
 import logging
@@ -29,6 +30,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tether.runtime.proc_title import show_as
 
 WORKER_MODULE = "tether.train.worker"
 PRELOAD_MODULE = "tether.train.rank_preload"
@@ -170,6 +173,8 @@ def run_rank(*argv: str) -> int:
 
     _let_the_zygote_end_with_the_agent()
     sys.argv = [str(worker.__file__), *argv]
+    with contextlib.suppress(Exception):  # cosmetic: ps shows the rank, not the forkserver
+        show_as([sys.executable, "-u", "-m", WORKER_MODULE, *argv])
     sys.stdout = _unbuffered(1, sys.stdout)
     sys.stderr = _unbuffered(2, sys.stderr)
     threads = os.environ.get("OMP_NUM_THREADS", "")

@@ -76,6 +76,8 @@ def test_zygote_children_match_spawned_ones(tmp_path: Path, caplog: pytest.LogCa
             assert (forked.returncode, spawned.returncode) == (5, 5)
             f, s = json.loads(forked.log_tail), json.loads(spawned.log_tail)
             assert f["ppid"] == zygote.pid and f["pid"] == forked.pid  # no shim in between
+            # ps shows the command, not the zygote's (and below: the same as the spawned one's)
+            assert f["cmdline"] == [*CHILD, "describe", "5"]
             assert f["sid"] == f["pgid"] == f["pid"]
             assert f["stdout"] == f["stderr"] == str(tmp_path / "logs" / "forked.log")
             assert f["env"]["TETHER_PROCESS_NAME"] == "forked" and f["env"]["DROPPED"] is None and f["secret"]

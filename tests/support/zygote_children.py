@@ -17,11 +17,14 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 
 def describe() -> dict[str, object]:
     return {
         "argv": sys.argv,
+        # what ps shows: the command, whether spawned or forked from the zygote (proc_title.show_as)
+        "cmdline": [a for a in Path("/proc/self/cmdline").read_bytes().decode().split("\0") if a],
         "cwd": os.getcwd(),
         "path": sys.path,
         "main": __name__,
