@@ -77,6 +77,9 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     """float32 [sum(response_lengths)]: the critic's values before its step (ppo)."""
     returns: np.ndarray | None = None
     """float32 [sum(response_lengths)]: the critic's GAE returns, its value-loss target (ppo)."""
+    positions: np.ndarray | None = None
+    """int64 [n]: each sample's position in its rollout's batch, slime's `partition` (set where
+    a rollout's steps are cut, `tether.train.rank_work.rollout_steps`; `select` carries it)."""
 
     @property
     def num_samples(self) -> int:
@@ -165,6 +168,7 @@ class TrainBatch(msgspec.Struct, kw_only=True):
             routed_experts=None
             if self.routed_experts is None
             else gather(self.routed_experts, self.offsets[:-1], self.offsets[1:]),
+            positions=None if self.positions is None else self.positions[idx].copy(),
         )
 
     def validate(self) -> None:
@@ -195,9 +199,10 @@ class TrainBatch(msgspec.Struct, kw_only=True):
             "sample_indices",
             "group_indices",
             "loss_weights",
+            "positions",
         ):
             col = getattr(self, name)
-            if col.shape != (n,):
+            if col is not None and col.shape != (n,):
                 raise ValueError(f"{name} has shape {col.shape}; expected ({n},) (one per sample)")
         routed = self.routed_experts
         if routed is not None and (routed.ndim != 3 or routed.shape[0] != self.tokens.size):

@@ -320,6 +320,8 @@ def rollout_steps(
     `values` (ppo): the critic's per-response-token values of the rollout, in sample order
     (`tether.train.critic_work`); the actor's GAE advantages come from them."""
     batch = rollout_batch(groups, algorithm, options.reward_key, hooks)
+    # Where each sample sits in the rollout (slime's `partition`): carried into every step and shard.
+    batch.positions = np.arange(batch.num_samples, dtype=np.int64)
     if values is not None:
         batch.values = np.asarray(values, dtype=np.float32)
         batch.validate()

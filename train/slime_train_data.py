@@ -17,7 +17,8 @@ log-prob passes and advantages (where slime's actor calls it, on each rank's rol
 slime's keys: `tokens`, `response_lengths`, `total_lengths`, `rewards`, `raw_reward` (the whole
 rollout's, every rank gets it: slime ships it whole so hooks can reshape it into prompt groups),
 `local_raw_reward` (the shard's, aligned with its other lists), `loss_masks`, `sample_indices`,
-`rollout_ids`, and where the step has them `rollout_log_probs`,
+`rollout_ids`, `partition` (each sample's position in the rollout, its index in `raw_reward`, as
+slime keeps it), and where the step has them `rollout_log_probs`,
 `log_probs` (the trainer's, before the step), `ref_log_probs`, `advantages` and `returns` (equal to
 the advantages: tether's estimators keep no separate returns). What the hook leaves in
 `loss_masks`, `advantages`, `log_probs`, `ref_log_probs` and `rollout_log_probs` is what trains;
@@ -223,6 +224,8 @@ def rollout_data_view(
         "local_raw_reward": [float(shard.raw_rewards[i]) for i in real],
         "sample_indices": [int(shard.sample_indices[i]) for i in real],
         "rollout_ids": [int(shard.rollout_ids[i]) for i in real],
+        # slime's: each sample's position in the rollout, i.e. its index in `raw_reward`
+        "partition": [int(p) for p in (real if shard.positions is None else shard.positions[real])],
         "loss_masks": rows(shard.loss_masks, np.int32),
     }
     for key, col in (

@@ -6,7 +6,8 @@ head, `tether.train.rank_work`; `tether.train_data_hooks` loads them):
 
 `rollout_data` holds, per sample and as slime's trainer holds them, `tokens`, `response_lengths`,
 `total_lengths`, `rewards`, `raw_reward` (the whole rollout's, as slime ships it to every rank;
-else the batch's), `local_raw_reward` (the batch's), `loss_masks`, `rollout_log_probs`, `log_probs` (the
+else the batch's), `local_raw_reward` (the batch's), `partition` (each sample's position in the
+rollout, its index in `raw_reward`), `loss_masks`, `rollout_log_probs`, `log_probs` (the
 trainer's, before the step; None when the step computes none), `ref_log_probs` (None likewise),
 `kl` (zeros without --kl-coef) and `values` (the critic's under --advantage-estimator ppo, else
 None). A hook's output is checked and refused, naming the hook, when it does not fit the samples.
@@ -122,6 +123,10 @@ def custom_advantages(
             batch.raw_rewards if rollout_raw_reward is None else rollout_raw_reward, dtype=np.float64
         ).tolist(),
         "local_raw_reward": batch.raw_rewards.astype(np.float64).tolist(),
+        # slime's: each sample's position in the rollout (its index in `raw_reward`)
+        "partition": (
+            batch.positions.tolist() if batch.positions is not None else list(range(batch.num_samples))
+        ),
         "loss_masks": masks,
         "rollout_log_probs": _per_sample(batch.rollout_log_probs, lengths),
         "log_probs": log_probs,

@@ -172,7 +172,9 @@ def test_rollout_function_in_slime_api(
     assert [e["samples"] for e in events if e["event"] == "convert"] == [GROUPS * SAMPLES] * STEPS
     post = [e for e in events if e["event"] == "postprocess"]
     assert [e["rollout_id"] for e in post] == list(range(STEPS))
-    assert {"advantages", "loss_masks", "tokens", "raw_reward"} <= set(post[0]["keys"])
+    assert {"advantages", "loss_masks", "tokens", "raw_reward", "partition"} <= set(post[0]["keys"])
+    # one DP rank: slime's `partition` is every sample's own position in the rollout
+    assert all(e["partition"] == list(range(e["samples"])) for e in post)
     for step in range(STEPS):
         [[shard]] = load_train_data(tmp_path / f"train_{step}.msgpack").steps
         lengths = shard["response_lengths"].tolist()

@@ -43,9 +43,11 @@ from tether.train_data_hooks import check_train_data_hooks, load_train_data_hook
 HOOKS = """
 import torch
 from slime.utils.types import Sample
-seen = []
+seen, positions, local = [], [], []
 def calls():
     return seen
+def partitions():
+    return positions, local
 def convert(args, samples):
     assert all(isinstance(s, Sample) for s in samples)
     return {
@@ -60,6 +62,9 @@ def rewards(args, samples):
     raise AssertionError("the converter replaces the reward post-processing")
 def postprocess(args, rollout_id, rollout_data):
     seen.append((rollout_id, sorted(rollout_data), list(rollout_data["sample_indices"])))
+    raw = rollout_data["raw_reward"]  # the whole rollout's: `partition` indexes it, as in slime
+    positions.append(list(rollout_data["partition"]))
+    local.append(([raw[p] for p in rollout_data["partition"]], list(rollout_data["local_raw_reward"])))
     rollout_data["loss_masks"][0][:] = 0
     rollout_data["advantages"] = [a * 2 for a in rollout_data["advantages"]]
 def drop_masks(args, rollout_id, rollout_data):
@@ -242,6 +247,7 @@ def test_postprocess_sees_slimes_rollout_data_and_its_changes_train(module: Path
             "local_raw_reward",
             "sample_indices",
             "rollout_ids",
+            "partition",
             "loss_masks",
             "rollout_log_probs",
             "advantages",
@@ -249,6 +255,12 @@ def test_postprocess_sees_slimes_rollout_data_and_its_changes_train(module: Path
         ]
     )
     assert sorted(calls[0][2] + calls[1][2]) == [0, 1, 2]  # every real sample once, no filler
+    # slime's `partition`: each shard sample's position in the rollout, its index in `raw_reward`
+    positions, local = load_function(f"{module}:partitions")()
+    # (these samples' indices are their positions: 0, 1, 2 in rollout order)
+    assert positions == [c[2] for c in calls]
+    for by_position, own in local:
+        assert by_position == own
     for shard, old in zip(step.shards, before, strict=True):
         ro = shard.response_offsets
         assert shard.loss_masks[ro[0] : ro[1]].tolist() == [0] * int(shard.response_lengths[0])

@@ -20,7 +20,7 @@ from tether.train_data_hooks import check_train_data_hooks, load_train_data_hook
 HOOKS = """
 import torch
 from slime.utils.types import Sample
-calls = []
+calls, positions = [], []
 def rewards(args, samples):
     assert all(isinstance(s, Sample) for s in samples)
     raw = [s.get_reward_value(args) for s in samples]
@@ -29,6 +29,9 @@ def wrong_length(args, samples):
     return [0.0], [0.0]
 def advantages(args, rollout_data):
     calls.append(sorted(k for k, v in rollout_data.items() if v is not None))
+    raw = rollout_data["raw_reward"]  # the rollout's: `partition` indexes it, as in slime
+    assert [raw[p] for p in rollout_data["partition"]] == rollout_data["local_raw_reward"]
+    positions.append(list(rollout_data["partition"]))
     rollout_data["advantages"] = [torch.full((n,), float(r)) for n, r in zip(rollout_data["response_lengths"], rollout_data["rewards"])]
     rollout_data["returns"] = rollout_data["advantages"]
 def no_returns(args, rollout_data):
@@ -93,7 +96,9 @@ def test_custom_advantages_then_slimes_whitening(tmp_path: Path, module: Path, n
     import sys
 
     seen = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(module)).calls[-1]
-    assert {"tokens", "rewards", "loss_masks", "kl", "response_lengths", "total_lengths"} <= set(seen)
+    assert {"tokens", "rewards", "loss_masks", "kl", "response_lengths", "total_lengths", "partition"} <= set(
+        seen
+    )
 
 
 def test_custom_advantages_without_returns_are_refused(tmp_path: Path, module: Path) -> None:
@@ -125,3 +130,18 @@ def test_plan_checks_the_hooks_signatures(module: Path) -> None:
     check_train_data_hooks(AlgorithmConfig(custom_advantage_function_path=f"{module}:advantages"))
     with pytest.raises(ConfigError, match=r"cannot be called as fn\(args, rollout_data\)"):
         check_train_data_hooks(AlgorithmConfig(custom_advantage_function_path=f"{module}:three"))
+
+
+def test_custom_advantages_see_each_samples_place_in_the_rollout(tmp_path: Path, module: Path) -> None:
+    # Two optimizer steps of one rollout: each step's hook call gets slime's `partition`, the
+    # samples' positions in the whole rollout, which index the rollout's `raw_reward` (the hook
+    # itself checks raw_reward[partition[i]] == local_raw_reward[i]).
+    algorithm = AlgorithmConfig(custom_advantage_function_path=f"{module}:advantages")
+    hooks = _hooks(tmp_path, algorithm)
+    steps = rollout_steps(groups(2), algorithm, WorkOptions(global_batch_size=2), dp_size=1, hooks=hooks)
+    assert len(steps) == 2
+    import sys
+
+    hook_module = next(m for m in sys.modules.values() if getattr(m, "__file__", None) == str(module))
+    assert hook_module.positions[-2:] == [[0, 1], [2, 3]]
+    assert [s.shards[0].positions.tolist() for s in steps] == [[0, 1], [2, 3]]

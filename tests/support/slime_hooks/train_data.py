@@ -42,4 +42,10 @@ def convert(args, samples: list[Sample]):
 def postprocess(args, rollout_id, rollout_data):
     for mask in rollout_data["loss_masks"]:
         mask[-1] = 0
-    _log("postprocess", rollout_id=rollout_id, keys=sorted(rollout_data), samples=len(rollout_data["tokens"]))
+    _log(
+        "postprocess",
+        rollout_id=rollout_id,
+        keys=sorted(rollout_data),
+        samples=len(rollout_data["tokens"]),
+        partition=rollout_data["partition"],
+    )
