@@ -14,6 +14,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 
 
+def under_shim(cmd: list[str]) -> list[str]:
+    """`cmd` under tether's shim, as the head starts torchrun: what the ranks leave behind when
+    they end (Megatron's async-save writer spawns a multiprocessing manager that outlives a rank's
+    os._exit) is killed with the job instead of lingering through the rest of the test run."""
+    return [sys.executable, "-m", "tether.runtime.shim", "--parent-pid", str(os.getpid()), "--", *cmd]
+
+
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 400, log: Path) -> int:
     """Run `torchrun --standalone` on a check script; returns the exit code, log written to `log`."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -28,7 +35,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 400, log:
     ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            under_shim(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
         )
         try:
             return proc.wait(timeout=timeout)
@@ -110,7 +117,7 @@ def start_worker_job(
     out = open(log, "wb")
     try:
         return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            under_shim(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
         )
     finally:
         out.close()  # the child holds its own descriptor
