@@ -16,8 +16,9 @@ import json
 import pickle
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -487,7 +488,7 @@ def test_update_weights_from_distributed(
         },
     )
     assert status == 400 and "begin_weight_update" in body["message"]
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(2) as pool:
         init = pool.submit(
             engine.post,
             "/init_weights_update_group",
@@ -500,7 +501,11 @@ def test_update_weights_from_distributed(
                 "backend": "gloo",
             },
         )
-        group = init_weight_group(f"tcp://127.0.0.1:{port}", 0, 2, group_name, "gloo")
+        # Collectives bounded at a minute: an engine that refuses the update before receiving
+        # leaves this side's broadcast waiting for a peer that never comes.
+        group = init_weight_group(
+            f"tcp://127.0.0.1:{port}", 0, 2, group_name, "gloo", timeout=timedelta(seconds=60)
+        )
         assert init.result(timeout=60)["success"] is True
         try:
             engine.post("/begin_weight_update", {})
@@ -517,11 +522,21 @@ def test_update_weights_from_distributed(
                     "load_format": load_format,
                 },
             )
-            if load_format == "flattened_bucket":
-                broadcast(flatten_bucket([(n, new[n].contiguous()) for n in names]), 0, group)
-            else:
-                for name in names:
-                    broadcast(new[name].contiguous(), 0, group)
+
+            def send() -> None:
+                if load_format == "flattened_bucket":
+                    broadcast(flatten_bucket([(n, new[n].contiguous()) for n in names]), 0, group)
+                else:
+                    for name in names:
+                        broadcast(new[name].contiguous(), 0, group)
+
+            sending = pool.submit(send)
+            # The engine's answer as soon as it comes: a refusal is the failure to show, not the
+            # broadcast's timeout behind it.
+            wait([update, sending], timeout=120, return_when=FIRST_COMPLETED)
+            if update.done():
+                assert update.result()["success"] is True  # a refusal raises here, with its message
+            sending.result(timeout=60)
             assert update.result(timeout=60)["success"] is True
             engine.post("/end_weight_update", {})
             out = greedy(engine, PROMPTS[1])
