@@ -81,6 +81,10 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     """int64 [n]: each sample's position in its rollout's batch, slime's `partition` (set where
     a rollout's steps are cut, `tether.train.rank_work.rollout_steps`; `select` carries it)."""
 
+    def rollout_positions(self) -> np.ndarray:
+        """`positions`, or each sample's own index where the batch is a whole rollout's."""
+        return np.arange(self.num_samples, dtype=np.int64) if self.positions is None else self.positions
+
     @property
     def num_samples(self) -> int:
         return len(self.response_lengths)

@@ -321,7 +321,7 @@ def rollout_steps(
     (`tether.train.critic_work`); the actor's GAE advantages come from them."""
     batch = rollout_batch(groups, algorithm, options.reward_key, hooks)
     # Where each sample sits in the rollout (slime's `partition`): carried into every step and shard.
-    batch.positions = np.arange(batch.num_samples, dtype=np.int64)
+    batch.positions = batch.rollout_positions()
     if values is not None:
         batch.values = np.asarray(values, dtype=np.float32)
         batch.validate()

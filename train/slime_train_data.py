@@ -225,7 +225,7 @@ def rollout_data_view(
         "sample_indices": [int(shard.sample_indices[i]) for i in real],
         "rollout_ids": [int(shard.rollout_ids[i]) for i in real],
         # slime's: each sample's position in the rollout, i.e. its index in `raw_reward`
-        "partition": [int(p) for p in (real if shard.positions is None else shard.positions[real])],
+        "partition": shard.rollout_positions()[real].tolist(),
         "loss_masks": rows(shard.loss_masks, np.int32),
     }
     for key, col in (

@@ -124,9 +124,7 @@ def custom_advantages(
         ).tolist(),
         "local_raw_reward": batch.raw_rewards.astype(np.float64).tolist(),
         # slime's: each sample's position in the rollout (its index in `raw_reward`)
-        "partition": (
-            batch.positions.tolist() if batch.positions is not None else list(range(batch.num_samples))
-        ),
+        "partition": batch.rollout_positions().tolist(),
         "loss_masks": masks,
         "rollout_log_probs": _per_sample(batch.rollout_log_probs, lengths),
         "log_probs": log_probs,
