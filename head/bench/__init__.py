@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Sequence
+from types import ModuleType
 
 from tether.bench.compare import add_compare_argument, load_result
 
@@ -30,14 +31,16 @@ BENCHES = {
 }
 
 
-def main_argv(argv: Sequence[str]) -> int:
+def parse_bench_args(argv: Sequence[str]) -> tuple[ModuleType, argparse.Namespace] | None:
+    """The benchmark module and its parsed arguments; None when argv names no benchmark (after
+    printing the usage). bin/device-check parses its bench command with this, without running it."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
         parser = argparse.ArgumentParser(prog="tether bench", description=__doc__)
         parser.add_argument(
             "name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items())
         )
         parser.parse_args(list(argv[:1]))
-        return 2
+        return None
     module_name, description = BENCHES[argv[0]]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"tether bench {argv[0]}", description=description)
@@ -46,4 +49,12 @@ def main_argv(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv[1:]))
     if args.compare is not None:
         load_result(args.compare)  # a bad file fails now, not after the benchmark has run
+    return module, args
+
+
+def main_argv(argv: Sequence[str]) -> int:
+    parsed = parse_bench_args(argv)
+    if parsed is None:
+        return 2
+    module, args = parsed
     return int(module.main(args) or 0)

@@ -87,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its NaN/inf check of every received byte (SGLang makes no such check).",
     )
     parser.add_argument("--workdir", type=Path, default=None, help="Scratch directory (default: a temp dir).")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the engine runs on the GPU and the figures are the colocated CUDA IPC sync's "
+        "against a device-to-device copy of the same bytes (tether.bench.sync_cuda); the distributed "
+        "rows need two GPUs and are left out.",
+    )
 
 
 def _synthetic(size_gib: float) -> dict[str, torch.Tensor]:
@@ -440,7 +448,13 @@ def main(args: argparse.Namespace) -> int:
         result: dict[str, Any] = {"size_gib": args.size_gib, "threads": args.threads or None}
         if not args.skip_delta:
             result["delta"] = delta_figures(tmp / "delta", args.size_gib, fractions, args.threads)
-        if not args.skip_engine:
+        if not args.skip_engine and args.device == "cuda":
+            from tether.bench.sync_cuda import cuda_engine_figures
+
+            result["engine_cuda"] = uvloop.run(
+                cuda_engine_figures(tmp / "engine", args.engine_hidden, args.engine_layers, args.syncs)
+            )
+        elif not args.skip_engine:
             result["engine"] = uvloop.run(
                 engine_figures(
                     tmp / "engine",
