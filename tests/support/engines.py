@@ -31,8 +31,8 @@ import msgspec
 import torch
 
 from support.net import free_port
+from tether.placement.plan import DeviceKind, EnginePart
 from tether.placement.plan import Engine as PlanEngine
-from tether.placement.plan import EnginePart
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, bearer_header, engine_env, new_engine_key
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.engine_api.launch import (
@@ -429,12 +429,16 @@ def start_supervised(
     sglang_python: str | None = None,
     sglang_args: list[str] | None = None,
     ready_timeout: float = 240,
+    device_kind: DeviceKind = "cpu",
+    offload: bool = False,
 ) -> tuple[Engine, Callable[[], None]]:
-    """Start a `cpu` or `sglang` engine through the launcher; returns the client and its stopper."""
+    """Start a `cpu` or `sglang` engine through the launcher; returns the client and its stopper.
+    `device_kind="gpu"` with `offload=True` is a colocated engine (SGLang's memory saver on)."""
     cfg = EngineLaunchConfig(
         model_path=model_path,
         backend="sglang" if kind == "sglang" else "cpu",
-        device_kind="cpu",
+        device_kind=device_kind,
+        offload=offload,
         sglang_python=sglang_python,
         sglang_args=list(sglang_args or []),
         ready_timeout=ready_timeout,

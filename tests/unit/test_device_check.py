@@ -4,11 +4,12 @@ the pins and the device's package list, the pytest report it reads, the report i
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from support.device_wheels import complete_folder, fake_wheel, load_device_check
+from support.device_wheels import ROOT, complete_folder, fake_wheel, load_device_check
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +130,10 @@ def test_colocated_figures_come_from_the_runs_metrics(dc: ModuleType, tmp_path: 
     got = dc.colocated_figures(tmp_path)
     assert got is not None and got["steps"] == 2 and got["train/time_s"] == [1.5, 0.5]
     assert dc.colocated_figures(tmp_path / "nothing") is None
+
+
+def test_the_docs_flag_table_is_the_scripts_flags(dc: ModuleType) -> None:
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    documented = set(re.findall(r"^\| `(--[a-z-]+)", text, flags=re.M))
+    options = {o for a in dc.build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    assert documented == options - {"--help"}
