@@ -89,14 +89,17 @@ def transformer_config_kwargs(
         "calculate_per_token_loss": megatron.calculate_per_token_loss,
         "deterministic_mode": megatron.deterministic_mode,
         # Megatron's fusions default on; each --no-*-fusion turns one off. A fusion whose kernel
-        # this rank lacks stays off (Megatron would fail to build or run it).
+        # this rank lacks stays off (Megatron would fail to build or run it). For MLA the model
+        # decides too (`transformer_config`, `rope_fusion_fits`).
         "masked_softmax_fusion": not megatron.no_masked_softmax_fusion
         and caps.cuda
         and (te_spec or caps.fused_softmax_kernels),
         "apply_rope_fusion": not megatron.no_rope_fusion and caps.transformer_engine,
+        # Apex's kernel under either spec: the output layer is Megatron's ColumnParallelLinear even
+        # with TE's layers, and it raises at construction without fused_weight_gradient_mlp_cuda.
         "gradient_accumulation_fusion": not megatron.no_gradient_accumulation_fusion
         and caps.cuda
-        and (te_spec or caps.fused_wgrad_kernels),
+        and caps.fused_wgrad_kernels,
     }
     backend = megatron.resolved_attention_backend
     if backend is not None:
@@ -104,6 +107,17 @@ def transformer_config_kwargs(
     kwargs.update(moe_config_kwargs(megatron))
     kwargs.update(mtp_config_kwargs(megatron))
     return kwargs
+
+
+def rope_fusion_fits(arch: ModelArch) -> bool:
+    """Whether Megatron has a fused RoPE kernel for this model's attention.
+
+    MLA's only one is for YaRN (megatron/core/fusions/fused_mla_yarn_rope_apply.py), and
+    MLATransformerConfig refuses the fusion with plain RoPE. The fusion is Megatron's default, not
+    something a flag asks for (there is only --no-rope-fusion), so such a model runs unfused, as for
+    any fusion whose kernel is missing.
+    """
+    return not arch.multi_latent_attention or arch.yarn is not None
 
 
 def mtp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
@@ -153,6 +167,7 @@ def transformer_config(
 
     _check_layout(arch, megatron, tp_size, pp_size)
     overrides = transformer_config_kwargs(megatron, caps, tp_size=tp_size)
+    overrides["apply_rope_fusion"] = overrides["apply_rope_fusion"] and rope_fusion_fits(arch)
     if not mtp:
         overrides["mtp_num_layers"] = None
     overrides.update(

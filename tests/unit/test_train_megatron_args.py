@@ -309,6 +309,56 @@ def test_fusion_flags(flag: str, field: str) -> None:
     assert getattr(transformer(parse(flag)), field) is False
 
 
+# A GPU rank with TransformerEngine but without Apex (no fused_weight_gradient_mlp_cuda).
+TE_WITHOUT_APEX = dataclasses.replace(GPU, fused_wgrad_kernels=False)
+YARN = (
+    ("rotary_scaling_factor", 40.0),
+    ("original_max_position_embeddings", 4096.0),
+    ("beta_fast", 32.0),
+    ("beta_slow", 1.0),
+    ("mscale", 1.0),
+    ("mscale_all_dim", 1.0),
+)
+MLA_YARN = dataclasses.replace(MOE, yarn=YARN)
+
+
+@pytest.mark.parametrize("backend", [[], ["--attention-backend", "local"]], ids=["te-spec", "local-spec"])
+def test_gradient_accumulation_fusion_follows_apex_kernel(backend: list[str]) -> None:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    def fused(caps: Capabilities) -> bool:
+        kwargs = megatron_args.transformer_config_kwargs(parse(*backend).megatron, caps, tp_size=1)
+        return bool(kwargs["gradient_accumulation_fusion"])
+
+    assert fused(GPU) and not fused(TE_WITHOUT_APEX)  # TE's layers or not: Apex's kernel decides
+    # The output layer is Megatron's ColumnParallelLinear under TE's spec too: it builds from the
+    # resolved config here (no Apex in this environment), where it would raise with the fusion on.
+    # (--no-rope-fusion: TE's RoPE kernel, which the faked capabilities claim, is absent on CPU.)
+    config = transformer(parse("--no-rope-fusion", *backend), TE_WITHOUT_APEX)
+    assert config.gradient_accumulation_fusion is False
+    layer = ColumnParallelLinear(
+        ARCH.hidden_size, ARCH.vocab_size, config=config, init_method=config.init_method, bias=False
+    )
+    assert layer.gradient_accumulation_fusion is False
+
+
+def test_rope_fusion_for_mla_only_with_yarn() -> None:
+    # Megatron's fused RoPE for MLA is its YaRN kernel; MLATransformerConfig refuses the fusion
+    # with plain RoPE ("apply_rope_fusion for MLA only works with YARN RoPE").
+    assert megatron_args.rope_fusion_fits(ARCH) and megatron_args.rope_fusion_fits(MLA_YARN)
+    assert not megatron_args.rope_fusion_fits(MOE)
+    plain = moe_transformer(parse(), MOE, TE_WITHOUT_APEX)
+    assert (plain.rope_type, plain.apply_rope_fusion) == ("rope", False)
+    with warnings.catch_warnings():
+        # Megatron calls MLA's fused RoPE experimental (training only, which is what tether runs).
+        warnings.filterwarnings("ignore", "apply_rope_fusion for multi-latent attention", UserWarning)
+        yarn = moe_transformer(parse(), MLA_YARN, TE_WITHOUT_APEX)
+    assert (yarn.rope_type, yarn.apply_rope_fusion, yarn.rotary_scaling_factor) == ("yarn", True, 40.0)
+    # --no-rope-fusion still turns it off; without TE there is no fusion at all.
+    assert not moe_transformer(parse("--no-rope-fusion"), MLA_YARN, TE_WITHOUT_APEX).apply_rope_fusion
+    assert not moe_transformer(parse(), MLA_YARN, CPU).apply_rope_fusion
+
+
 # --- DDP and optimizer --------------------------------------------------------------------
 
 

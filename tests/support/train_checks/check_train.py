@@ -1,4 +1,4 @@
-"""torchrun --nproc-per-node 2 check_train.py WORK_DIR PHASE: train steps, log-probs, checkpoints.
+"""torchrun --nproc-per-node 2 check_train.py WORK_DIR PHASE [bf16]: train steps, log-probs, checkpoints.
 
 PHASE "train": SFT steps at TP=2, PP=2, DP=2 (distributed optimizer) and CP=2 (context parallelism)
 on a fixed batch (the loss must fall); log-probs of one batch in every layout; at TP=2 also chunked log-probs and one
@@ -6,6 +6,8 @@ CISPO step with slime-style TIS/reducer hooks (`rl_run`); at DP=2 a checkpoint a
 the final weights recorded, then a half-written save left behind (a crash).
 PHASE "resume": a fresh job loads that checkpoint (skipping the broken one), trains steps 2-3,
 and records its final weights for comparison with the uninterrupted run.
+"bf16": every model of the run in --bf16 (default float32). TransformerEngine's attention under
+context parallelism needs it: fp32 rules out its flash and fused backends, and CP its unfused one.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ SFT = AlgorithmConfig(loss_type="sft_loss")
 STEPS = 5
 
 
-def options(hf_dir: Path, **megatron: object) -> model.ModelOptions:
+def options(hf_dir: Path, bf16: bool, **megatron: object) -> model.ModelOptions:
     """lr 3e-3, no weight decay, beta2 0.98, a constant LR: the settings these checks were tuned on."""
-    flags: dict[str, object] = {"weight_decay": 0.0, "adam_beta2": 0.98, "lr_decay_style": "constant"}
+    flags: dict[str, object] = {
+        "weight_decay": 0.0,
+        "adam_beta2": 0.98,
+        "lr_decay_style": "constant",
+        "bf16": bf16,
+    }
     return model.ModelOptions(
         hf_checkpoint=str(hf_dir),
         algorithm=AlgorithmConfig(lr=3e-3),
@@ -43,16 +50,23 @@ def reinit(tp: int, pp: int, cp: int = 1) -> parallel.Topology:
 
 
 def sft_run(
-    hf_dir: Path, topo: parallel.Topology, results: common.Results, layout: str, distopt: bool, work: Path
+    hf_dir: Path,
+    topo: parallel.Topology,
+    results: common.Results,
+    layout: str,
+    distopt: bool,
+    work: Path,
+    bf16: bool,
 ) -> None:
     opts = options(
-        hf_dir, use_distributed_optimizer=distopt, clip_grad=1.0, context_parallel_size=topo.cp_size
+        hf_dir, bf16, use_distributed_optimizer=distopt, clip_grad=1.0, context_parallel_size=topo.cp_size
     )
     actor = model.build_actor(opts, topo)
     attention = {
         type(m).__name__ for m in actor.chunks[0].modules() if "DotProductAttention" in type(m).__name__
     }
     results.set(f"{layout}/attention", sorted(attention))
+    results.set(f"{layout}/params_dtype", str(actor.config.params_dtype))
     batch = common.make_batch(8, seed=5)
     shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
     lp, ent = step.compute_log_probs(
@@ -114,9 +128,9 @@ def rl_run(actor: model.Actor, results: common.Results, work: Path) -> None:
 
 
 def checkpoint_run(
-    hf_dir: Path, topo: parallel.Topology, results: common.Results, work: Path, phase: str
+    hf_dir: Path, topo: parallel.Topology, results: common.Results, work: Path, phase: str, bf16: bool
 ) -> None:
-    opts = options(hf_dir, use_distributed_optimizer=True)
+    opts = options(hf_dir, bf16, use_distributed_optimizer=True)
     ckpt = work / "ckpt"
     if phase == "train":
         actor = model.build_actor(opts, topo)
@@ -166,6 +180,10 @@ def checkpoint_run(
 
 def main() -> None:
     work, phase = Path(sys.argv[1]), sys.argv[2]
+    precision = sys.argv[3] if len(sys.argv) > 3 else "fp32"
+    if precision not in ("fp32", "bf16"):
+        raise SystemExit(f"precision {precision!r}: fp32 or bf16")
+    bf16 = precision == "bf16"
     rank = int(os.environ["RANK"])
     (work / "results").mkdir(parents=True, exist_ok=True)
     results = common.Results(work / "results", rank)
@@ -187,13 +205,13 @@ def main() -> None:
             hf = common.make_models(work / "models")["llama"]
             results.record(
                 f"{layout}/run",
-                lambda h=hf, t=topo, lay=layout, d=distopt: sft_run(h, t, results, lay, d, work),
+                lambda h=hf, t=topo, lay=layout, d=distopt: sft_run(h, t, results, lay, d, work, bf16),
             )
             dist.barrier()
     topo = reinit(1, 1)
     dist.barrier()
     hf = common.make_models(work / "models")["llama"]
-    results.record(f"{phase}/checkpoint", lambda: checkpoint_run(hf, topo, results, work, phase))
+    results.record(f"{phase}/checkpoint", lambda: checkpoint_run(hf, topo, results, work, phase, bf16))
     results.set("done", True)
     parallel.destroy()
 
