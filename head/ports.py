@@ -90,6 +90,7 @@ def local_ports(plan: Plan, here: set[str] | None = None) -> list[tuple[str, int
             found.append((engine.host, engine.nccl_port))
         if engine.dist_init_addr is not None:
             found.append(_split(engine.dist_init_addr))
+        found.extend((engine.host, port) for port in engine.dp_attention_ports)
     if plan.weight_sync is not None:
         found.append((plan.weight_sync.master_addr, plan.weight_sync.master_port))
     return sorted({(h, p) for h, p in found if h in here or h.startswith("127.")})

@@ -9,7 +9,7 @@ devices, ports and SGLang spanning arguments, and the weight-sync group layout.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
@@ -27,6 +27,14 @@ from tether.placement.sorter import sort_nodes
 from tether.runtime.errors import ConfigError
 
 PLAN_FORMAT_VERSION = 1
+
+# SGLang (0.5.23) with attention data parallelism connects its processes over TCP on ports at
+# fixed offsets above --dist-init-addr's port, which a plan would otherwise hand to the next
+# engine: +1..+6 (PortArgs.init_new: tokenizer, detokenizer, rpc, metrics, scheduler input,
+# load collector), +7.. (SGLANG_RUST_SERVER's per-DP-rank inputs) and +13 (the DP controller's
+# worker-port handshake, DP_ATTENTION_HANDSHAKE_PORT_DELTA). The plan keeps +1..+13 for it.
+DP_ATTENTION_PORT_SPAN = 13
+_DP_ATTENTION_FLAGS = ("enable-dp-attention", "attn-dp-size")
 
 DeviceKind = Literal["gpu", "cpu"]
 PlanMode = Literal["decoupled", "colocated", "external", "debug-rollout-only", "debug-train-only"]
@@ -116,6 +124,9 @@ class Engine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     parts: list[EnginePart]
     weight_sync_rank_offset: int | None
     overrides: dict[str, OverrideValue] = msgspec.field(default_factory=dict)
+    dp_attention_ports: list[int] = msgspec.field(default_factory=list)
+    """Ports SGLang's attention data parallelism binds above the dist-init port (on the first
+    node), kept for it: no other process of the plan gets them. Empty without DP attention."""
 
     def launch_args(self, part: EnginePart) -> list[str]:
         """SGLang server arguments for one part of a tether-started engine (the same on CPU)."""
@@ -282,7 +293,9 @@ def _uuids(node: Node) -> list[str]:
 
 def _device_env(kind: DeviceKind, devices: list[int]) -> tuple[str | None, dict[str, str]]:
     if kind == "cpu":
-        return None, {}
+        # Hide every GPU of the host: torch then finds no CUDA, so trainer ranks pick gloo and
+        # stay off cuda:local_rank, and sync groups with the engines use gloo too.
+        return None, {"CUDA_VISIBLE_DEVICES": ""}
     visible = ",".join(str(d) for d in devices)
     # NVML numbers GPUs in PCI bus order; CUDA must use the same order for the indices to agree.
     return visible, {"CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -390,6 +403,36 @@ def _rollout_bundles(
     return (shared + taken)[:need]
 
 
+def uses_dp_attention(sglang_args: Sequence[str], overrides: Mapping[str, OverrideValue]) -> bool:
+    """Whether SGLang serves an engine with attention data parallelism: `--enable-dp-attention`
+    (deprecated spelling) or `--attn-dp-size` above 1 among the pass-through flags, with the
+    engine group's `overrides` over them (false or null there removes a flag)."""
+    flags: dict[str, str] = {}
+    for i, token in enumerate(sglang_args):
+        name, eq, value = token.removeprefix("--").partition("=")
+        key = name.replace("_", "-")
+        if token.startswith("--") and key in _DP_ATTENTION_FLAGS:
+            following = sglang_args[i + 1] if i + 1 < len(sglang_args) else "--"
+            flags[key] = value if eq else ("" if following.startswith("--") else following)
+    for raw, given in overrides.items():
+        key = raw.lstrip("-").replace("_", "-")
+        if key not in _DP_ATTENTION_FLAGS:
+            continue
+        if given is False or given is None:
+            flags.pop(key, None)
+        else:
+            flags[key] = str(given[0] if isinstance(given, list) and given else given)
+    if "enable-dp-attention" in flags:
+        return True
+    size = flags.get("attn-dp-size")
+    if size is None:
+        return False
+    try:
+        return int(size) > 1
+    except ValueError:
+        return True  # SGLang refuses the value itself; keeping the ports costs nothing
+
+
 def _engines(
     groups: list[ServerGroup],
     bundles: list[Bundle],
@@ -397,6 +440,7 @@ def _engines(
     kind: DeviceKind,
     ports: _Ports,
     cluster: ClusterConfig,
+    sglang_args: Sequence[str],
 ) -> tuple[list[Engine], list[Reservation]]:
     engines: list[Engine] = []
     reserved: list[Reservation] = []
@@ -408,9 +452,11 @@ def _engines(
             reserved.append(Reservation(group=group.name, bundles=span))
             continue
         size = group.num_gpus_per_engine or cluster.rollout_num_gpus_per_engine
+        dp_attention = uses_dp_attention(sglang_args, group.overrides)
         for start in range(0, len(span), size):
+            chunk = span[start : start + size]
             engines.append(
-                _engine(len(engines), group, size, span[start : start + size], nodes, kind, ports, cluster)
+                _engine(len(engines), group, size, chunk, nodes, kind, ports, cluster, dp_attention)
             )
     return engines, reserved
 
@@ -424,6 +470,7 @@ def _engine(
     kind: DeviceKind,
     ports: _Ports,
     cluster: ClusterConfig,
+    dp_attention: bool,
 ) -> Engine:
     by_node: dict[int, list[int]] = {}
     for bundle in chunk:
@@ -451,6 +498,12 @@ def _engine(
     http_port = ports.take(on, f"{what} HTTP port")
     nccl_port = ports.take(on, f"{what} NCCL port")
     dist_port = ports.take(on, f"{what} dist-init port")
+    # Taken right after the dist-init port, so they are its +1..+SPAN (the cursors of `on` agree).
+    dp_ports = [
+        ports.take(on, f"{what} dist-init port +{k} (SGLang attention DP)")
+        for k in range(1, DP_ATTENTION_PORT_SPAN + 1)
+        if dp_attention
+    ]
     parts = []
     for rank, (n, devs) in enumerate(by_node.items()):
         visible, env = _device_env(kind, devs)
@@ -479,6 +532,7 @@ def _engine(
         parts=parts,
         weight_sync_rank_offset=None,
         overrides=dict(group.overrides),
+        dp_attention_ports=dp_ports,
     )
 
 
@@ -534,11 +588,14 @@ def plan_from_config(
     resolve: Callable[[str], str | None] = resolve_host,
     *,
     use_critic: bool = False,
+    sglang_args: Sequence[str] = (),
 ) -> Plan:
     """The placement plan for these flags on this inventory; impossible requests raise ConfigError.
 
     `use_critic` (--advantage-estimator ppo): a critic group, by default on the actor's devices
-    with the actor's shape (slime's layout); --critic-num-nodes and friends reshape it."""
+    with the actor's shape (slime's layout); --critic-num-nodes and friends reshape it.
+    `sglang_args`: the `--sglang-*` pass-through flags (without the prefix); with attention data
+    parallelism the engines' ports leave room for what SGLang binds beside them."""
     mode = _mode(cluster, debug_rollout_only, debug_train_only)
     kind: DeviceKind = "cpu" if cluster.cpu_devices is not None else "gpu"
     nodes = _plan_nodes(inventory, cluster, resolve)
@@ -582,7 +639,7 @@ def plan_from_config(
                 )
         groups = _server_groups(cluster, rollout_gpus)
         bundles = _rollout_bundles(mode, cluster, devices, actor, groups)
-        engines, reserved = _engines(groups, bundles, nodes, kind, ports, cluster)
+        engines, reserved = _engines(groups, bundles, nodes, kind, ports, cluster, sglang_args)
     engines, layout = _with_sync_offsets(engines, actor, nodes, ports)
     return Plan(
         format_version=PLAN_FORMAT_VERSION,

@@ -18,6 +18,11 @@ def _span(first: int, last: int) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
+def _dp_attention(ports: list[int]) -> str:
+    """The ports kept for SGLang's attention data parallelism, after the dist-init address."""
+    return f" (+{_span(ports[0], ports[-1])} for DP attention)" if ports else ""
+
+
 def _table(title: str, columns: tuple[str, ...]) -> Table:
     table = Table(title=title, title_justify="left")
     for column in columns:
@@ -93,7 +98,7 @@ def plan_renderable(plan: Plan) -> RenderableType:
             devices or "-",
             engine.address,
             str(engine.nccl_port) if engine.nccl_port is not None else "-",
-            engine.dist_init_addr or "-",
+            (engine.dist_init_addr or "-") + _dp_attention(engine.dp_attention_ports),
             sync,
         )
     parts: list[RenderableType] = [header, nodes, train, engines]

@@ -43,7 +43,8 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
         ),
     ] = False
     update_weights_interval: Annotated[
-        int, Meta(ge=1, description="Sync weights to the engines every this many rollouts.")
+        int,
+        Meta(ge=1, description="Sync weights to the engines every this many rollouts (1 under --colocate)."),
     ] = 1
     update_weight_disk_dir: Annotated[
         str | None,
@@ -123,10 +124,19 @@ class WeightSyncConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
             )
 
     def check_colocate(self, colocate: bool) -> None:
-        """Cross-slice check for the composite config: delta disk cannot run colocated."""
+        """Cross-slice check for the composite config: what a colocated run cannot do."""
         if colocate and self.update_weight_mode == "delta":
             raise ConfigError(
                 "--update-weight-mode",
                 self.update_weight_mode,
                 "delta sync is disk-only and rejects --colocate",
+            )
+        if colocate and self.update_weights_interval > 1:
+            # Colocated engines give their memory back for every train step and only a weight
+            # sync takes it again: a step without a sync would leave them generating released.
+            raise ConfigError(
+                "--update-weights-interval",
+                self.update_weights_interval,
+                "--colocate releases the engines' memory every train step and only a weight sync "
+                "resumes it, so it needs --update-weights-interval 1",
             )

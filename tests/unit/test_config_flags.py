@@ -102,3 +102,14 @@ def test_bad_input_names_key_and_value(argv: list[str], key: str, value: object)
     assert key in str(info.value)
     if value is not None:
         assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def test_colocate_refuses_an_update_interval_above_one_naming_both_flags() -> None:
+    # Colocated engines are released every train step and only a sync resumes them.
+    with pytest.raises(ConfigError) as info:
+        resolve(["--colocate", "--update-weights-interval", "2"])
+    assert info.value.key == "--update-weights-interval"
+    assert info.value.value == 2
+    assert "--colocate" in str(info.value) and "--update-weights-interval=2" in str(info.value)
+    assert resolve(["--colocate", "--update-weights-interval", "1"]).cluster.colocate
+    assert resolve(["--update-weights-interval", "2"]).weight_sync.update_weights_interval == 2

@@ -83,8 +83,10 @@ def test_colocated_shares_the_actor_range_and_offloads() -> None:
 def test_cpu_plan_uses_slots_without_cuda() -> None:
     p = plan(cluster_of(1, 0), cpu_devices=3, actor_num_gpus_per_node=1, rollout_num_gpus_per_engine=2)
     assert p.device_kind == "cpu"
-    assert p.train_groups[0].nodes[0].cuda_visible_devices is None and p.train_groups[0].nodes[0].env == {}
-    assert p.engines[0].parts[0].devices == [1, 2] and p.engines[0].parts[0].env == {}
+    assert p.train_groups[0].nodes[0].cuda_visible_devices is None
+    assert p.train_groups[0].nodes[0].env == {"CUDA_VISIBLE_DEVICES": ""}  # no GPU of the host
+    assert p.engines[0].parts[0].devices == [1, 2]
+    assert p.engines[0].parts[0].env == {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_no_gpu_without_cpu_devices_says_what_to_pass() -> None:
