@@ -168,6 +168,19 @@ class MemoryReq(msgspec.Struct, kw_only=True):
     tags: list[str] | None = None
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's GPU_MEMORY_ALL_TYPES: what `tags` may name; no tags (None or []) means all of them."""
+
+
+def memory_tags(req: MemoryReq) -> set[str]:
+    """The tags a release or resume acts on, as SGLang reads them; 400 for an unknown one."""
+    tags = set(req.tags or MEMORY_TAGS)
+    unknown = tags - set(MEMORY_TAGS)
+    if unknown:
+        raise BadRequest(f"tags={sorted(unknown)!r}: unknown memory tags (known: {list(MEMORY_TAGS)})")
+    return tags
+
+
 class GenerateReq(msgspec.Struct, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None
@@ -278,6 +291,8 @@ class EngineState:
     """The model's name in /v1/models (--served-model-name; default: the model path)."""
     tool_call_parser: str | None = None
     """--tool-call-parser: the tool-call format /v1/chat/completions parses and constrains."""
+    cuda_graph_released: bool = False
+    """The cuda_graph memory tag was released (the engine captures no graphs: bookkeeping only)."""
 
 
 def _texts(req: GenerateReq, max_prompts: int) -> list[str] | None:
@@ -576,7 +591,10 @@ class EngineApp:
                 "context_length": s.context_length,
                 "max_running_requests": s.max_running,
                 "weight_version": s.weight_version,
-                "device": "cpu",
+                "device": s.model.device.type,
+                "dtype": str(s.model.dtype).removeprefix("torch."),
+                # Which of SGLang's memory tags are released now (empty: all resumed).
+                "memory_released_tags": self.released_tags(),
                 "tp_size": 1,
                 "dp_size": 1,
                 "version": ENGINE_VERSION,
@@ -592,6 +610,7 @@ class EngineApp:
                         "weight_group_setups": self.s.group_setups,
                         "steps": s.steps,
                         "tokens_generated": s.tokens_generated,
+                        **self._memory_usage(),
                     }
                 ],
             }
@@ -599,6 +618,27 @@ class EngineApp:
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.sched.weight_version})
+
+    def released_tags(self) -> list[str]:
+        """The memory tags released now, read from what the engine holds."""
+        held = {
+            "weights": self.sched.model.loaded,
+            "kv_cache": self.sched.cache is not None,
+            "cuda_graph": not self.s.cuda_graph_released,
+        }
+        return [tag for tag in MEMORY_TAGS if not held[tag]]
+
+    def _memory_usage(self) -> dict[str, int | None]:
+        """Bytes the weights and the KV cache hold, and on cuda what this process's caching
+        allocator has allocated and reserved on the engine's GPU (what a release frees)."""
+        device = self.sched.model.device
+        cuda = device.type == "cuda"
+        return {
+            "weight_bytes": self.sched.model.nbytes,
+            "kv_cache_bytes": self.sched.cache.nbytes if self.sched.cache is not None else 0,
+            "cuda_memory_allocated": torch.cuda.memory_allocated(device) if cuda else None,
+            "cuda_memory_reserved": torch.cuda.memory_reserved(device) if cuda else None,
+        }
 
     # ----- generation -----
 
@@ -760,7 +800,7 @@ class EngineApp:
         return named
 
     def _decode_checked(self, payload: str) -> dict[str, torch.Tensor]:
-        named = dict(decode_named_tensors(payload))
+        named = dict(decode_named_tensors(payload, self.sched.model.device))
         if not self.s.limits.allow_nonfinite_weights:
             check_finite(named.items())
         return named
@@ -769,8 +809,15 @@ class EngineApp:
         body: InitGroupReq = await read_body(request, InitGroupReq)
         if body.group_name in self.s.used_group_names:
             return result_response(False, f"group_name={body.group_name!r} was already used on this server")
-        if body.backend == "nccl" and not torch.cuda.is_available():
-            return result_response(False, "backend='nccl' needs CUDA; the CPU engine uses backend='gloo'")
+        # NCCL moves GPU memory only: an engine on the host would get host buffers broadcast
+        # through it even where CUDA is visible, so the engine's device decides, not the host.
+        device = getattr(self.sched.model, "device", torch.device("cpu"))
+        if body.backend == "nccl" and device.type != "cuda":
+            return result_response(
+                False,
+                f"backend={body.backend!r}: NCCL carries GPU memory only and this engine runs on "
+                f"{device.type} (--device {device.type}); use backend='gloo'",
+            )
         limits = self.s.limits
         with self._setup_lock:
             if self.s.group_setups >= limits.max_group_setups:
@@ -1014,11 +1061,10 @@ class EngineApp:
         return result_response(True, "Success.", **answer)
 
     async def release_memory(self, request: web.Request) -> web.Response:
+        """SGLang's release: no tags means every tag. Unlike SGLang, which requires an idle
+        engine, running requests are retracted (they re-prefill once resumed)."""
         body: MemoryReq = await read_body(request, MemoryReq, allow_empty=True)
-        tags = set(body.tags) if body.tags is not None else {"weights", "kv_cache"}
-        unknown = tags - {"weights", "kv_cache", "cuda_graph"}
-        if unknown:
-            raise BadRequest(f"tags={sorted(unknown)!r}: unknown memory tags")
+        tags = memory_tags(body)
 
         async def op() -> None:
             self.sched.retract_all()  # running sequences lose their KV; they re-prefill on resume
@@ -1027,29 +1073,50 @@ class EngineApp:
                 self.s.receiver.release()
             if "kv_cache" in tags:
                 self.sched.cache = None
+            if "cuda_graph" in tags:
+                self.s.cuda_graph_released = True
+            if self.sched.model.device.type == "cuda":
+                await asyncio.to_thread(_return_gpu_memory)  # a device-wide sync: off the event loop
 
         await self.sched.between_steps(op)
         return web.json_response({"success": True, "message": f"Released {sorted(tags)}."})
 
     async def resume_memory(self, request: web.Request) -> web.Response:
+        """SGLang's resume: no tags means every tag. Weights come back from the last checkpoint
+        loaded from disk (and its version). A tag that is not released is left as it is: SGLang's
+        scheduler would fail on it and end the server; an engine that is serving stays so."""
         body: MemoryReq = await read_body(request, MemoryReq, allow_empty=True)
-        tags = set(body.tags) if body.tags is not None else {"weights", "kv_cache"}
+        tags = memory_tags(body)
         named = None
         if "weights" in tags and not self.sched.model.loaded:
             named = await asyncio.to_thread(read_safetensors_dir, self.s.disk_path)
+        released = set(self.released_tags())
 
         async def op() -> None:
-            from tether.rollout.cpu_engine.model import KVCache
-
-            if named is not None:
+            if named is not None and not self.sched.model.loaded:
                 # Restored from the last checkpoint loaded from disk, so the version is its version.
                 self.sched.model.load(named, complete=True)
                 self.sched.weight_version = self.s.disk_version
             if "kv_cache" in tags and self.sched.cache is None:
-                self.sched.cache = KVCache(self.sched.cfg)
+                self.sched.cache = self.sched.new_cache()
+            if "cuda_graph" in tags:
+                self.s.cuda_graph_released = False
 
         await self.sched.between_steps(op)
-        return web.json_response({"success": True, "message": f"Resumed {sorted(tags)}."})
+        message = f"Resumed {sorted(tags & released)}."
+        if tags - released:
+            message += f" Not released, left as they were: {sorted(tags - released)}."
+        return web.json_response({"success": True, "message": message})
+
+
+def _return_gpu_memory() -> None:
+    """Hand the memory of dropped tensors from torch's caching allocator back to the driver, so a
+    colocated trainer can have it. cuBLAS keeps a workspace per handle and stream in that
+    allocator; it goes too (the next matmul makes a new one)."""
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 @dataclass

@@ -311,6 +311,23 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+_CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_dtype(path: str | Path) -> torch.dtype:
+    """The dtype config.json declares (`dtype`, or `torch_dtype` before transformers 5);
+    float32 when it declares none, as SGLang assumes."""
+    cfg_path = Path(path) / "config.json"
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelConfigError(f"{cfg_path}: cannot read config: {e}") from e
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if not isinstance(name, str) or name.removeprefix("torch.") not in _CONFIG_DTYPES:
+        raise ModelConfigError(f"{cfg_path}: dtype={name!r} is not one of {sorted(_CONFIG_DTYPES)}")
+    return _CONFIG_DTYPES[name.removeprefix("torch.")]
+
+
 def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first tensor holding a NaN or an infinity, or None when all are finite."""
     with torch.inference_mode():
@@ -337,13 +354,16 @@ def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(var + eps))
+    # In float32 whatever the model's dtype, as transformers does (a no-op for a float32 model).
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
 
 
-def _additive(valid: torch.Tensor) -> torch.Tensor:
-    """An attention mask to add to the scores: 0 where a key may be seen, -inf elsewhere."""
-    return torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+def _additive(valid: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An attention mask to add to the scores: 0 where a key may be seen, -inf elsewhere (in the
+    scores' dtype, on their device: SDPA takes no other)."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -364,11 +384,16 @@ class KVCache:
     """What attention keeps per token, per layer, in slots: [slots, heads, capacity, width]
     for each store of `ModelConfig.cache_shapes` (keys and values; MLA's latent alone).
 
-    Slots and capacity grow by doubling, so the cache costs what the running batch needs.
+    Slots and capacity grow by doubling, so the cache costs what the running batch needs. It
+    lives on the model's device, in the model's dtype.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.cfg = cfg
+        self.device = device or torch.device("cpu")
+        self.dtype = dtype
         self.slots = 0
         self.capacity = 0
         self.shapes = cfg.cache_shapes()
@@ -385,7 +410,7 @@ class KVCache:
             return
         for store, (heads, width) in zip(self.stores, self.shapes, strict=True):
             for i in range(self.cfg.layers):
-                fresh = torch.zeros((new_slots, heads, new_cap, width))
+                fresh = torch.zeros((new_slots, heads, new_cap, width), dtype=self.dtype, device=self.device)
                 if store[i:]:
                     fresh[: self.slots, :, : self.capacity] = store[i]
                     store[i] = fresh
@@ -404,24 +429,41 @@ class KVCache:
         self.free.append(slot)
         self.free.sort()
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for store in self.stores for t in store)
+
 
 class TinyLM:
-    """The forward pass over parameters held in a plain dict (HF names → float32 tensors)."""
+    """The forward pass over parameters held in a plain dict (HF names → tensors on `device`, in
+    `dtype`: float32 on CPU; on CUDA also bfloat16 or float16)."""
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict[str, torch.Tensor],
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.cfg = cfg
+        self.device = device or torch.device("cpu")
+        self.dtype = dtype
         self.params: dict[str, torch.Tensor] = {}
         # Flat receive buffers whose views are parameters (engine_receive's flattened buckets).
         self.arenas: dict[Hashable, torch.Tensor] = {}
-        self.load(params, complete=True)
         rot = cfg.rotary_dim or cfg.head_dim
-        self.cos, self.sin = rope_tables(rot, cfg.rope_theta, cfg.max_position, cfg.rope_pairs, cfg.yarn)
+        # Computed once in float32 on CPU; the copies the forward reads go with the weights.
+        self._rope_tables = rope_tables(rot, cfg.rope_theta, cfg.max_position, cfg.rope_pairs, cfg.yarn)
+        self.cos, self.sin = self._rope_tables
+        self.load(params, complete=True)
 
     def load(self, named: dict[str, torch.Tensor], complete: bool) -> None:
         """Validate, then replace; a mismatch raises before any parameter changes."""
         check_named(self.cfg, named, complete)
         for name, tensor in named.items():
             self.assign(name, tensor)
+        if self.cos.device != self.device or self.cos.dtype != self.dtype:
+            self.cos, self.sin = (t.to(device=self.device, dtype=self.dtype) for t in self._rope_tables)
 
     def assign(self, name: str, tensor: torch.Tensor) -> None:
         """Set one checked parameter, copying into the live tensor when there is one (no fresh
@@ -433,9 +475,10 @@ class TinyLM:
             if live.data_ptr() != tensor.data_ptr():
                 live.copy_(tensor.detach())
         else:
-            self.params[name] = tensor.detach().to(torch.float32).contiguous().clone()
-
-    dtype = torch.float32  # what every parameter is held in
+            # One copy, onto the device in the model's dtype (`copy`: never the caller's storage).
+            self.params[name] = (
+                tensor.detach().to(device=self.device, dtype=self.dtype, copy=True).contiguous()
+            )
 
     def ignores(self, name: str) -> bool:
         """A tied checkpoint's lm_head (the embeddings serve as the head) or an MTP layer's
@@ -443,7 +486,8 @@ class TinyLM:
         return self.cfg.unused(name)
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
-        """Make a checked float32 tensor the parameter itself (it becomes the storage, no copy)."""
+        """Make a checked tensor in the model's dtype, on its device, the parameter itself (it
+        becomes the storage, no copy)."""
         if self.ignores(name):
             return
         self.params[name] = tensor
@@ -456,8 +500,18 @@ class TinyLM:
         return live
 
     def drop(self) -> None:
+        """Let go of every parameter and the device's rope tables (memory released on request)."""
         self.params = {}
         self.arenas = {}
+        self.cos, self.sin = self._rope_tables
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the parameters hold (a storage shared by several counted once)."""
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.params.values()
+        }
+        return sum(storages.values())
 
     @property
     def loaded(self) -> bool:
@@ -556,16 +610,19 @@ class TinyLM:
         distinct: dict[tuple[int, ...], int] = {}
         inverse = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompts]
         shared = len(distinct) < len(prompts)
-        where = torch.tensor(inverse)
-        lens = torch.tensor([len(ids) for ids in distinct])
-        t = int(lens.max())
+        dev = self.device
+        where = torch.tensor(inverse, device=dev)
+        lens = torch.tensor([len(ids) for ids in distinct], device=dev)
+        t = max(len(ids) for ids in distinct)
         tokens = torch.zeros(len(distinct), t, dtype=torch.long)
         for row, ids in enumerate(distinct):
             tokens[row, : len(ids)] = torch.tensor(ids)
-        pos = torch.arange(t).expand(len(distinct), t)
-        key_valid = torch.arange(t)[None, :] < lens[:, None]
-        mask = _additive(torch.ones(t, t, dtype=torch.bool).tril()[None] & key_valid[:, None, :])[:, None]
-        slot_idx = torch.tensor(slots)
+        tokens = tokens.to(dev)  # built on the host, moved in one copy
+        pos = torch.arange(t, device=dev).expand(len(distinct), t)
+        key_valid = torch.arange(t, device=dev)[None, :] < lens[:, None]
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        mask = _additive(causal[None] & key_valid[:, None, :], self.dtype)[:, None]
+        slot_idx = torch.tensor(slots, device=dev)
         x = F.embedding(tokens, self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
             h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
@@ -584,7 +641,7 @@ class TinyLM:
                     x[inverse[row], start : len(prompts[row])], self.params["model.norm.weight"], c.eps
                 )
                 scores[row] = F.linear(h, self._lm_head())
-        last = x[torch.arange(len(distinct)), lens - 1]
+        last = x[torch.arange(len(distinct), device=dev), lens - 1]
         logits = F.linear(_rms_norm(last, self.params["model.norm.weight"], c.eps), self._lm_head())
         return logits[where] if shared else logits
 
@@ -601,15 +658,17 @@ class TinyLM:
         `routes`, when given, receives each MoE layer's expert ids [B, 1, k]."""
         c = self.cfg
         b = len(tokens)
-        slot_idx = torch.tensor(slots)
+        dev = self.device
+        slot_idx = torch.tensor(slots, device=dev)
         # A batch admitted together holds consecutive slots: their cache rows are read in place
         # (a view) instead of gathered into a copy every layer and step.
         first = slots[0]
         consecutive = slots == list(range(first, first + b))
-        pos = torch.tensor(positions)
-        t = int(pos.max()) + 1
-        mask = _additive(torch.arange(t)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, T]
-        x = F.embedding(torch.tensor(tokens).view(b, 1), self.params["model.embed_tokens.weight"])
+        pos = torch.tensor(positions, device=dev)
+        t = max(positions) + 1
+        seen = torch.arange(t, device=dev)[None, :] <= pos[:, None]
+        mask = _additive(seen, self.dtype)[:, None, None, :]  # [B, 1, 1, T]
+        x = F.embedding(torch.tensor(tokens, device=dev).view(b, 1), self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
             h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
             q, entries = self._project(i, h, pos.view(b, 1))

@@ -53,7 +53,7 @@ def score_prompt(prompt: list[int], start: int, logits: torch.Tensor, top_k: int
     prompt position start + i (it predicts token start + i + 1)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     ids = prompt[start:]
-    nxt = torch.tensor(ids[1:], dtype=torch.long)
+    nxt = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
     picked = logprobs[:-1].gather(1, nxt.view(-1, 1)).view(-1).tolist() if len(ids) > 1 else []
     values: list[float | None] = [None, *picked]
     top: list[TopRow | None] | None = None

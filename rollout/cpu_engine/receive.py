@@ -22,6 +22,9 @@ parameter lands in a spare of the same shape instead, and once the bucket passes
 (the old parameter becomes the spare for the next sync); a flattened bucket lands in a spare
 buffer that then backs its parameters. The price is a second copy of the received weights in
 memory; the straight-into-live receive is kept for engines that skip the check.
+
+Buffers live on the group's wire device (`wire_device`): the engine's GPU for an NCCL group,
+host memory for gloo; a tensor received on the host is copied onto the model's device.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from tether.rollout.cpu_engine.model import TinyLM, WeightMismatch, check_finite
 from tether.runtime.weight_group import WeightGroup, broadcast
 
 _ALIGN = 64  # every staged tensor starts on a cache line, so any dtype can view it
+
+
+def wire_device(group: WeightGroup, model: TinyLM) -> torch.device:
+    """Where a broadcast of `group` lands: NCCL moves GPU memory only, gloo host memory."""
+    return model.device if group.backend == "nccl" else torch.device("cpu")
 
 
 class BucketReceiver:
@@ -63,9 +71,9 @@ class BucketReceiver:
         if old.is_contiguous() and old.untyped_storage().nbytes() == old.numel() * old.element_size():
             self._spares[name] = old
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+    def _staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._buffer.numel() < nbytes or self._buffer.device != device:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._buffer[:nbytes]
 
     def receive(
@@ -118,8 +126,9 @@ class BucketReceiver:
         pieces: bool = False,
     ) -> WeightMismatch | None:
         total = sum(size for *_, size in items)
+        device = wire_device(group, model)
         if refusal is not None:
-            _land(self._staging(total), items, group, pieces)
+            _land(self._staging(total, device), items, group, pieces)
             return None
         # A bucket's bytes land in a buffer that then backs its parameters (views, no copy); the
         # next sync's identical bucket lands in the same buffer, in place. The model owns these
@@ -131,8 +140,8 @@ class BucketReceiver:
             # Into the spare buffer, which nothing serves from; it backs the parameters only
             # once checked, and the buffer it replaces is the spare of the next sync.
             landing = self._spare_arenas.pop(key, None)
-            if landing is None or landing.numel() != total:
-                landing = torch.empty(total, dtype=torch.uint8)
+            if landing is None or landing.numel() != total or landing.device != device:
+                landing = torch.empty(total, dtype=torch.uint8, device=device)
             bad = _land(landing, items, group, pieces, check=True)
             if bad is not None:
                 self._spare_arenas[key] = landing
@@ -142,16 +151,16 @@ class BucketReceiver:
             arena = landing
         else:
             if arena is None or not backs:
-                arena = torch.empty(total, dtype=torch.uint8)
+                arena = torch.empty(total, dtype=torch.uint8, device=device)
             _land(arena, items, group, pieces)
         offset = 0
         for name, dtype, shape, size in items:
             raw = arena[offset : offset + size]
             offset += size
             tensor = raw.view(dtype).view(list(shape))  # offsets were checked to be aligned
-            if dtype == model.dtype:
+            if dtype == model.dtype and device == model.device:
                 model.adopt(name, tensor)
-            else:  # converted into a float32 parameter
+            else:  # converted into the model's dtype, copied onto its device
                 model.assign(name, tensor)
         model.arenas[key] = arena
         backing = {p.untyped_storage().data_ptr() for p in model.params.values()}
@@ -163,6 +172,8 @@ class BucketReceiver:
         model: TinyLM, arena: torch.Tensor, items: list[tuple[str, torch.dtype, Sequence[int], int]]
     ) -> bool:
         """Whether every same-dtype parameter of the bucket still is its view of `arena`."""
+        if arena.device != model.device:
+            return False
         offset, base = 0, arena.data_ptr()
         for name, dtype, _, size in items:
             live = model.params.get(name)
@@ -186,13 +197,16 @@ class BucketReceiver:
         # (name, where it lands, how it is loaded: "live" in place, "swap" a spare, "stage" a copy)
         targets: list[tuple[str, torch.Tensor, str]] = []
         staged_bytes = 0
+        device = wire_device(group, model)
         plan: list[tuple[str, torch.dtype, Sequence[int], int, torch.Tensor | None]] = []
         for name, dtype, shape, size in items:
             live = None if refusal is not None else model.receive_target(name, dtype, shape)
+            if live is not None and live.device != device:
+                live = None  # a host-side group (gloo) cannot write into GPU memory
             plan.append((name, dtype, shape, staged_bytes, live))
             if live is None:
                 staged_bytes += -(-size // _ALIGN) * _ALIGN
-        buf = self._staging(staged_bytes)
+        buf = self._staging(staged_bytes, device)
         for name, dtype, shape, offset, live in plan:
             if live is not None and check_values:
                 targets.append((name, self._spare(name, live), "swap"))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tether.rollout.cpu_engine.model import TinyLM, WeightMismatch
-from tether.rollout.cpu_engine.receive import BucketReceiver
+from tether.rollout.cpu_engine.receive import BucketReceiver, wire_device
 from tether.runtime.bucket_stream import StreamAborted, recv_header
 from tether.runtime.weight_group import WeightGroup
 
@@ -32,7 +32,7 @@ def receive_stream(
 ) -> int:
     """Receive and load buckets until the sender closes the stream; the number of buckets.
     WeightMismatch (after the stream has ended) if any bucket was refused or the sender aborted."""
-    device = torch.device("cpu")  # the CPU engine's groups are gloo
+    device = wire_device(group, model)  # headers travel as the buckets do
     refusal: WeightMismatch | None = None
     count = 0
     while True:

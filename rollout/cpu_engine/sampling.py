@@ -102,29 +102,32 @@ def choose_tokens(
     """Pick one token per row of logits [B, V].
 
     `masks`: per row, a bool tensor [V] of the tokens it may take (None: any). `top_logprobs`:
-    per row, how many of the most likely tokens to report beside the chosen one."""
+    per row, how many of the most likely tokens to report beside the chosen one. Everything runs
+    on the logits' device; the seeded draws come from the rows' (CPU) generators, so a seed picks
+    the same uniform numbers on any device."""
     logits = logits.float()
+    dev = logits.device
     if masks is not None and any(m is not None for m in masks):
         logits = logits.clone()
         for row, mask in enumerate(masks):
             if mask is not None:
-                logits[row].masked_fill_(~mask, float("-inf"))
+                logits[row].masked_fill_(~mask.to(dev), float("-inf"))
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     greedy = [p.greedy for p in params]
     tokens = raw_logprobs.argmax(dim=-1).tolist()
-    logprobs = raw_logprobs.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()
+    logprobs = raw_logprobs.gather(1, torch.tensor(tokens, device=dev).view(-1, 1)).view(-1).tolist()
     reported = raw_logprobs  # the distribution each row's log-probs are read from
     sampled = [i for i, g in enumerate(greedy) if not g]
     if sampled:
-        idx = torch.tensor(sampled)
-        temps = torch.tensor([params[i].temperature for i in sampled]).view(-1, 1)
+        idx = torch.tensor(sampled, device=dev)
+        temps = torch.tensor([params[i].temperature for i in sampled], device=dev).view(-1, 1)
         scaled = logits[idx] / temps
         report = raw_logprobs[idx] if original_logprob else torch.log_softmax(scaled, dim=-1)
         if not original_logprob and any(k > 0 for k in top_logprobs or ()):
             reported = raw_logprobs.clone()
             reported[idx] = report
         probs = torch.softmax(scaled, dim=-1)
-        draws = torch.stack([torch.rand((), generator=generators[i]) for i in sampled]).view(-1, 1)
+        draws = torch.stack([torch.rand((), generator=generators[i]) for i in sampled]).view(-1, 1).to(dev)
         # A row that filters nothing (no top-k, top-p or min-p) draws over the vocabulary as it
         # is; only a filtering row needs its tokens in probability order. Which way a row goes
         # depends on its own parameters only, so its seed gives the same token in any batch.
@@ -134,12 +137,12 @@ def choose_tokens(
         elif all(filtering):
             chosen = _draw_filtered(probs, draws, [params[i] for i in sampled], sampled)
         else:
-            chosen = torch.empty(len(sampled), dtype=torch.long)
+            chosen = torch.empty(len(sampled), dtype=torch.long, device=dev)
             plain = [row for row, f in enumerate(filtering) if not f]
-            at = torch.tensor(plain)
+            at = torch.tensor(plain, device=dev)
             chosen[at] = _draw_unfiltered(probs[at], draws[at], [sampled[r] for r in plain])
             kept = [row for row, f in enumerate(filtering) if f]
-            at = torch.tensor(kept)
+            at = torch.tensor(kept, device=dev)
             names = [sampled[r] for r in kept]
             chosen[at] = _draw_filtered(probs[at], draws[at], [params[i] for i in names], names)
         chosen_logprobs = report.gather(1, chosen.view(-1, 1)).view(-1)
@@ -184,11 +187,12 @@ def _draw_filtered(
 ) -> torch.Tensor:
     """Top-k, top-p and min-p filtering, then inverse-CDF sampling over the kept tokens in
     probability order: the token ids [n]."""
+    dev = probs.device
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1]).view(1, -1)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params])
-    top_p = torch.tensor([p.top_p for p in params]).view(-1, 1)
-    min_p = torch.tensor([p.min_p for p in params]).view(-1, 1)
+    ranks = torch.arange(probs.shape[-1], device=dev).view(1, -1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev).view(-1, 1)
+    min_p = torch.tensor([p.min_p for p in params], device=dev).view(-1, 1)
     # A token survives when it is inside top-k, inside the top-p nucleus (the mass before it
     # is below top_p) and at least min_p times the most likely token's probability.
     keep = (ranks < top_k.view(-1, 1)) & ((sorted_probs.cumsum(-1) - sorted_probs) < top_p)

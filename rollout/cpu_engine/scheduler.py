@@ -102,7 +102,7 @@ class Scheduler:
         self.context_length = context_length
         self.max_running = max_running
         self.original_logprob = original_logprob
-        self.cache: KVCache | None = KVCache(cfg)
+        self.cache: KVCache | None = self.new_cache()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_rid: dict[str, Request] = {}
@@ -115,6 +115,10 @@ class Scheduler:
         self.failed: BaseException | None = None
         self._stepped = asyncio.Condition()  # notified after every model step (health probes)
         self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache on the model's device, in its dtype."""
+        return KVCache(self.cfg, self.model.device, self.model.dtype)
 
     def close(self) -> None:
         """Release the forward thread (after the loop task has ended)."""
@@ -388,7 +392,7 @@ class Scheduler:
             return None
         out = torch.zeros(length, self.cfg.layers, self.cfg.moe.top_k, dtype=torch.int32)
         for layer, ids in routes.items():
-            out[:, layer] = ids[row, :length].to(torch.int32)
+            out[:, layer] = ids[row, :length].to(torch.int32).cpu()
         return out
 
     def routed_experts(self, req: Request) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 A small inference server that speaks SGLang's native HTTP API (see http_api.py) for the
 Llama, Qwen2 and Qwen3 models `tether init-model` writes, so every client path of tether runs
-on a CPU-only machine. Readiness: GET /health answers 200 once the model has loaded.
+on a CPU-only machine. With --device cuda the same engine runs on a GPU (weights, KV cache and
+sampling on it, in --dtype), and /release_memory_occupation hands that GPU's memory back, so a
+colocated run needs no SGLang. Readiness: GET /health answers 200 once the model has loaded.
 
 Every endpoint but GET /health requires the engine's API key as `Authorization: Bearer <key>`;
 the key comes from TETHER_ENGINE_API_KEY (how tether hands it over) or --api-key-file, and the
@@ -19,10 +21,23 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tether.runtime.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 _SGLANG_HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+DEVICES = ("cpu", "cuda")
+# SGLang's --dtype spellings, by the dtype each names (auto is resolved by `resolve_dtype`).
+DTYPES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 
 
 class SchedulerFailed(RuntimeError):
@@ -31,6 +46,21 @@ class SchedulerFailed(RuntimeError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-path", required=True, help="Hugging Face model directory (safetensors).")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="Where the weights, the KV cache and sampling live: cpu, or cuda (the first GPU "
+        "CUDA_VISIBLE_DEVICES leaves visible; then /release_memory_occupation frees its memory).",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="SGLang's flag: the dtype of the weights and activations. auto: on cuda as SGLang "
+        "(the checkpoint's dtype, float16 for a float32 checkpoint); on cpu float32, the only "
+        "dtype the CPU device computes in.",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     parser.add_argument("--port", type=int, default=30000, help="Port to listen on.")
     parser.add_argument(
@@ -118,6 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.device == "cpu" and DTYPES.get(args.dtype, "float32") != "float32":
+        raise ConfigError("--dtype", args.dtype, "the cpu device computes in float32; use --device cuda")
     for flag, value, ok, why in (
         ("--threads", args.threads, args.threads >= 1, "must be at least 1"),
         ("--port", args.port, 0 < args.port < 65536, "must be a TCP port"),
@@ -186,6 +218,42 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return from_env
 
 
+def resolve_dtype(flag: str, device: str, model_path: str) -> torch.dtype:
+    """The dtype --dtype `flag` means on `device` for the checkpoint at `model_path`: auto is
+    float32 on cpu and, on cuda, SGLang's rule (the dtype config.json declares; float16 for a
+    float32 checkpoint)."""
+    import torch
+
+    from tether.rollout.cpu_engine.model import checkpoint_dtype
+
+    if flag != "auto":
+        dtype: torch.dtype = getattr(torch, DTYPES[flag])
+        return dtype
+    if device == "cpu":
+        return torch.float32
+    stored = checkpoint_dtype(model_path)
+    return torch.float16 if stored == torch.float32 else stored
+
+
+def engine_device(name: str) -> torch.device:
+    """The torch device --device `name` means: cuda is the current GPU (index 0 of those
+    CUDA_VISIBLE_DEVICES leaves); every tensor of the engine names it explicitly."""
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "--device",
+            name,
+            "CUDA is not available to this process (torch.cuda.is_available() is False: no visible GPU, "
+            "or a CPU-only torch build)",
+        )
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
 async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = None) -> None:
     """Serve until SIGTERM/SIGINT; `delay` (benchmarks and tests only) draws the seconds each
     request waits before it joins the batch."""
@@ -198,6 +266,8 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
     from tether.rollout.cpu_engine.scheduler import Scheduler
 
     torch.set_num_threads(args.threads)
+    device = engine_device(args.device)
+    dtype = await asyncio.to_thread(resolve_dtype, args.dtype, args.device, args.model_path)
     cfg = await asyncio.to_thread(ModelConfig.from_dir, args.model_path)
     context = args.context_length or cfg.max_position
     if not 1 < context <= cfg.max_position:
@@ -209,7 +279,8 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
             f"model_type={cfg.model_type!r} has no MoE layers to report",
         )
     named = await asyncio.to_thread(read_safetensors_dir, args.model_path)
-    model = TinyLM(cfg, named)
+    model = TinyLM(cfg, named, device, dtype)
+    del named  # the host copy; on cuda the weights now live on the GPU
     tokenizer = Tokenizer.from_file(os.path.join(args.model_path, "tokenizer.json"))
     scheduler = Scheduler(
         cfg,
@@ -266,7 +337,11 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
         loop.add_signal_handler(sig, on_stop_signal, sig)
     try:
         await web.TCPSite(runner, args.host, args.port).start()
-        print(f"tether cpu engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True)
+        print(
+            f"tether cpu engine serving {args.model_path} on http://{args.host}:{args.port} "
+            f"({device.type}, {str(dtype).removeprefix('torch.')})",
+            flush=True,
+        )
         await stop.wait()
     finally:
         if state.receiving or state.group_setups:

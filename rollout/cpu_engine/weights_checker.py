@@ -42,7 +42,7 @@ def _skipped(name: str, skip: list[str] | None) -> bool:
 
 
 def _digest(t: torch.Tensor) -> str:
-    data = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    data = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
 
 

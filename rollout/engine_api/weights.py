@@ -6,6 +6,10 @@ that a tensor travels as a shared-memory handle rather than as bytes. On CPU the
 file-system shared-memory name (torch's "file_system" sharing strategy); file descriptors
 cannot cross an HTTP request.
 
+On GPU the handle is a CUDA IPC handle whose device is named by the GPU's UUID (`_UuidPickler`);
+only an engine on CUDA opens one (`decode_named_tensors(..., device=...)`), mapping the UUID to
+its own index of that GPU, or refusing the payload as SGLang does when it cannot see that GPU.
+
 Pickle runs code, so the decoder only resolves the handful of torch rebuild functions, storage
 classes and dtypes such a payload needs; any other global is refused with an error naming it.
 """
@@ -69,10 +73,51 @@ def _rebuild_storage_filename(cls: object, manager: object, handle: object, *arg
     return reductions.rebuild_storage_filename(cls, manager, handle, *args)
 
 
+# rebuild_cuda_tensor's argument naming the storage's device: an index, or tether's GPU UUID.
+_CUDA_DEVICE_ARG = 6
+
+
+def _visible_index(device: object) -> int:
+    """This process's index of the GPU a CUDA payload names (by UUID, or by index as torch sends
+    it); PayloadRejected, in SGLang's words, for a GPU this process cannot see."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    if isinstance(device, str):
+        for index in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(index).uuid) == device:
+                return index
+        raise PayloadRejected(
+            f"Invalid device_uuid={device}: no GPU visible to this engine has that UUID "
+            "(the sender's GPU is outside its CUDA_VISIBLE_DEVICES)"
+        )
+    raise PayloadRejected(f"serialized_named_tensors: CUDA device {device!r} is neither an index nor a UUID")
+
+
+def _rebuild_cuda_tensor(*args: object) -> object:
+    """torch's rebuild_cuda_tensor, with the device mapped to this process's index first."""
+    from torch.multiprocessing import reductions
+
+    if len(args) <= _CUDA_DEVICE_ARG:
+        raise PayloadRejected("serialized_named_tensors: a CUDA tensor entry has too few fields")
+    mapped = (*args[:_CUDA_DEVICE_ARG], _visible_index(args[_CUDA_DEVICE_ARG]), *args[_CUDA_DEVICE_ARG + 1 :])
+    return reductions.rebuild_cuda_tensor(*mapped)  # type: ignore[no-untyped-call]
+
+
 class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, cuda: bool) -> None:
+        super().__init__(file)
+        self.cuda = cuda
+
     def find_class(self, module: str, name: str) -> object:
         if module == "torch.multiprocessing.reductions" and name == "rebuild_storage_filename":
             return _rebuild_storage_filename
+        if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
+            if not self.cuda:
+                raise PayloadRejected(
+                    "serialized_named_tensors holds CUDA tensors; this engine runs on the CPU "
+                    "(start it with --device cuda to take CUDA IPC handles)"
+                )
+            return _rebuild_cuda_tensor
         if name in _ALLOWED.get(module, frozenset()):
             return getattr(__import__(module, fromlist=[name]), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -122,7 +167,8 @@ def _reduce_by_uuid(t: torch.Tensor) -> tuple[object, tuple[object, ...]]:
     rebuild, args = reductions.reduce_tensor(t)
     if t.is_cuda:
         # rebuild_cuda_tensor's 7th argument is the storage's device index.
-        args = (*args[:6], str(torch.cuda.get_device_properties(t.device).uuid), *args[7:])
+        uuid = str(torch.cuda.get_device_properties(t.device).uuid)
+        args = (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
     return rebuild, args
 
 
@@ -150,14 +196,21 @@ def encode_named_tensors(
     return serialize_named_tensors(shared)
 
 
-def decode_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
-    """The engine side: copy the tensors a payload refers to. Raises PayloadRejected."""
+def decode_named_tensors(
+    payload: str | bytes, device: torch.device | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The engine side: copy the tensors a payload refers to. Raises PayloadRejected.
+
+    `device`: the engine's; a CUDA one also takes CUDA IPC handles, whose tensors are copied
+    onto it (the sender frees its memory once the engine has answered). Without it, or on CPU,
+    a payload of CUDA tensors is refused."""
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise PayloadRejected(f"serialized_named_tensors is not valid base64: {e}") from e
+    cuda = device is not None and device.type == "cuda"
     try:
-        obj = _TensorUnpickler(io.BytesIO(data)).load()
+        obj = _TensorUnpickler(io.BytesIO(data), cuda).load()
     except PayloadRejected:
         raise
     except Exception as e:
@@ -170,4 +223,7 @@ def decode_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]
         for x in obj
     ):
         raise PayloadRejected("serialized_named_tensors must hold a list of (name, tensor) pairs")
-    return [(name, tensor.clone()) for name, tensor in obj]
+    return [
+        (name, tensor.to(device or tensor.device, copy=True) if tensor.is_cuda else tensor.clone())
+        for name, tensor in obj
+    ]
