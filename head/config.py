@@ -307,6 +307,15 @@ def check_contradictions(cfg: Config) -> None:
         raise ConfigError(
             "--loop", cfg.run.loop, "overlaps generation and training, so it rejects --colocate"
         )
+    pp = cfg.megatron.pipeline_model_parallel_size
+    if cfg.cluster.colocate and pp > 1 and not cfg.debug.debug_rollout_only:
+        raise ConfigError(
+            "--pipeline-model-parallel-size",
+            pp,
+            "under --colocate each engine rank takes the weights from the trainer rank on its own "
+            "device, which holds one pipeline stage only; use 1 (tensor or data parallelism), or "
+            "drop --colocate for the NCCL transport, which sends each stage from its own source",
+        )
     samples = cfg.data.rollout_batch_size * cfg.data.n_samples_per_prompt
     gbs = cfg.data.global_batch_size
     if gbs is not None:

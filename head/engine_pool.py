@@ -7,12 +7,18 @@ come back aborted and their groups are requeued whole) → stop it (SIGTERM, the
 SIGSTOPped engine only dies by the latter) → start it again on the same devices and ports →
 bring it to the version the others serve → route to it again. More than
 --max-engine-restarts restarts of one engine end the run with an error naming it.
+
+Under --colocate the engines give their memory to the trainer every step: `memory` (one
+EngineMemory) sends each release and resume, and a released engine's /health_generate probe is
+held back (it cannot generate, and SGLang releases only an idle engine); its process exit is
+still watched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +27,7 @@ from tether.config import Config
 from tether.placement.plan import Plan
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.engine_api.launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
+from tether.rollout.engine_api.memory import ALL_TAGS, EngineMemory, MemoryTag
 from tether.rollout.router import Router
 from tether.run_dir import RunDir
 from tether.runtime.errors import ConfigError, HeartbeatLost
@@ -81,6 +88,33 @@ class EnginePool:
         self._recovery_changed = asyncio.Event()
         self._stack = contextlib.AsyncExitStack()
         self._tg: asyncio.TaskGroup | None = None
+        self.memory = EngineMemory()
+        self._controls: dict[str, EngineClient] = {}  # memory calls go to each engine, never a router
+
+    @property
+    def releases_memory(self) -> bool:
+        """Whether the engines give their memory to the trainer between phases (--colocate with
+        --offload-rollout, its default)."""
+        return self.plan.colocate and self.plan.offload_rollout and bool(self.launches)
+
+    def _control(self, name: str) -> EngineClient:
+        if name not in self._controls:
+            url = self.launches[name].url
+            timeout = self.cfg.weight_sync.update_weight_request_timeout
+            self._controls[name] = EngineClient(url, name=name, request_timeout=timeout, api_key=self.api_key)
+        return self._controls[name]
+
+    async def release_memory(self, tags: tuple[MemoryTag, ...] = ALL_TAGS) -> None:
+        """Every engine releases those of `tags` it holds (see EngineMemory)."""
+        await self.memory.release([self._control(name) for name in self.launches], tags)
+
+    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> None:
+        """Every engine resumes those of `tags` it released."""
+        await self.memory.resume([self._control(name) for name in self.launches], tags)
+
+    def resident(self, tags: tuple[MemoryTag, ...] = ALL_TAGS) -> bool:
+        """Whether every engine holds all of `tags`."""
+        return all(self.memory.resident(launch.url, tags) for launch in self.launches.values())
 
     @property
     def urls(self) -> list[str]:
@@ -124,7 +158,7 @@ class EnginePool:
         for task in self._monitors:  # they run until cancelled
             task.cancel()
         await self._stack.aclose()  # the monitors' task group; the supervisor stops the processes
-        for client in self._retired:
+        for client in [*self._retired, *self._controls.values()]:
             await client.close()
 
     async def start_sglang_router(self) -> str:
@@ -139,6 +173,9 @@ class EnginePool:
             policy=self.cfg.rollout.rollout_routing_policy,
             sglang_args=list(self.cfg.sglang_args),
             api_key=self.api_key,
+            # Its /health probe generates a token: on a released engine that fails, and during a
+            # release it breaks SGLang's idle assertion (slime disables it alike).
+            health_checks=not self.releases_memory,
         )
         _, url = await start_router(
             self.sup, router_spec(list(self.launches.values()), router_cfg), router_cfg
@@ -165,8 +202,7 @@ class EnginePool:
         while True:
             client = self._client(name)
 
-            async def probe(c: EngineClient = client) -> None:
-                await c.health_generate(request_timeout=ft.rollout_health_check_timeout)
+            probe = functools.partial(self.probe, name, client)
 
             # The engine answered /health_generate before it was routed to (start_engine waits for
             # that, within the first-wait grace): heartbeats start now, so a hang seconds after a
@@ -204,6 +240,14 @@ class EnginePool:
             except BaseException as exc:  # the run cannot go on without this engine
                 self._failures.put_nowait(exc)
                 return
+
+    async def probe(self, name: str, client: EngineClient) -> None:
+        """One heartbeat of engine `name`: a one-token generation, held back while its memory is
+        released or being released (see EngineMemory.probe)."""
+        timeout = self.cfg.fault_tolerance.rollout_health_check_timeout
+        await self.memory.probe(
+            self.launches[name].url, lambda: client.health_generate(request_timeout=timeout)
+        )
 
     def _client(self, name: str) -> EngineClient:
         assert self.router is not None
@@ -259,6 +303,10 @@ class EnginePool:
                 await self.sup.stop(proc.name, grace=HUNG_ENGINE_GRACE)
         launch = self.launches[name]
         self.procs[name] = await start_engine(self.sup, launch, restartable=True)
+        self.memory.restarted(launch.url)  # the new process holds all of its memory
+        if self.releases_memory and not self.resident():
+            # The others gave their memory to the trainer: so does this one until the next sync.
+            await self.memory.release([self._control(name)])
         client = EngineClient(
             launch.url,
             name=name,

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from tether.rollout import slime_data_state
 from tether.rollout.data_source import DataSource
 from tether.rollout.engine_api.auth import run_key
 from tether.rollout.engine_api.client import EngineClient
+from tether.rollout.engine_api.memory import GENERATION, WEIGHTS
 from tether.rollout.router import Router
 from tether.rollout_manager import RolloutManager, version_lags
 from tether.run_dir import RunDir, default_run_dir, redact_argv
@@ -47,7 +48,7 @@ from tether.runtime.sdnotify import Notifier
 from tether.runtime.secret import SECRET_ENV, new_secret, secret_from_env
 from tether.runtime.signals import StopRequest, StopRequested, handle_signals
 from tether.runtime.supervisor import LOCAL, Heartbeat, Supervisor
-from tether.sync.ledger import VersionLedger
+from tether.sync.ledger import LedgerEntry, VersionLedger
 from tether.train.checkpoint_layout import StartChoice, StartKind, save_hf_path, start_attempts
 from tether.train.config import AlgorithmConfig
 from tether.train.protocol import LoadedState
@@ -111,9 +112,24 @@ def make_plan(cfg: Config, claims: PortClaims | None = None) -> Plan:
             cfg.debug.debug_train_only,
             inventory,
             use_critic=uses_critic(cfg),
+            sglang_args=cfg.sglang_args,
         ),
         claims=claims,
     )
+
+
+async def release_engines_at_launch(cfg: Config, pool: EnginePool, router: Router) -> None:
+    """Colocated: the engines give back all their memory right after launch, before the trainer
+    builds its model on the same devices (slime's order); `Steps.wake_engines` returns it before
+    the first rollout. --check-weight-update-equal snapshots their weights first, while they
+    still hold them."""
+    if not pool.releases_memory:
+        return
+    if cfg.debug.check_weight_update_equal:
+        from tether.weight_update_check import snapshot_engine_weights
+
+        await snapshot_engine_weights(router)
+    await pool.release_memory()
 
 
 class Steps:
@@ -172,16 +188,16 @@ class Steps:
         if self.trainer is None:
             self.run_dir.trained_samples(record)
             return
-        router = self.rollouts.router
-        if self.cfg.cluster.colocate and router is not None:
-            # Colocated: the engines give their memory back for the train phase; the tensor
-            # transport resumes it for the next sync.
-            await router.broadcast(lambda client: client.release_memory_occupation())
         async with self.trainer_lock:
             if self.stop_request is not None and self.stop_request.signum is not None:
                 # A stop signal is being handled: its checkpoint is of the last finished step,
                 # and no later update may enter the weights.
                 raise StopRequested(self.stop_request.signum)
+            if self.colocated:
+                # The engines give all their memory to the trainer for the train phase (under the
+                # lock: a catch-up sync must not take it back meanwhile); `_publish` returns it.
+                assert self.engines is not None
+                await self.engines.release_memory()
             self.mid_step = True
             started = time.monotonic()
             metrics = await self.trainer.train(rollout_id, groups, weight_version=self.version)
@@ -221,9 +237,7 @@ class Steps:
         assert self.trainer is not None and self.engines is not None
         self.progress.phase(f"sync v{self.version + 1}")
         started = time.monotonic()
-        entry = await self.trainer.update_weights(
-            self.version + 1, self.engines.urls, engines_restarted=engines_restarted
-        )
+        entry = await self._publish(self.version + 1, engines_restarted=engines_restarted)
         self.version = entry.version
         self.engines.served_version = self.version
         self.step_metrics.update(
@@ -238,6 +252,73 @@ class Steps:
         self.run_dir.event("weight_sync", rollout_id=rollout_id, version=self.version)
         self.rollouts.weight_version = self.version
         return self.version
+
+    @property
+    def colocated(self) -> bool:
+        """Trainer and engines hand the devices' memory to each other every step (--colocate
+        with --offload-rollout, its default)."""
+        cluster = self.cfg.cluster
+        return (
+            cluster.colocate
+            and cluster.offloads_rollout
+            and self.trainer is not None
+            and self.engines is not None
+        )
+
+    async def _publish(self, version: int, *, engines_restarted: bool = False) -> LedgerEntry:
+        """The trainer's weights to the engines as `version`. Colocated, in slime's order: the
+        trainer leaves the device, the engines take back their weights' memory, the update (the
+        trainer brings back its weights alone to export them), then the engines' generation
+        memory (KV cache, CUDA graphs)."""
+        assert self.trainer is not None and self.engines is not None
+        if not self.colocated:
+            return await self.trainer.update_weights(
+                version, self.engines.urls, engines_restarted=engines_restarted
+            )
+        await self.trainer.offload()
+        await self.engines.resume_memory(WEIGHTS)
+        entry = await self.trainer.update_weights(
+            version, self.engines.urls, engines_restarted=engines_restarted
+        )
+        await self.engines.resume_memory(GENERATION)
+        return entry
+
+    async def wake_engines(self) -> None:
+        """Colocated, before the first rollout: the engines released all their memory at launch
+        (`release_engines_at_launch`). Weights no sync has given back since are the trainer's
+        again, as the version the engines serve (SGLang keeps no copy of released weights; slime
+        always publishes before its first rollout): a restore, not a new version in the ledger."""
+        if not self.colocated:
+            return
+        assert self.trainer is not None and self.engines is not None
+        async with self.trainer_lock:
+            if self.engines.resident(WEIGHTS):
+                await self.trainer.offload()
+                await self.engines.resume_memory(GENERATION)
+                return
+            entry = await self._publish(self.version)
+            if not entry.ok:
+                raise RuntimeError(f"restoring the engines' weights (v{self.version}) failed: {entry}")
+            self.run_dir.event("weights_restored", version=self.version)
+
+    @contextlib.asynccontextmanager
+    async def _trainer_phase(self) -> AsyncIterator[None]:
+        """Colocated: a checkpoint or HF export between steps needs the device; the engines give
+        back their generation memory for it (their weights stay: they hold the served version)
+        and take it again after, the trainer having left. Engines with requests in flight (a
+        signal's checkpoint during a rollout) keep it: SGLang releases only an idle engine."""
+        router = self.rollouts.router
+        busy = router is not None and router.in_flight() > 0
+        if not self.colocated or busy or self.engines is None or not self.engines.resident(GENERATION):
+            yield
+            return
+        assert self.trainer is not None
+        await self.engines.release_memory(GENERATION)
+        try:
+            yield
+        finally:
+            await self.trainer.offload()
+            await self.engines.resume_memory(GENERATION)
 
     async def catch_up(self, client: EngineClient) -> None:
         """Bring a restarted engine to the version the others serve, before it gets a request."""
@@ -354,7 +435,8 @@ class Steps:
         # --async-save: the run's last checkpoint (and a signal's: the run stops) completes before
         # the answer; the others complete on the ranks before the next save or weight update.
         last = reason == "signal" or self._stop_after_checkpoint or self.completed + 1 >= self.total
-        path = await self.trainer.save(self.completed, self.version, self.position, finalize=last)
+        async with self._trainer_phase():
+            path = await self.trainer.save(self.completed, self.version, self.position, finalize=last)
         if self._writes_slime_data_state():
             await asyncio.to_thread(self._save_slime_data_state)
         await self.rollouts.save_source(self.completed)  # a --data-source-path class saves its own state
@@ -392,7 +474,8 @@ class Steps:
         (slime's meaning: one per checkpoint with a `{rollout_id}` field, else overwritten)."""
         assert self.trainer is not None and self.cfg.run.save_hf is not None
         path = save_hf_path(self.cfg.run.save_hf, rollout_id)
-        await self.trainer.export_hf(path)
+        async with self._trainer_phase():
+            await self.trainer.export_hf(path)
         self.run_dir.event("saved_hf", path=path, rollout_id=rollout_id)
 
 
@@ -490,6 +573,8 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                     router = Router.from_config(
                         cfg.rollout, pool.urls, router_url=router_url, api_key=engine_key
                     )
+                    if not cfg.debug.debug_rollout_only:
+                        await release_engines_at_launch(cfg, pool, router)
                 if overlap:  # else after the trainers, as before
                     rollouts = await rollout_stack.enter_async_context(RolloutManager(cfg, router))
 
@@ -533,9 +618,14 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
             if cfg.debug.check_weight_update_equal:
                 from tether.weight_update_check import resume_checking_weight_update
 
-                start = await resume_checking_weight_update(steps, lambda: resume(cfg, steps))
+                start = await resume_checking_weight_update(
+                    steps,
+                    lambda: resume(cfg, steps),
+                    snapshot=not (engines is not None and engines.releases_memory),
+                )
             else:
                 start = await resume(cfg, steps)
+            await steps.wake_engines()
             if start == 0 and rollouts.eval_before_train():
                 progress.phase("eval before training")
                 before = await rollouts.evaluate(-1)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from tether.config import Config
+from tether.placement.colocation import handle_sources
 from tether.placement.plan import Plan, TorchrunNode
 from tether.process_threads import one_torch_thread
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
@@ -205,6 +206,8 @@ class TrainerPool:
         hf_checkpoint = self.cfg.rollout.hf_checkpoint
         if hf_checkpoint is None:  # before any rank starts: each would fail to build its model
             raise ConfigError("--hf-checkpoint", None, "the trainer ranks build the model from it")
+        if self.plan.colocate and self.role == "actor":
+            handle_sources(self.plan)  # an engine device without an actor rank is refused now
         world = self.world_size = group.world_size
         # A run directory used again (requeued job, restarted service) still holds the last
         # start's rank addresses; only the ranks started now may be read.
@@ -479,11 +482,18 @@ class TrainerPool:
             request.engine_ranks = [e.size for e in layout.engines]
             request.master_address = layout.master_addr
             request.master_port = layout.master_port
+        if self.plan.colocate:
+            request.handle_sources = handle_sources(self.plan)
         results = await self._all(lambda rank: rank.update_weights(request))
         entry = next((r.entry for r in results if r.entry is not None), None)
         if entry is None:
             raise RuntimeError(f"weight sync v{version}: no trainer rank reported its ledger entry")
         return entry
+
+    async def offload(self) -> None:
+        """--offload-train: every rank's device memory to host now (the ranks do nothing without
+        the flag); whatever the ranks are asked next brings back what it needs."""
+        await self._all(lambda rank: rank.offload())
 
     async def save(
         self, rollout_id: int, weight_version: int, position: dict[str, Any], *, finalize: bool = False

@@ -20,6 +20,7 @@ from tether.rollout.engine_api.client import EngineClient, EngineError
 
 if TYPE_CHECKING:
     from tether.job import Steps
+    from tether.rollout.router import Router
 
 
 class WeightUpdateMismatch(RuntimeError):
@@ -34,14 +35,23 @@ async def _compare(client: EngineClient) -> str | None:
     return None
 
 
-async def resume_checking_weight_update(steps: Steps, resume: Callable[[], Awaitable[int]]) -> int:
+async def snapshot_engine_weights(router: Router) -> None:
+    """slime's first half: each engine snapshots the weights it loaded, then overwrites them."""
+    await router.broadcast(lambda client: client.check_weights("snapshot"))
+    await router.broadcast(lambda client: client.check_weights("reset_tensors"))
+
+
+async def resume_checking_weight_update(
+    steps: Steps, resume: Callable[[], Awaitable[int]], *, snapshot: bool = True
+) -> int:
     """`resume()` (which may publish weights), framed by slime's snapshot/reset and compare; the
-    first rollout id `resume` returns."""
+    first rollout id `resume` returns. `snapshot=False`: taken already (colocated engines take it
+    at launch, before they release their weights)."""
     router = steps.rollouts.router
     if router is None or steps.trainer is None or steps.engines is None:
         raise RuntimeError("--check-weight-update-equal needs engines and a trainer")  # refused at parse time
-    await router.broadcast(lambda client: client.check_weights("snapshot"))
-    await router.broadcast(lambda client: client.check_weights("reset_tensors"))
+    if snapshot:
+        await snapshot_engine_weights(router)
     published = steps.version
     start = await resume()
     if steps.version == published:  # nothing published yet: publish the trainer's weights now

@@ -7,7 +7,8 @@ prefill and decode. tether's routing policy maps onto the router's: round_robin 
 least_in_flight → power_of_two (load-aware), consistent_hash → manual (sticky on the
 X-SMG-Routing-Key header that EngineClient sends). `--sglang-router-<flag> [values]` on
 tether's command line becomes the router's `--<flag> [values]` and wins over these defaults.
-Readiness: GET /readiness answers 200 once the router has healthy workers.
+Readiness: GET /readiness answers 200 once the router has healthy workers. Under --colocate
+its worker health checks are off (`RouterLaunchConfig.health_checks`), as slime starts it.
 
 With the run's engine key (`RouterLaunchConfig.api_key`) the router gets `--api-key` through the
 same environment-to-argv shim as SGLang (engine_launch.key_shim; never on its command line). It
@@ -66,6 +67,10 @@ class RouterLaunchConfig(msgspec.Struct, frozen=True, kw_only=True):
     name: str = "sglang-router"
     api_key: str | None = None
     """The engine key: the router sends it to the workers (given in its environment)."""
+    health_checks: bool = True
+    """False: `--disable-health-check` (sglang-router 0.3.2), for engines that release their
+    memory between phases (--colocate): its probe generates a token, which a released engine
+    cannot, and SGLang's release requires an idle engine."""
 
     def __repr__(self) -> str:
         return f"RouterLaunchConfig(port={self.port!r}, host={self.host!r}, policy={self.policy!r})"
@@ -120,6 +125,8 @@ def router_argv(engines: Sequence[EngineLaunch], cfg: RouterLaunchConfig) -> lis
     if policy == "power_of_two" and len(engines) < 2:
         policy = "round_robin"  # the router refuses power-of-two with one worker; one engine needs no choice
     flags["policy"] = [policy]
+    if not cfg.health_checks:
+        flags["disable-health-check"] = []
     flags.update(router_passthrough(cfg.sglang_args))
     python = cfg.python or sglang_python()
     launcher = ["-m", "sglang_router.launch_router"]

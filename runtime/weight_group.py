@@ -10,11 +10,17 @@ Rank 0's store listens on the rendezvous host's address alone. Each rank's gloo 
 its address from GLOO_SOCKET_IFNAME, which the node agent sets to the interface holding the
 node's planned address (runtime/netif.py); without it gloo would advertise the address the
 hostname resolves to, often 127.0.0.1, and a group spanning nodes could not connect.
+
+An NCCL group belongs to one GPU of its process: `device` names it, and every step that may
+touch CUDA (the group's making, its collectives, its abort) runs with that GPU current, never
+with whichever GPU the calling thread happens to have current (0 on a thread that never chose).
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -38,12 +44,41 @@ class WeightGroup:
     world_size: int
     backend: str
     _process_group: dist.ProcessGroup | None
+    device: torch.device | None = None
+    """This rank's GPU for an NCCL group (None: gloo, or a caller that left torch to choose)."""
 
     @property
     def group(self) -> dist.ProcessGroup:
         if self._process_group is None:
             raise RuntimeError(f"weight group {self.group_name!r} was destroyed")
         return self._process_group
+
+    @property
+    def alive(self) -> bool:
+        """Not yet destroyed or aborted here."""
+        return self._process_group is not None
+
+
+@contextmanager
+def gpu_current(device: torch.device | None) -> Iterator[None]:
+    """Run the body with `device` as this thread's current GPU (a CPU device or None: as is).
+    CUDA's current device is per thread: a worker thread starts on GPU 0 whatever the rank's
+    main thread chose."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+def check_device(backend: str, device: torch.device | None) -> None:
+    """An NCCL group's device must be one GPU by index; a gloo group's lives in host memory."""
+    if device is None:
+        return
+    if backend == "nccl" and (device.type != "cuda" or device.index is None):
+        raise ConfigError("device", str(device), "an NCCL weight group needs one GPU by index (cuda:N)")
+    if backend == "gloo" and device.type != "cpu":
+        raise ConfigError("device", str(device), "a gloo weight group moves host memory (cpu)")
 
 
 def _check(init_method: str, rank: int, world_size: int, group_name: str, backend: str) -> None:
@@ -105,6 +140,7 @@ def init_weight_group(
     timeout: timedelta = DEFAULT_TIMEOUT,
     store: dist.TCPStore | None = None,
     setup_timeout: timedelta | None = None,
+    device: torch.device | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) the rendezvous at `init_method` and build the named group.
 
@@ -113,8 +149,12 @@ def init_weight_group(
     pass a store made by `host_store` (whose port `init_method` then names). `setup_timeout`
     (default `timeout`) bounds a joining rank's wait for the store and the rendezvous alone: an
     address that never answers fails within it, while `timeout` stays the collectives' limit.
+    `device`: this rank's GPU for an NCCL group, current while the group is made and recorded
+    on it (the communicator itself comes with the first collective, on that collective's
+    tensors' GPU: an eager one would wait here for peers that join only at their first receive).
     """
     _check(init_method, rank, world_size, group_name, backend)
+    check_device(backend, device)
     parsed = urlparse(init_method)
     assert parsed.hostname is not None and parsed.port is not None  # _check made sure
     if store is None:
@@ -128,20 +168,26 @@ def init_weight_group(
             )
     # The prefix keeps two groups on one store (or one master port reused later) apart.
     prefixed = dist.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        backend,
-        prefixed,
-        group_name=c10d.GroupName(group_name),
-        timeout=timeout,
-    )
+    with gpu_current(device):
+        group, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            backend,
+            prefixed,
+            group_name=c10d.GroupName(group_name),
+            timeout=timeout,
+        )
     # With no default group, torch cannot map group ranks to global ranks by itself; in this
     # group they are the same numbers.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return WeightGroup(
-        group_name=group_name, rank=rank, world_size=world_size, backend=backend, _process_group=group
+        group_name=group_name,
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        _process_group=group,
+        device=device,
     )
 
 
@@ -153,10 +199,34 @@ def broadcast(tensor: torch.Tensor, src: int, group: WeightGroup) -> None:
 
 
 def destroy_weight_group(group: WeightGroup) -> None:
-    """Tear the group down; its name may not be reused in this process afterwards."""
-    process_group, group._process_group = group.group, None
-    dist.destroy_process_group(process_group)
+    """Tear the group down (nothing left to do after `abort_weight_group`); its name may not be
+    reused in this process afterwards."""
+    process_group, group._process_group = group._process_group, None
+    if process_group is None:
+        return
+    with gpu_current(group.device):
+        dist.destroy_process_group(process_group)
     # Drop the last reference now: a gloo group whose C++ object lives on until interpreter
     # teardown can abort the process at exit ("terminate called without an active exception").
     del process_group
     gc.collect()
+
+
+def abort_weight_group(group: WeightGroup) -> None:
+    """End the group at once, collectives still pending included, and forget it here.
+
+    NCCL: the communicator is aborted, so a broadcast some peer will never join stops holding
+    this GPU's streams (and everything queued behind them) until the group's timeout, after
+    which NCCL's watchdog would end the process. gloo cannot interrupt a pending operation: a
+    thread inside one returns at the group's timeout, or once a peer drops its side; the group
+    is forgotten all the same. A communicator NCCL is still setting up (at the group's first
+    collective) has nothing to abort yet.
+    Idempotent; the peers are not told (each tears its side down on its own).
+    """
+    process_group, group._process_group = group._process_group, None
+    if process_group is None:
+        return
+    with gpu_current(group.device):
+        c10d._abort_process_group(process_group)
+    del process_group
+    gc.collect()  # as in destroy_weight_group

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tether.runtime.bucket_stream import BucketHeader, send_end, send_header
-from tether.runtime.weight_group import WeightGroup
+from tether.runtime.weight_group import WeightGroup, gpu_current
 from tether.sync.bucket_fill import Bucket, BucketFiller
 from tether.sync.buckets import dtype_name
 
@@ -73,8 +73,12 @@ class BucketPump:
             return self._filler.next()
 
     def run(self) -> int:
-        """Send every bucket and close the stream; the bytes sent. On the caller's thread; on a
-        GPU sender with the wire device current (the export allocates on it)."""
+        """Send every bucket and close the stream; the bytes sent. On the caller's thread, with
+        the wire device current when it is a GPU (the export allocates on the current one)."""
+        with gpu_current(self._device):
+            return self._run()
+
+    def _run(self) -> int:
         group, device = self._group, self._device
         failed: Exception | None = None
         try:

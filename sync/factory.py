@@ -40,6 +40,13 @@ def weight_group_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def sync_device(local_rank: int) -> torch.device | None:
+    """A sync source rank's own GPU where the trainer has GPUs (a rank uses the GPU of its
+    LOCAL_RANK), else None. Named explicitly: a rank chose its GPU on its worker thread only,
+    and any other thread's current GPU is 0."""
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else None
+
+
 def is_distributed(cfg: WeightSyncConfig, colocate: bool) -> bool:
     """Whether the flags choose the distributed (NCCL/gloo broadcast) transport."""
     return not colocate and cfg.update_weight_mode != "delta" and cfg.update_weight_transport != "disk"
@@ -54,8 +61,11 @@ def make_transport(
     engine_ranks: Sequence[int],
     master_address: str,
     master_port: int,
+    device: torch.device | None = None,
 ) -> Transport:
-    """The transport for --update-weight-mode / --update-weight-transport / --colocate."""
+    """The transport for --update-weight-mode / --update-weight-transport / --colocate.
+
+    device: the sync source rank's own GPU, which an NCCL broadcast needs (see sync_device)."""
     if colocate:
         return TensorTransport(engines, cfg, engine_ranks=engine_ranks)
     if cfg.update_weight_mode == "delta":
@@ -69,4 +79,5 @@ def make_transport(
         master_port=master_port,
         engine_ranks=engine_ranks,
         backend=weight_group_backend(),
+        device=device,
     )

@@ -11,6 +11,18 @@ Engines that offer it (tether's CPU engine; see tether.runtime.bucket_stream) ta
 of a sync as one stream instead: one request each, every bucket's names, dtypes and shapes sent
 over the group ahead of its bytes, so no HTTP round trip sits between two buckets.
 Blocking collectives run in a worker thread; every HTTP call and the group set-up have timeouts.
+
+A GPU sender names its GPU (`device`): the export, the buckets' buffers and copies, the group
+and its broadcasts all run with that GPU current in whichever thread does the work, never with
+the thread's own current device (a rank chose its GPU on its worker thread only). Its flattened
+buckets' two buffers are freed when a sync ends, so training has that memory between syncs; a
+CPU sender keeps them (fresh host pages cost more than the copy into them).
+
+An engine that refuses or fails a bucket while this process is inside its broadcast never
+joins it. Over NCCL that broadcast would hold this GPU's streams until the group's timeout,
+then NCCL's watchdog would end the process: the group is aborted at once instead, the sync
+raises SyncFailed naming the engine and its answer, and the next sync builds a new group (as
+after any failed sync, whatever the backend).
 """
 
 from __future__ import annotations
@@ -28,10 +40,14 @@ import torch
 import torch.distributed as dist
 
 from tether.runtime.bucket_stream import STREAM_CAPABILITY, STREAM_ENDPOINT
+from tether.runtime.errors import ConfigError
 from tether.runtime.weight_group import (
     WeightGroup,
+    abort_weight_group,
     broadcast,
+    check_device,
     destroy_weight_group,
+    gpu_current,
     host_store,
     init_weight_group,
 )
@@ -64,11 +80,20 @@ def broadcast_async(tensor: torch.Tensor, src: int, group: WeightGroup) -> dist.
     return work
 
 
-def wire_device(backend: str) -> torch.device:
-    """Where a broadcast's tensors must live: this process's current GPU for NCCL, host memory
-    for gloo (a tensor elsewhere is moved there once, as the buckets are formed)."""
+ABORT_WAIT_S = 30.0
+"""How long a failed sync waits for an NCCL abort to return (it has been seen to hang)."""
+
+
+def wire_device(backend: str, device: torch.device | None = None) -> torch.device:
+    """Where a broadcast's tensors must live: the sender's own GPU (`device`, which NCCL
+    requires: a thread's current GPU is not the rank's) for NCCL, host memory for gloo (a tensor
+    elsewhere is moved there once, as the buckets are formed)."""
     if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        if device is None:
+            raise ConfigError("device", None, "an NCCL sender must name its GPU (cuda:N)")
+        check_device(backend, device)
+        return device
+    check_device(backend, device)
     return torch.device("cpu")
 
 
@@ -85,10 +110,11 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], into: torch.Tensor | 
 
 
 async def _sent_unless_refused(
-    sending: asyncio.Future[T], posts: Sequence[asyncio.Task[list[object]]], limit_s: float
+    sending: asyncio.Future[T], posts: Sequence[asyncio.Task[list[object]]], limit_s: float | None
 ) -> T:
-    """Wait for a bucket's broadcast; raise at once when any engine's answer so far is a
-    failure (an engine that refused before receiving would otherwise leave it blocked)."""
+    """Wait for `sending` (a bucket's broadcast, or the next bucket's export, which on a GPU
+    may queue behind it); raise at once when any engine's answer so far is a failure (an engine
+    that refused before receiving would otherwise leave it blocked). Never cancels `sending`."""
     async with asyncio.timeout(limit_s):
         while True:
             for p in posts:
@@ -106,6 +132,29 @@ async def _let_engines_answer(posts: Sequence[asyncio.Task[list[object]]], limit
     unanswered = [p for p in posts if not p.done()]
     if unanswered:
         await asyncio.wait(unanswered, timeout=limit_s)
+
+
+def _engine_failed(posts: Sequence[asyncio.Task[list[object]]]) -> bool:
+    return any(p.done() and not p.cancelled() and p.exception() is not None for p in posts)
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first error inside (nested) exception groups: one engine's failure under on_all."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _named_call(engine: EngineEndpoint, path: str, body: dict[str, object], limit_s: float) -> object:
+    """`call`, with any failure a SyncFailed that names the engine."""
+    try:
+        return await call(engine, path, body, limit_s)
+    except SyncFailed:
+        raise
+    except Exception as exc:
+        # The engine API's own errors name the engine already (their .engine).
+        named = getattr(exc, "engine", None) == engine.name
+        raise SyncFailed(str(exc) if named else f"engine {engine.name} {path}: {exc}") from exc
 
 
 async def _close_posts(posts: Sequence[asyncio.Task[list[object]]]) -> None:
@@ -133,8 +182,11 @@ class DistributedTransport:
         control_engines: bool = True,
         group_tag: str = "",
         stream_buckets: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         """engine_ranks: ranks each engine contributes (its TP size; default 1 each).
+
+        device: the sender rank's own GPU (cuda:N), required for NCCL; None for gloo.
 
         stream_buckets: send a sync's buckets as one stream (tether.runtime.bucket_stream) when
         every engine offers it; False keeps SGLang's request per bucket (tests of that path).
@@ -151,7 +203,7 @@ class DistributedTransport:
         if len(self.engine_ranks) != len(self.engines) or min(self.engine_ranks, default=1) < 1:
             raise SyncFailed(f"engine_ranks={self.engine_ranks} must give a positive rank count per engine")
         self.backend = backend
-        self.device = wire_device(backend)
+        self.device = wire_device(backend, device)
         self.control_engines = control_engines
         self.group_tag = group_tag
         self.stream_buckets = stream_buckets
@@ -159,6 +211,7 @@ class DistributedTransport:
         """Whether the current group's engines all take the streamed update (set by connect)."""
         self.group: WeightGroup | None = None
         self._flat: list[torch.Tensor | None] = [None, None]
+        """The flattened buckets' two buffers: kept between syncs on the CPU only."""
         self._stale = True
         self.restore_from: tuple[str, int] | None = None
         """A full checkpoint (path, version) holding the weights engines serve now: a failed sync
@@ -220,6 +273,8 @@ class DistributedTransport:
                     self.backend,
                     timedelta(seconds=limit),
                     store,
+                    None,
+                    self._gpu,
                 )
             )
             for i in range(len(self.engines)):
@@ -227,6 +282,11 @@ class DistributedTransport:
         self.group = own.result()
         self.streamed = self.stream_buckets and all(offers)
         self._stale = False
+
+    @property
+    def _gpu(self) -> torch.device | None:
+        """The sender's GPU (None on a CPU sender)."""
+        return self.device if self.device.type == "cuda" else None
 
     async def close(self) -> None:
         self._flat = [None, None]
@@ -246,25 +306,75 @@ class DistributedTransport:
         """Broadcast one bucket: as its packed bytes when `flat` is given (SGLang's
         flattened_bucket: one uint8 buffer, the tensors' bytes in order), else tensor by tensor."""
         assert self.group is not None
-        if flat is not None:
-            broadcast(flat, 0, self.group)
-            return
-        # Issue every tensor's broadcast at once (as slime does) so the backend can stream the
-        # next tensor while the receiver is still copying out the previous one.
-        works = [broadcast_async(t, 0, self.group) for _, t in bucket]
-        for work in works:
-            work.wait()
+        with gpu_current(self._gpu):
+            if flat is not None:
+                broadcast(flat, 0, self.group)
+                return
+            # Issue every tensor's broadcast at once (as slime does) so the backend can stream
+            # the next tensor while the receiver is still copying out the previous one.
+            works = [broadcast_async(t, 0, self.group) for _, t in bucket]
+            for work in works:
+                work.wait()
 
-    def _filled(self, filler: BucketFiller) -> Bucket | None:
-        """The filler's next bucket, in a worker thread; on a GPU sender with this process's
-        device current, as on the event loop's thread (the export allocates on it)."""
+    async def _abort_group(self) -> None:
+        """Abort the group now (see the module's docstring): every pending broadcast ends, and
+        the next sync builds a new one. The engines drop their side when it is rebuilt."""
+        group = self.group
+        self._stale = True
+        if group is None or not group.alive:
+            return
+        aborting = asyncio.ensure_future(asyncio.to_thread(abort_weight_group, group))
+        aborting.add_done_callback(lambda f: f.cancelled() or f.exception())
+        done, _ = await asyncio.wait({aborting}, timeout=ABORT_WAIT_S)
+        if not done:
+            log.error("aborting weight group %s did not return within %ss", group.group_name, ABORT_WAIT_S)
+        elif aborting.exception() is not None:
+            log.error("aborting weight group %s failed: %s", group.group_name, aborting.exception())
+
+    def _release_buffers(self) -> None:
+        """A GPU sender's flat buffers go back to the allocator when a sync ends (a broadcast
+        still reading one keeps its memory until it completes: torch holds the tensor). In
+        place: the sync's filler shares the list."""
         if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                return filler.next()
-        return filler.next()
+            self._flat[0] = self._flat[1] = None
 
     async def _send(self, version: int | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Every bucket to every engine; the last one carries `version` (None: none does).
+
+        An engine's failure (or a broadcast that outlives the request timeout) aborts an NCCL
+        group first, so no broadcast that engine will never join holds this GPU, and raises
+        SyncFailed naming the engine; the sender's own export failing, or a cancelled sync,
+        leaves the group to the usual rebuild (the engines still receive what was sent, and a
+        stream's ABORT). A GPU sender's buffers are freed at the end, whatever the outcome."""
+        try:
+            return await self._send_buckets(version, tensors)
+        except SyncFailed:
+            raise
+        except BaseExceptionGroup as exc:
+            # One engine's failure under on_all; its message names the engine.
+            leaf = _first_leaf(exc)
+            if not isinstance(leaf, SyncFailed):
+                raise
+            raise SyncFailed(f"{leaf} (the next sync builds a new weight group)") from exc
+        finally:
+            self._release_buffers()
+
+    async def _on_failure(self, exc: BaseException, posts: Sequence[asyncio.Task[list[object]]]) -> bool:
+        """After a send failed: abort the group when a peer may be missing from a pending
+        broadcast (an engine failed, or a broadcast ran out of time); whether it was aborted. A
+        gloo group is left as it is: nothing pending in it can be interrupted (its thread
+        returns at the group's timeout, or once the engine drops its side at the rebuild), and a
+        stream's ABORT still reaches the engines over it; the next sync rebuilds it all the same."""
+        if not (_engine_failed(posts) or isinstance(exc, TimeoutError)):
+            return False
+        if self.backend != "nccl":
+            self._stale = True  # gloo: nothing to interrupt; rebuilt by the next sync
+            return False
+        await self._abort_group()
+        return True
+
+    async def _send_buckets(self, version: int | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """`_send`'s work.
 
         The export runs in a worker thread, one bucket ahead: bucket k+1 is exported and filled
         (tether.sync.bucket_fill) while bucket k is on the wire. Buckets are pipelined too:
@@ -274,7 +384,8 @@ class DistributedTransport:
         (the engines serialise updates: SGLang under its pause condition or update lock,
         tether's engine under its update lock). Every request that went out gets its answer
         before this returns, so no engine is left inside a bucket when the caller closes the
-        session; the first refusal is raised then. The export never runs on after this returns
+        session; the first refusal is raised then (after an abort no engine still inside the
+        aborted broadcast could answer: none is waited for). The export never runs on after this returns
         (a caller drains the rest of the stream itself).
         """
         assert self.group is not None
@@ -296,14 +407,16 @@ class DistributedTransport:
         moved = 0
 
         def fill() -> asyncio.Future[Bucket | None]:
-            return asyncio.ensure_future(asyncio.to_thread(self._filled, filler))
+            return asyncio.ensure_future(asyncio.to_thread(filler.next))
 
         posts: list[asyncio.Task[list[object]]] = []
         upcoming: asyncio.Future[Bucket | None] | None = fill()
         try:
             while upcoming is not None:
-                # Shielded: a cancelled sync still waits for the thread in `finally`.
-                bucket = await asyncio.shield(upcoming)
+                # Never cancelled: a cancelled sync still waits for the thread in `finally`. An
+                # engine's failure is seen here too: on a GPU the export of this bucket can
+                # queue behind a broadcast that engine will never join.
+                bucket = await _sent_unless_refused(upcoming, posts, None)
                 upcoming = None
                 if bucket is None:
                     break
@@ -320,7 +433,7 @@ class DistributedTransport:
                     body["load_format"] = "flattened_bucket"
 
                 async def post(e: EngineEndpoint, b: dict[str, object] = body) -> object:
-                    return await call(e, "/update_weights_from_distributed", b, timeout)
+                    return await _named_call(e, "/update_weights_from_distributed", b, timeout)
 
                 posts.append(asyncio.create_task(on_all(self.engines, post)))
                 sending = asyncio.ensure_future(
@@ -336,8 +449,10 @@ class DistributedTransport:
                 await _sent_unless_refused(sending, posts, timeout)
                 moved += bucket.nbytes
             await asyncio.gather(*posts)
-        except Exception:
-            await _let_engines_answer(posts, timeout)
+        except BaseException as exc:
+            # An aborted broadcast is never finished: no engine still inside it would answer.
+            if not await self._on_failure(exc, posts) and isinstance(exc, Exception):
+                await _let_engines_answer(posts, timeout)
             raise
         finally:
             await _close_posts(posts)
@@ -346,12 +461,6 @@ class DistributedTransport:
                 # caller drains it next) and stop writing its buffer before either is reused.
                 await asyncio.gather(upcoming, return_exceptions=True)
         return moved
-
-    def _pumped(self, pump: BucketPump) -> int:
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                return pump.run()
-        return pump.run()
 
     async def _send_stream(self, version: int | None, filler: BucketFiller) -> int:
         """Every bucket to every engine as one stream: one request per engine, and the buckets
@@ -369,22 +478,26 @@ class DistributedTransport:
             body["weight_version"] = str(version)
 
         async def post(e: EngineEndpoint) -> object:
-            return await call(e, STREAM_ENDPOINT, body, timeout)
+            return await _named_call(e, STREAM_ENDPOINT, body, timeout)
 
         posts = [asyncio.create_task(on_all(self.engines, post))]
         pump = BucketPump(filler, self.group, self.device)
-        sending = asyncio.ensure_future(asyncio.to_thread(self._pumped, pump))
+        sending = asyncio.ensure_future(asyncio.to_thread(pump.run))
         # Left behind when an engine refuses first, its outcome is read here (the group is
         # rebuilt then), not reported as lost.
         sending.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await _sent_unless_refused(sending, posts, timeout)
             await asyncio.gather(*posts)
-        except BaseException:
-            # No export step after this returns; the pump ends the stream (ABORT) at its next
-            # bucket boundary, so the engines answer rather than wait for more.
+        except BaseException as exc:
+            # Aborted first over NCCL: the pump's next step may queue behind a broadcast that a
+            # failed engine never joins. Else the pump ends the stream (ABORT) at its next
+            # bucket boundary, so the engines answer rather than wait for more. No export step
+            # after this returns either way.
+            aborted = await self._on_failure(exc, posts)
             await asyncio.to_thread(pump.stop)
-            await _let_engines_answer(posts, timeout)
+            if not aborted:
+                await _let_engines_answer(posts, timeout)
             raise
         finally:
             await _close_posts(posts)

@@ -10,6 +10,11 @@ optimizer's shard views, `param.main_grad`) needs to be rebound: `onload` grows 
 and copies the bytes in. `torch.cuda.empty_cache()` then hands the freed blocks back to the driver
 so the engines can allocate them.
 
+A weight sync needs only the actor's weights on the device: `onload_weights` brings back the
+storages behind the actor's parameters and buffers alone (what an export reads, a fraction of
+what training holds), and `drop_weights` frees them again without a copy: an export only reads
+them, so the host copy still holds their bytes.
+
 Only CUDA storages are moved (on a CPU rank there is no device memory to free, and the flag is
 refused when a run is planned on CPU). Call both on every rank, between collective calls.
 """
@@ -27,6 +32,7 @@ import torch
 class _Moved:
     storage: torch.UntypedStorage
     host: torch.Tensor  # uint8, pinned, the storage's bytes
+    weights: bool = False  # behind the actor's parameters or buffers (what an export reads)
 
 
 @dataclass
@@ -34,6 +40,7 @@ class TrainerOffload:
     """The storages of one offload; `onload` puts them back where they were."""
 
     moved: list[_Moved] = field(default_factory=list)
+    weights_on_device: bool = False  # `onload_weights` brought the weights back, the rest is out
 
     @property
     def nbytes(self) -> int:
@@ -103,14 +110,18 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def offload_storages(storages: Iterable[torch.UntypedStorage]) -> TrainerOffload:
-    """Copy each storage to (pinned, with CUDA) host memory, then shrink it to zero bytes."""
+def offload_storages(
+    storages: Iterable[torch.UntypedStorage], weights: Iterable[torch.UntypedStorage] = ()
+) -> TrainerOffload:
+    """Copy each storage to (pinned, with CUDA) host memory, then shrink it to zero bytes;
+    those also in `weights` are the ones `onload_weights` brings back."""
     state = TrainerOffload()
     pin = torch.cuda.is_available()
+    weight_ptrs = {s.data_ptr() for s in weights if s.nbytes()}
     for storage in storages:
         host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
         host.copy_(_as_bytes(storage), non_blocking=pin)
-        state.moved.append(_Moved(storage, host))
+        state.moved.append(_Moved(storage, host, weights=storage.data_ptr() in weight_ptrs))
     _synchronize()  # every copy landed before any storage shrinks
     for moved in state.moved:
         moved.storage.resize_(0)
@@ -119,14 +130,40 @@ def offload_storages(storages: Iterable[torch.UntypedStorage]) -> TrainerOffload
     return state
 
 
+def _grow(moved: Iterable[_Moved]) -> None:
+    pin = torch.cuda.is_available()
+    for m in moved:
+        m.storage.resize_(m.host.numel())
+        _as_bytes(m.storage).copy_(m.host, non_blocking=pin)
+    _synchronize()
+
+
 def onload_storages(state: TrainerOffload) -> None:
     """Grow every storage back to its size and copy its bytes in; `state` is empty afterwards."""
-    pin = torch.cuda.is_available()
-    for moved in state.moved:
-        moved.storage.resize_(moved.host.numel())
-        _as_bytes(moved.storage).copy_(moved.host, non_blocking=pin)
-    _synchronize()
+    _grow(m for m in state.moved if not (m.weights and state.weights_on_device))
     state.moved.clear()
+    state.weights_on_device = False
+
+
+def onload_weights(state: TrainerOffload) -> None:
+    """Bring back only the weights' storages (for an export); the rest stays in host memory."""
+    if not state.weights_on_device:
+        _grow(m for m in state.moved if m.weights)
+        state.weights_on_device = True
+
+
+def drop_weights(state: TrainerOffload) -> None:
+    """Free the weights `onload_weights` brought back. No copy: an export only read them, so the
+    host copy still holds their bytes."""
+    if not state.weights_on_device:
+        return
+    _synchronize()  # no kernel still reads them
+    for m in state.moved:
+        if m.weights:
+            m.storage.resize_(0)
+    state.weights_on_device = False
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def trainer_tensors(actor: Any, reference: Any | None = None) -> list[torch.Tensor]:
@@ -138,13 +175,23 @@ def trainer_tensors(actor: Any, reference: Any | None = None) -> list[torch.Tens
     return tensors
 
 
+def weight_tensors(actor: Any) -> list[torch.Tensor]:
+    """The actor's parameters and buffers: what an export of its weights reads."""
+    # `named_buffers`: Megatron's DDP shadows nn.Module.buffers with its list of grad buffers.
+    return [
+        t for chunk in actor.chunks for t in (*chunk.parameters(), *(b for _, b in chunk.named_buffers()))
+    ]
+
+
 def offload_trainer(actor: Any, reference: Any | None = None) -> TrainerOffload:
     """Move the actor's weights, gradients and optimizer state (and the reference's weights) to
     host RAM and free their device memory. Needs CUDA."""
     if not torch.cuda.is_available():
         raise RuntimeError("offloading the trainer needs CUDA (--offload-train is refused on CPU plans)")
     torch.cuda.synchronize()
-    return offload_storages(collect_storages(trainer_tensors(actor, reference)))
+    return offload_storages(
+        collect_storages(trainer_tensors(actor, reference)), collect_storages(weight_tensors(actor))
+    )
 
 
 def onload_trainer(state: TrainerOffload) -> None:

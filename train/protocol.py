@@ -14,8 +14,9 @@ back) travel as raw frames at any depth of a Struct, unchanged by the wrapping.
 
 Ordering contract (Megatron's collectives): the head calls every rank with the same method and
 awaits all of them before the next collective call (`init`, `train`, `compute_log_probs`,
-`compute_values`, `update_weights`, `save`, `load`, `export_hf`); ranks of one data-parallel
-group receive the same request. `health` and `shutdown` are not collective.
+`compute_values`, `update_weights`, `save`, `load`, `export_hf`, and `offload`, which a
+pending parameter all-gather may make one); ranks of one data-parallel group receive the same
+request. `health` and `shutdown` are not collective.
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ class UpdateWeightsRequest(msgspec.Struct, kw_only=True):
     master_address: str = "127.0.0.1"
     master_port: int = 0
     engines_restarted: bool = False  # an engine was replaced: rebuild the update group first
+    # colocate: per engine, the global rank on each of its TP ranks' devices, whose own copy of
+    # the weights that engine rank opens (tether.placement.colocation.handle_sources)
+    handle_sources: list[list[int]] | None = None
 
 
 class WeightUpdateResult(msgspec.Struct, kw_only=True):
@@ -225,6 +229,11 @@ class RankApi(Protocol):
 
     async def export_hf(self, request: ExportRequest) -> ExportResult: ...
 
+    async def offload(self) -> None:
+        """--offload-train: move the trainer's device memory to host now (before colocated engines
+        take theirs back); the next call that needs it brings it back. Nothing without the flag."""
+        ...
+
     async def health(self) -> WorkerInfo:
         """Answered from the rank's event loop, even while a step runs."""
         ...
@@ -287,6 +296,9 @@ class RankClient(RankApi):
 
     async def export_hf(self, request: ExportRequest) -> ExportResult:
         return await self._call(RankApi.export_hf, ExportResult, request)
+
+    async def offload(self) -> None:
+        await self._call(RankApi.offload, None)
 
     async def health(self, *, timeout: float | None = None) -> WorkerInfo:  # noqa: ASYNC109
         return await self._call(RankApi.health, WorkerInfo, timeout=timeout)

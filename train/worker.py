@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from tether.runtime.errors import ConfigError
 from tether.sync.config import WeightSyncConfig
@@ -65,6 +65,8 @@ from tether.train.protocol import (
 )
 
 T = TypeVar("T")
+Needs = Literal["all", "weights", "none"]
+"""What of an offloaded trainer a piece of work needs on the device (`TrainerWorker._run`)."""
 
 
 def model_options(hf_checkpoint: str, algorithm: AlgorithmConfig, megatron: MegatronConfig) -> Any:
@@ -101,16 +103,13 @@ class TrainerWorker(RankApi):
         self._old_actor: Any = None  # --keep-old-actor: the old actor's weights (train.old_actor.OldActor)
         self._role = "actor"  # or "critic" (InitRequest.role): which step `train` runs
 
-    async def _run(self, fn: Callable[[], T]) -> T:
-        """Run torch/Megatron work on this rank's single worker thread, in call order; the trainer's
-        memory comes back to the device first when --offload-train moved it out."""
+    async def _run(self, fn: Callable[[], T], needs: Needs = "all") -> T:
+        """Run torch/Megatron work on this rank's single worker thread, in call order; what it
+        `needs` of the trainer's memory comes back to the device first when --offload-train moved
+        it out: all of it, the actor's weights only (an export), or none."""
 
         def resident() -> T:
-            if self._offloaded is not None:
-                from tether.train.offload import onload_trainer
-
-                onload_trainer(self._offloaded)
-                self._offloaded = None
+            self._make_resident(needs)
             return fn()
 
         self._busy = True
@@ -118,6 +117,18 @@ class TrainerWorker(RankApi):
             return await asyncio.get_running_loop().run_in_executor(self._executor, resident)
         finally:
             self._busy = False
+
+    def _make_resident(self, needs: Needs) -> None:
+        state = self._offloaded
+        if state is None or needs == "none":
+            return
+        from tether.train.offload import onload_trainer, onload_weights
+
+        if needs == "weights":
+            onload_weights(state)
+            return
+        onload_trainer(state)
+        self._offloaded = None
 
     def _require_init(self) -> Any:
         if self._actor is None:
@@ -492,12 +503,27 @@ class TrainerWorker(RankApi):
             await self._run(lambda: self._advance_old_actor(interval))
         if self._offload_train:
             # The engines generate next and may take the device memory; `_run` brings it back.
-            await self._run(self._offload)
+            await self._run(self._offload, needs="none")
         return result
 
-    def _offload(self) -> None:
-        from tether.train.offload import offload_trainer
+    async def offload(self) -> None:
+        """--offload-train: the trainer leaves the device now (the head calls it before colocated
+        engines take their memory back); nothing without the flag."""
+        self._require_init()
+        if self._offload_train:
+            await self._run(self._offload, needs="none")
 
+    def _offload(self) -> None:
+        """Everything to host; only the weights when the rest is there already (after an export)."""
+        from tether.train import model
+        from tether.train.offload import drop_weights, offload_trainer
+
+        if self._offloaded is not None:
+            drop_weights(self._offloaded)
+            return
+        # A pending parameter all-gather lands first: the host copy is then the weights as an
+        # export reads them, so an export of the onloaded weights changes none of their bytes.
+        model.sync_params(self._actor.chunks)
         frozen = [m for m in (self._ref, self._teacher) if m is not None]
         # The reference's and the teacher's weights leave the device alike (only `.chunks` is read).
         others = None if not frozen else SimpleNamespace(chunks=[c for m in frozen for c in m.chunks])
@@ -510,6 +536,11 @@ class TrainerWorker(RankApi):
         from tether.sync.factory import is_distributed
         from tether.train import export
 
+        # Every export below reads the actor's weights, on this thread or another (rank 0's
+        # transport, a stage source's): an offloaded trainer brings them back first.
+        await self._run(lambda: None, needs="weights")
+        if request.colocate:
+            return await self._update_weights_colocated(request)
         version, engine_urls, weight_sync = request.version, request.engine_urls, request.weight_sync
         colocate, engine_ranks = request.colocate, request.engine_ranks
         master_address, master_port = request.master_address, request.master_port
@@ -534,7 +565,7 @@ class TrainerWorker(RankApi):
             await self._run(lambda: _drain(stream))
             return None
         if self._transport is None:
-            from tether.sync.factory import engine_clients, make_transport
+            from tether.sync.factory import engine_clients, make_transport, sync_device
 
             self._engines = engine_clients(engine_urls, weight_sync.update_weight_request_timeout)
             self._transport = make_transport(
@@ -545,6 +576,8 @@ class TrainerWorker(RankApi):
                 engine_ranks=engine_ranks or [1] * len(engine_urls),
                 master_address=master_address,
                 master_port=master_port,
+                # Built here, on the event loop's thread, whose current GPU is not this rank's.
+                device=sync_device(self._topo.local_rank),
             )
         if engines_restarted and hasattr(self._transport, "mark_engine_restarted"):
             self._transport.mark_engine_restarted()  # rebuild the update group with the new process
@@ -556,6 +589,75 @@ class TrainerWorker(RankApi):
             # After a failure the rest still flows, so the ranks feeding the stream (TP peers'
             # gathers, later stages' sends) finish too instead of blocking until their timeout.
             await self._run(lambda: _drain(stream))
+        return entry
+
+    async def _update_weights_colocated(self, request: UpdateWeightsRequest) -> LedgerEntry | None:
+        """--colocate: every rank shares its own device's copy of each bucket; rank 0 gathers the
+        handles and posts each engine TP rank the one from its own device's rank
+        (`request.handle_sources`), as tether.sync.transport_tensor describes."""
+        import torch
+        import torch.distributed as dist
+
+        from tether.sync.transport_tensor import HandleBucket, rank_handle_buckets
+        from tether.train import export
+
+        actor, topo = self._require_init(), self._topo
+        if topo.pp_size > 1:
+            raise ValueError("--colocate: each rank must hold every stage's weights; use PP 1")
+        ranks = request.engine_ranks or [1] * len(request.engine_urls)
+        sources = request.handle_sources or [[0] * n for n in ranks]
+
+        def gather(mine: list[str]) -> list[list[str]] | None:
+            box: list[Any] | None = [None] * dist.get_world_size() if topo.rank == 0 else None
+            dist.gather_object(mine, box, dst=0)  # NCCL: staged on this thread's GPU, the rank's
+            return box
+
+        def barrier() -> None:
+            if dist.get_backend() == "nccl":  # named, not guessed from the rank number
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
+
+        device = None if torch.cuda.is_available() else export.CPU  # CUDA IPC takes them in place
+        steps = rank_handle_buckets(
+            export.iter_hf_weights(actor.chunks, actor.arch, device=device),
+            request.weight_sync.update_weight_buffer_size,
+            rank=topo.rank,
+            sources=sources,
+            gather=gather,
+            barrier=barrier,
+        )
+        if topo.rank != 0:
+            await self._run(lambda: _drain(steps), needs="weights")
+            return None
+        if self._transport is None:
+            from tether.sync.factory import engine_clients, make_transport
+
+            self._engines = engine_clients(
+                request.engine_urls, request.weight_sync.update_weight_request_timeout
+            )
+            self._transport = make_transport(
+                request.weight_sync,
+                self._engines,
+                hf_checkpoint=self._hf_checkpoint,
+                colocate=True,
+                engine_ranks=ranks,
+                master_address=request.master_address,
+                master_port=request.master_port,
+            )
+
+        async def buckets() -> Any:
+            while True:
+                bucket: HandleBucket | None = await self._run(lambda: next(steps, None), needs="weights")
+                if bucket is None:
+                    return
+                yield bucket
+
+        self._busy = True
+        try:
+            entry: LedgerEntry = await self._transport.sync_buckets(request.version, buckets())
+        finally:
+            self._busy = False
         return entry
 
     async def _update_weights_by_stage(
@@ -573,7 +675,7 @@ class TrainerWorker(RankApi):
         stage 0's source controls the engines. The other ranks take part in their stage's TP
         gathers and in the all-reduces that keep the stages in step."""
 
-        from tether.sync.factory import engine_clients, weight_group_backend
+        from tether.sync.factory import engine_clients, sync_device, weight_group_backend
         from tether.sync.transport_distributed import DistributedTransport
         from tether.train import export, parallel
 
@@ -602,6 +704,9 @@ class TrainerWorker(RankApi):
                 backend=weight_group_backend(),
                 control_engines=first,
                 group_tag=f"pp{topo.pp_rank}-",
+                # This stage source's own GPU: built on the event loop's thread, whose current
+                # GPU is 0, not the one the rank chose on its worker thread.
+                device=sync_device(topo.local_rank),
             )
         if engines_restarted:
             self._transport.mark_engine_restarted()

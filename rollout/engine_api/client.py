@@ -561,11 +561,17 @@ class EngineClient:
             body["skip_tensor_list"] = list(skip_tensor_list)
         return await self.request("POST", "/weights_checker", body, retry="never")
 
-    async def release_memory_occupation(self) -> Any:
-        return await self.request("POST", "/release_memory_occupation", {}, retry="never")
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> Any:
+        """Release `tags` (SGLang: none means every tag); see engine_api.memory for the order."""
+        return await self.request("POST", "/release_memory_occupation", _tags_body(tags), retry="never")
 
-    async def resume_memory_occupation(self) -> Any:
-        return await self.request("POST", "/resume_memory_occupation", {}, retry="never")
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> Any:
+        """Resume `tags` (SGLang: none means every tag, and each must be released or it fails)."""
+        return await self.request("POST", "/resume_memory_occupation", _tags_body(tags), retry="never")
+
+
+def _tags_body(tags: Sequence[str] | None) -> dict[str, Any]:
+    return {} if tags is None else {"tags": list(tags)}
 
 
 def _error_message(payload: bytes) -> str:

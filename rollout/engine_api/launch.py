@@ -98,6 +98,7 @@ CPU_ENGINE_FLAGS = frozenset(
         "served-model-name",
         "tool-call-parser",
         "enable-return-routed-experts",
+        "dtype",  # on --device cuda, as SGLang reads it (auto: float16 for a float32 checkpoint)
     }
 )
 
@@ -306,7 +307,8 @@ def server_argv(engine: Engine, part: EnginePart, cfg: EngineLaunchConfig) -> li
 
 
 def cpu_engine_argv(engine: Engine, part: EnginePart, cfg: EngineLaunchConfig) -> list[str]:
-    """The embedded CPU engine: one process, so no tensor parallelism and no spanning nodes."""
+    """The embedded engine: one process, so no tensor parallelism and no spanning nodes; on a
+    GPU plan it computes on its device."""
     if engine.tp_size != 1 or engine.nnodes != 1:
         raise ConfigError(
             "--rollout-num-gpus-per-engine",
@@ -331,6 +333,8 @@ def cpu_engine_argv(engine: Engine, part: EnginePart, cfg: EngineLaunchConfig) -
     if dropped:
         log.warning("engine %d: --rollout-engine cpu ignores SGLang flags %s", engine.index, dropped)
     base = ["--model-path", cfg.model_path, "--host", engine.host, "--port", str(engine.http_port)]
+    if cfg.device_kind == "gpu":
+        base += ["--device", "cuda"]  # the plan's GPU (CUDA_VISIBLE_DEVICES), as SGLang would take it
     if cfg.allow_nonfinite_weights:
         base.append("--allow-nonfinite-weights")
     if cfg.return_routed_experts and "enable-return-routed-experts" not in kept:

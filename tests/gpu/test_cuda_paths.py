@@ -2,7 +2,7 @@
 
 - colocated: tensors leave the trainer as CUDA IPC handles naming their GPU by UUID, and
   another process (which may number its GPUs differently) opens them, as SGLang does;
-- distributed: NCCL broadcasts take tensors on the current GPU (a trainer's export keeps them
+- distributed: NCCL broadcasts take tensors on the sender's GPU (a trainer's export keeps them
   there), and a weight group of two GPUs carries a flattened bucket.
 """
 
@@ -79,8 +79,8 @@ def test_cuda_ipc_payload_names_its_gpu_by_uuid_and_opens_in_another_process(tmp
 def test_distributed_sender_keeps_tensors_on_the_gpu_for_nccl() -> None:
     from tether.sync.transport_distributed import flatten_bucket, wire_device
 
-    device = wire_device("nccl")
-    assert device == torch.device("cuda", torch.cuda.current_device())
+    device = wire_device("nccl", torch.device("cuda", 0))  # the sender names its GPU
+    assert device == torch.device("cuda", 0)
     assert wire_device("gloo") == torch.device("cpu")
     bucket = [("a", torch.ones(3, device=device)), ("b", torch.zeros(2, dtype=torch.bfloat16, device=device))]
     flat = flatten_bucket(bucket)

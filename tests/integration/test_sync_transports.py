@@ -21,6 +21,8 @@ from support.net import free_port
 
 from tether.rollout.cpu_engine.tiny_model import write_tiny_model
 from tether.rollout.engine_api.client import EngineClient
+from tether.rollout.engine_api.memory import GENERATION, WEIGHTS, EngineMemory
+from tether.runtime.bucket_stream import STREAM_ENDPOINT
 from tether.sync.checkpoint_files import open_checkpoint
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import SyncFailed, served_versions
@@ -255,6 +257,69 @@ def test_distributed_group_rebuilt_after_engine_restart(model_dir: Path, tmp_pat
         eng.stop()
 
 
+class RefusesBeforeReceiving:
+    """A real engine behind a front that answers one update request itself with a refusal, so
+    the engine never joins that broadcast (as an engine that refuses before it receives)."""
+
+    def __init__(self, client: EngineClient, path: str, refuse_at: int) -> None:
+        self.client, self.name, self.url = client, client.name, client.url
+        self.path, self.refuse_at, self.seen = path, refuse_at, 0
+        self.calls: list[tuple[str, object]] = []
+
+    async def request(
+        self, method: str, path: str, body: dict[str, object] | None = None, **kw: object
+    ) -> object:
+        self.calls.append((path, body))
+        if path == self.path:
+            self.seen += 1
+            if self.seen - 1 == self.refuse_at:
+                return {"success": False, "message": "refused by the front"}
+        return await self.client.request(method, path, body, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["per-bucket", "streamed"])
+def test_a_refused_broadcast_fails_the_sync_at_once_and_the_next_builds_a_new_group(
+    engine: Engine, model_dir: Path, tmp_path: Path, streamed: bool
+) -> None:
+    """The sender is inside a broadcast the engine never joins: the sync raises SyncFailed
+    naming the engine and its answer well within the group's timeout, the engine keeps its
+    version, and the next sync drops the old group on the engine (which ends the broadcast
+    left behind) and goes through on a new one."""
+
+    async def body() -> None:
+        async with engine_client(engine.url, name="f0") as client:
+            path = STREAM_ENDPOINT if streamed else "/update_weights_from_distributed"
+            front = RefusesBeforeReceiving(client, path, refuse_at=0 if streamed else 1)
+            limit = 60.0
+            t = DistributedTransport(
+                [front],
+                cfg(tmp_path, update_weight_collective_timeout=limit),
+                master_port=free_port(),
+                stream_buckets=streamed,
+            )
+            try:
+                base = (await served_versions([client], 10))["f0"]
+                assert base is not None
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                with pytest.raises(SyncFailed, match=r"engine f0 .*refused by the front"):
+                    await t.sync(base + 1, iter(trained(model_dir, seed=21).items()))
+                assert loop.time() - started < limit / 2
+                assert t.streamed == streamed and t.group is not None
+                first = t.group.group_name
+                assert await served_versions([client], 10) == {"f0": base}
+                front.refuse_at = -1
+                state = trained(model_dir, seed=22)
+                assert (await t.sync(base + 1, iter(state.items()))).ok
+                assert t.group is not None and t.group.group_name != first
+                assert ("/destroy_weights_update_group", {"group_name": first}) in front.calls
+                await check_engine(engine.url, model_dir, state, base + 1)
+            finally:
+                await t.close()
+
+    run(body())
+
+
 def test_full_disk_transport_publishes_and_reloads(engine: Engine, model_dir: Path, tmp_path: Path) -> None:
     async def body() -> None:
         async with engine_client(engine.url, name="e0") as client:
@@ -327,9 +392,13 @@ def test_tensor_transport_colocated(engine: Engine, model_dir: Path, tmp_path: P
     async def body() -> None:
         async with engine_client(engine.url, name="e0") as client:
             t = TensorTransport([client], cfg(tmp_path))
-            await t.release()  # as before training
+            memory = EngineMemory()
+            await memory.release([client])  # as before training: every tag
+            await memory.resume([client], WEIGHTS)  # the head's order around a colocated sync
             state = trained(model_dir, seed=40)
             entry = await t.sync(41, iter(state.items()))
+            await memory.resume([client], GENERATION)
+            assert memory.released(client.url) == frozenset()
             assert entry.ok and entry.engine_versions == {"e0": 41}
             await check_engine(engine.url, model_dir, state, 41)
 

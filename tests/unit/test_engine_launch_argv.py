@@ -126,9 +126,12 @@ def test_cpu_backend_argv_keeps_shared_flags_only() -> None:
         "model-path": ["/models/m"],
         "host": ["127.0.0.1"],
         "port": [str(engine.http_port)],
+        "device": ["cuda"],  # a GPU plan: the embedded engine computes on the plan's GPU
         "max-running-requests": ["8"],
         "context-length": ["256"],
     }
+    on_cpu = server_argv(engine, engine.parts[0], sglang_cfg(backend="cpu", device_kind="cpu"))
+    assert "device" not in parse_flags(on_cpu[3:], "argv")  # the engine's own default: the CPU
 
 
 def test_sglang_python_resolution(tmp_path: Path) -> None:

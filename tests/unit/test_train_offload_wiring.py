@@ -13,6 +13,8 @@ import pytest
 from tether.train import offload
 from tether.train.worker import TrainerWorker
 
+ACTOR = SimpleNamespace(chunks=[])  # no chunk: no pending parameter all-gather to land first
+
 
 def run_worker(monkeypatch: pytest.MonkeyPatch, offload_train: bool) -> list[Any]:
     calls: list[Any] = []
@@ -22,7 +24,7 @@ def run_worker(monkeypatch: pytest.MonkeyPatch, offload_train: bool) -> list[Any
     async def scenario() -> None:
         with ThreadPoolExecutor(1) as pool:
             worker = TrainerWorker(pool)
-            worker._actor, worker._offload_train = "actor", offload_train
+            worker._actor, worker._offload_train = ACTOR, offload_train
             # The reference's and the OPD teacher's chunks leave the device with the actor.
             worker._ref = SimpleNamespace(chunks=["ref"])
             worker._teacher = SimpleNamespace(chunks=["teacher"])
@@ -43,7 +45,7 @@ def test_offload_after_each_update_and_onload_before_the_next_work(monkeypatch: 
     calls = run_worker(monkeypatch, offload_train=True)
     assert calls[0] == "update" and calls[2:] == [("onload", "moved"), "train", "log-probs"]
     what, actor, others = calls[1]
-    assert (what, actor, others.chunks) == ("offload", "actor", ["ref", "teacher"])
+    assert (what, actor, others.chunks) == ("offload", ACTOR, ["ref", "teacher"])
 
 
 def test_without_the_flag_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
