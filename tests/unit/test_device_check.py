@@ -127,6 +127,7 @@ def test_colocated_figures_come_from_the_runs_metrics(dc: ModuleType, tmp_path: 
     run.mkdir(parents=True)
     lines = [{"step": 0, "train/time_s": 1.5}, {"discarded": [3]}, {"step": 1, "train/time_s": 0.5}]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (tmp_path / "test_colocatecurrent").symlink_to(tmp_path / "test_colocate0")
     got = dc.colocated_figures(tmp_path)
     assert got == {"test_colocate0": {"steps": 2, "train/time_s": [1.5, 0.5]}}
     assert dc.colocated_figures(tmp_path / "nothing") is None
