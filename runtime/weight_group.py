@@ -19,10 +19,11 @@ with whichever GPU the calling thread happens to have current (0 on a thread tha
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -201,15 +202,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: WeightGroup) -> None:
 def destroy_weight_group(group: WeightGroup) -> None:
     """Tear the group down (nothing left to do after `abort_weight_group`); its name may not be
     reused in this process afterwards."""
-    process_group, group._process_group = group._process_group, None
-    if process_group is None:
-        return
-    with gpu_current(group.device):
-        dist.destroy_process_group(process_group)
-    # Drop the last reference now: a gloo group whose C++ object lives on until interpreter
-    # teardown can abort the process at exit ("terminate called without an active exception").
-    del process_group
-    gc.collect()
+    _end(group, dist.destroy_process_group)
 
 
 def abort_weight_group(group: WeightGroup) -> None:
@@ -223,10 +216,17 @@ def abort_weight_group(group: WeightGroup) -> None:
     collective) has nothing to abort yet.
     Idempotent; the peers are not told (each tears its side down on its own).
     """
+    _end(group, c10d._abort_process_group)
+
+
+def _end(group: WeightGroup, end: Callable[[Any], None]) -> None:
+    """Forget the group here and `end` its process group on its GPU (once)."""
     process_group, group._process_group = group._process_group, None
     if process_group is None:
         return
     with gpu_current(group.device):
-        c10d._abort_process_group(process_group)
+        end(process_group)
+    # Drop the last reference now: a gloo group whose C++ object lives on until interpreter
+    # teardown can abort the process at exit ("terminate called without an active exception").
     del process_group
-    gc.collect()  # as in destroy_weight_group
+    gc.collect()

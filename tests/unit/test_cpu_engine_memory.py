@@ -18,12 +18,11 @@ from typing import Any
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
-from tokenizers import Tokenizer
+from support.cpu_engine_app import host_scheduler
 from torch.multiprocessing import reductions
 
 from tether.rollout.cpu_engine.http_api import EngineState, make_app
-from tether.rollout.cpu_engine.model import ModelConfig, ModelConfigError, TinyLM, read_safetensors_dir
-from tether.rollout.cpu_engine.scheduler import Scheduler
+from tether.rollout.cpu_engine.model import ModelConfigError
 from tether.rollout.cpu_engine.server import _check, add_arguments, engine_device, resolve_dtype
 from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors
@@ -142,17 +141,7 @@ class Engine:
     """An in-process engine app on the host (served without authentication)."""
 
     def __init__(self, model_dir: str) -> None:
-        cfg = ModelConfig.from_dir(model_dir)
-        self.sched = Scheduler(
-            cfg,
-            TinyLM(cfg, read_safetensors_dir(model_dir)),
-            Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")),
-            weight_version="disk-v",
-            context_length=64,
-            max_running=4,
-            original_logprob=False,
-            seed=0,
-        )
+        self.sched = host_scheduler(model_dir, weight_version="disk-v", max_running=4)
         state = EngineState(
             scheduler=self.sched,
             model_path=model_dir,

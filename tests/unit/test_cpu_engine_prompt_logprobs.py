@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
+from support.cpu_engine_app import host_scheduler
 from support.engines import hf_logprobs
-from tokenizers import Tokenizer
 
 from tether.rollout.cpu_engine.http_api import EngineState, make_app
-from tether.rollout.cpu_engine.model import ModelConfig, TinyLM, read_safetensors_dir
 from tether.rollout.cpu_engine.prompt_logprobs import score_prompt
-from tether.rollout.cpu_engine.scheduler import Scheduler
 from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11]
@@ -36,17 +33,7 @@ class Client:
     """POSTs to an in-process CPU engine app (no key: it serves without authentication)."""
 
     def __init__(self, model_dir: str) -> None:
-        cfg = ModelConfig.from_dir(model_dir)
-        sched = Scheduler(
-            cfg,
-            TinyLM(cfg, read_safetensors_dir(model_dir)),
-            Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")),
-            weight_version="v1",
-            context_length=256,
-            max_running=8,
-            original_logprob=False,
-            seed=0,
-        )
+        sched = host_scheduler(model_dir, context_length=256, max_running=8)
         self.tokenizer = sched.tokenizer
         state = EngineState(scheduler=sched, model_path=model_dir, host="127.0.0.1", port=0)
         self.loop = asyncio.new_event_loop()

@@ -11,28 +11,16 @@ from typing import Any
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
-from tokenizers import Tokenizer
+from support.cpu_engine_app import host_scheduler
 
 from tether.rollout.cpu_engine.http_api import EngineLimits, EngineState, make_app
-from tether.rollout.cpu_engine.model import ModelConfig, TinyLM, read_safetensors_dir
-from tether.rollout.cpu_engine.scheduler import Scheduler
 from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 
 def _init_group(model_dir: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], set[str]]:
     """POST /init_weights_update_group to an in-process engine on the host; the status, the
     answer, and the group names the engine has used up."""
-    cfg = ModelConfig.from_dir(model_dir)
-    sched = Scheduler(
-        cfg,
-        TinyLM(cfg, read_safetensors_dir(model_dir)),
-        Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")),
-        weight_version="v1",
-        context_length=64,
-        max_running=2,
-        original_logprob=False,
-        seed=0,
-    )
+    sched = host_scheduler(model_dir)
     # A short rendezvous limit: were the request let through, it would fail fast, not hang.
     state = EngineState(
         scheduler=sched,
