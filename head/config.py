@@ -25,10 +25,11 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from tether.critic_checks import check_critic
+from tether.checks.critic import check_critic
+from tether.checks.slime_flags import refusal
 from tether.placement.config import ClusterConfig
 from tether.rollout.config import DataConfig, RolloutConfig
-from tether.rollout.custom_data_source import (
+from tether.rollout.data.custom_source import (
     check_data_source_class,
     check_global_dataset_flags,
     is_custom_source,
@@ -36,10 +37,8 @@ from tether.rollout.custom_data_source import (
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.custom_config import read_custom_config
 from tether.runtime.errors import ConfigError
-from tether.slime_flags import refusal
 from tether.sync.config import WeightSyncConfig
-from tether.train.capabilities import Capabilities, check_capabilities
-from tether.train.checkpoint_layout import save_hf_path
+from tether.train.checkpoint.layout import save_hf_path
 from tether.train.config import (
     AlgorithmConfig,
     MegatronConfig,
@@ -48,6 +47,7 @@ from tether.train.config import (
     check_layer_spec,
     check_routing_replay,
 )
+from tether.train.model.capabilities import Capabilities, check_capabilities
 
 
 class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -288,7 +288,7 @@ def check_contradictions(cfg: Config) -> None:
     check_routing_replay(cfg.algorithm, cfg.megatron, cfg.rollout.hf_checkpoint)
     check_checkpoint_flags(cfg.algorithm, auto_resume=cfg.run.auto_resume)
     check_megatron_against_run(cfg)
-    check_critic(cfg)
+    check_critic(cfg.algorithm, cfg.cluster)
     if cfg.algorithm.log_probs_max_tokens_per_gpu is not None and not cfg.data.use_dynamic_batch_size:
         raise ConfigError(
             "--log-probs-max-tokens-per-gpu",
@@ -362,7 +362,7 @@ def check_megatron_against_run(cfg: Config) -> None:
         )
     hf = rollout.hf_checkpoint
     if hf is not None and (Path(hf) / "config.json").is_file() and not cfg.debug.debug_rollout_only:
-        from tether.train.hf_config import check_architecture_flags, check_parallel, load_arch
+        from tether.train.model.hf_config import check_architecture_flags, check_parallel, load_arch
 
         arch = load_arch(hf)
         check_architecture_flags(arch, megatron.architecture())
@@ -613,13 +613,23 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError("command line", None, message)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's complaint and where, on one line (its own text spans several with a caret)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"{exc.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
+
+
 def _yaml_values(
     path: Path, by_field: dict[str, list[FlagSpec]]
 ) -> tuple[dict[tuple[str, str], Any], list[str]]:
     try:
         loaded = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError("--config", str(path), f"cannot be read as YAML: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError("--config", str(path), f"cannot be read as YAML: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", str(path), f"cannot be read as YAML: {_yaml_problem(exc)}") from exc
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):

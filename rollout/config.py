@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from tether.rollout.reward_types import BASE_TYPES, missing_requirement, split_rm_type
+from tether.rollout.rewards.types import BASE_TYPES, missing_requirement, split_rm_type
 from tether.runtime.errors import ConfigError
-from tether.runtime.secret import read_key_file
+from tether.runtime.rpc.secret import read_key_file
 
 # Constrained scalars for optional fields: msgspec puts bounds on the number, not on `T | None`.
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -68,7 +68,10 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     ] = "qwen"
     start_rollout_id: Annotated[
         NonNegativeInt | None,
-        Meta(description="First rollout id; tether takes it from the loaded checkpoint (else 0), so unset."),
+        Meta(
+            description="Refused when set: tether starts at the rollout after the checkpoint it loads "
+            "(1 after --finetune from a Megatron --load, as slime), else at 0."
+        ),
     ] = None
     balance_data: Annotated[
         bool,
@@ -179,7 +182,7 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         if self.eval_top_k == 0:
             raise ConfigError("--eval-top-k", 0, "must be -1 (off) or at least 1")
         if self.eval_config is not None:
-            from tether.rollout.eval_config import read_eval_config
+            from tether.rollout.data.eval_config import read_eval_config
 
             read_eval_config(self.eval_config)  # a bad file is refused now, naming the dataset and key
         total = self.rollout_batch_size * self.n_samples_per_prompt
@@ -202,7 +205,7 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         """(name, path) pairs from --eval-config, else --eval-prompt-data (a single path is named
         after its file)."""
         if self.eval_config is not None:
-            from tether.rollout.eval_config import read_eval_config
+            from tether.rollout.data.eval_config import read_eval_config
 
             return [(str(e["name"]), str(e["path"])) for e in read_eval_config(self.eval_config)[1]]
         items = self.eval_prompt_data
@@ -243,7 +246,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     rollout_function_path: Annotated[
         str,
         Meta(description="Rollout function `generate_rollout(args, rollout_id, data_source, evaluation)`."),
-    ] = "tether.rollout.default_rollout.generate_rollout"
+    ] = "tether.rollout.hooks.default_rollout.generate_rollout"
     rollout_temperature: Annotated[float, Meta(ge=0, description="Sampling temperature during rollout.")] = (
         1.0
     )
@@ -274,7 +277,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     dynamic_sampling_filter_path: Annotated[
         str | None,
         Meta(
-            description="Group filter `filter(args, samples)`; built in: tether.rollout.rewards.check_reward_nonzero_std."
+            description="Group filter `filter(args, samples)`; built in: tether.rollout.rewards.scoring.check_reward_nonzero_std."
         ),
     ] = None
     data_source_path: Annotated[

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from tether.rollout.sample import Sample
-from tether.runtime.atomic_file import write_bytes_atomic
+from tether.runtime.files.atomic_file import write_bytes_atomic
 
 DUMP_FORMAT = "tether.debug_rollout"
 DUMP_VERSION = 1

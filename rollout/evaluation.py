@@ -2,7 +2,7 @@
 rollouts), with the rollout's rewards.
 
 Every prompt of each dataset is generated its dataset's `n_samples_per_eval_prompt` times with its
-sampling settings (`tether.rollout.eval_config` resolves them as slime does), scored by the
+sampling settings (`tether.rollout.data.eval_config` resolves them as slime does), scored by the
 dataset's reward (its `rm_type` or `custom_rm_path`, else the rollout's), and summarised into
 metrics named `eval/<dataset>/...`. No dynamic filter and no aborts: evaluation sees every prompt
 once.
@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-from tether.rollout.data_source import DataSource, load_prompts, load_tokenizer
-from tether.rollout.eval_config import EvalDataset, resolve_eval_datasets
-from tether.rollout.hooks import load_function, slime_samples
-from tether.rollout.rewards import RewardModel
+from tether.rollout.data.eval_config import EvalDataset, resolve_eval_datasets
+from tether.rollout.data.source import DataSource, load_prompts, load_tokenizer
+from tether.rollout.hooks.calls import load_function, slime_samples
+from tether.rollout.rewards.scoring import RewardModel
 from tether.rollout.rollout_fn import RolloutContext, generate_group, group_aborted
 from tether.rollout.sample import Sample, SampleStatus
 

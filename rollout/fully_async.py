@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from tether.rollout.data_source import DataSource
+from tether.rollout.data.source import DataSource
 from tether.rollout.rollout_fn import (
     RolloutContext,
     engine_failed,

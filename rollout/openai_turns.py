@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from tether.rollout.multi_turn import append_model_tokens, append_observation
+from tether.rollout.hooks.multi_turn import append_model_tokens, append_observation
 from tether.rollout.sample import Sample
 
 PLACEHOLDER = "\u2063tether-turn-placeholder\u2063"

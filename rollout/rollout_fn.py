@@ -1,6 +1,6 @@
 """One rollout with slime's semantics, and the per-sample and per-group steps it is built from.
 
-`run_rollout` is what the default rollout function (tether.rollout.default_rollout) runs. The
+`run_rollout` is what the default rollout function (tether.rollout.hooks.default_rollout) runs. The
 live objects it needs (router, reward model, hooks) travel in a `RolloutContext` that the rollout
 manager installs with `using_context(ctx)`; a context variable, not a global, so two managers in
 one process (or a test) do not see each other's. Custom hooks reach the router the same way,
@@ -29,9 +29,9 @@ from typing import Any
 import msgspec
 
 from tether.rollout.config import DataConfig, MoeRouting, RolloutConfig, moe_routing
-from tether.rollout.data_source import DataSource
+from tether.rollout.data.source import DataSource
 from tether.rollout.engine_api.client import EngineResponseError, EngineUnavailable, GenerateResponse
-from tether.rollout.hooks import (
+from tether.rollout.hooks.calls import (
     BufferFilter,
     FlatArgs,
     HookError,
@@ -43,8 +43,8 @@ from tether.rollout.hooks import (
     load_function,
     slime_samples,
 )
-from tether.rollout.rewards import RewardModel
-from tether.rollout.router import NoEngineError, Router
+from tether.rollout.rewards.scoring import RewardModel
+from tether.rollout.routing.router import NoEngineError, Router
 from tether.rollout.sample import (
     TRAINABLE,
     Sample,

@@ -3,7 +3,7 @@
 slime sets every key on its argparse namespace after parsing (a key that names a flag overrides the
 command line's value). tether applies the keys that name its flags when it parses the command line
 (tether.config.resolve); the rest reach every hook's `args` (the rollout's, via
-tether.rollout.slime_api.args, and the trainer's loss hooks, via tether.train.loss_hooks), which
+tether.rollout.slime_api.args, and the trainer's loss hooks, via tether.train.algorithms.loss_hooks), which
 read the file with `read_custom_config`.
 """
 

@@ -1,20 +1,88 @@
-"""Exception types shared by every tether component."""
+"""Exception types shared by every tether component, and how a command line reports the
+user's own mistakes (`UserError`): one line, no traceback."""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
 
-class ConfigError(ValueError):
+DEBUG_ENV = "TETHER_DEBUG"  # set (not "0"): user errors show their traceback too (`tether --debug`)
+USAGE_EXIT = 2  # argparse's status for a bad command line; every user error exits with it
+
+
+class UserError(Exception):
+    """What the user asked for cannot be done: the message names the flag, key or file and says
+    what to change. Command lines print it as one line, `tether <command>: <message>`."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration key or flag holds a value tether cannot run with.
 
     The message always names the key (as the user wrote it: `--flag-name` or a YAML key) and
-    the offending value, so the user can fix the input without reading our code.
+    the offending value (None: the key was not given), so the user can fix the input without
+    reading our code.
     """
 
     def __init__(self, key: str, value: object, reason: str) -> None:
         self.key = key
         self.value = value
         self.reason = reason
-        super().__init__(f"{key}={value!r}: {reason}")
+        super().__init__(f"{key}: {reason}" if value is None else f"{key}={value!r}: {reason}")
+
+
+# A file the user named that is missing or cannot be opened: the error carries its path.
+_FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def user_error(exc: BaseException) -> BaseException | None:
+    """The user's mistake `exc` reports, or None when it may be a bug (which keeps its traceback):
+    a UserError, an OSError naming its file, or a group whose every exception is one of these."""
+    if isinstance(exc, BaseExceptionGroup):
+        found = [user_error(e) for e in exc.exceptions]
+        return found[0] if all(e is not None for e in found) else None
+    if isinstance(exc, UserError) or (isinstance(exc, _FILE_ERRORS) and exc.filename is not None):
+        return exc
+    if isinstance(exc, RemoteError) and exc.type_name in _user_error_names():
+        return exc  # a trainer rank refused the user's input (an HF checkpoint it cannot read, ...)
+    return None
+
+
+def _user_error_names() -> set[str]:
+    """The qualified names of UserError and every subclass this process knows, as RemoteError
+    carries a remote exception's type (both sides run the same tether)."""
+    names, todo = set(), [UserError]
+    while todo:
+        cls = todo.pop()
+        names.add(f"{cls.__module__}.{cls.__qualname__}")
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def one_line(exc: BaseException) -> str:
+    """`exc`'s message on one line (a file error as `PATH: reason`)."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, RemoteError):  # the remote message, not its traceback
+        return f"{_joined(exc.message)} (on {exc.actor or 'a remote process'})"
+    return _joined(str(exc))
+
+
+def _joined(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def exit_on_user_error(prog: str, main: Callable[[], int]) -> int:
+    """Run a command's `main`; a user error becomes one line on stderr and exit status 2, while
+    anything else (a bug) propagates with its traceback. TETHER_DEBUG=1 re-raises user errors too."""
+    try:
+        return main()
+    except Exception as exc:
+        error = user_error(exc)
+        if error is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"{prog}: {one_line(error)}", file=sys.stderr, flush=True)
+        return USAGE_EXIT
 
 
 class RemoteError(Exception):

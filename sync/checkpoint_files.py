@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tether.runtime.safe_paths import contained
+from tether.runtime.files.safe_paths import contained
 from tether.sync.checksum import checksum_fn
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from tether.runtime.atomic_file import staged_dir
+from tether.runtime.files.atomic_file import staged_dir
 from tether.sync.checkpoint_files import CheckpointError, checkpoint_version, verify_checkpoint
 from tether.sync.checksum import CHECKSUMS
 from tether.sync.delta import DeltaRefused, diff_checkpoints, verify_delta

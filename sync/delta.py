@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import zstandard
 
-from tether.runtime.safe_paths import contained
+from tether.runtime.files.safe_paths import contained
 from tether.sync.checkpoint_files import (
     MARKER_NAME,
     ST_ITEMSIZE,

@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from tether.runtime.safe_paths import contained
+from tether.runtime.files.safe_paths import contained
 
 DELTA_INDEX = "delta_index.json"
 FORMAT_NAME = "tether-weight-delta"

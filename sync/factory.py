@@ -12,10 +12,10 @@ from tether.rollout.engine_api.auth import key_from_env
 from tether.rollout.engine_api.client import EngineClient
 from tether.sync.config import WeightSyncConfig
 from tether.sync.ledger import LedgerEntry
-from tether.sync.transport_delta import DeltaDiskTransport
-from tether.sync.transport_disk import FullDiskTransport
-from tether.sync.transport_distributed import DistributedTransport
-from tether.sync.transport_tensor import TensorTransport
+from tether.sync.transports.delta import DeltaDiskTransport
+from tether.sync.transports.disk import FullDiskTransport
+from tether.sync.transports.distributed import DistributedTransport
+from tether.sync.transports.tensor import TensorTransport
 
 
 class Transport(Protocol):

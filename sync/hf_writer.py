@@ -19,8 +19,8 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
-from tether.runtime.atomic_file import staged_dir
-from tether.runtime.safe_paths import contained
+from tether.runtime.files.atomic_file import staged_dir
+from tether.runtime.files.safe_paths import contained
 from tether.sync.checkpoint_files import (
     INDEX_NAME,
     MARKER_NAME,

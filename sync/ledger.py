@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from tether.runtime.atomic_file import fsync_path
+from tether.runtime.files.atomic_file import fsync_path
 
 
 class LedgerError(RuntimeError):

@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 from filelock import FileLock, Timeout
 
-from tether.runtime.atomic_file import fsync_path, publish_dir, replace_symlink, temp_dir_for
-from tether.runtime.safe_paths import contained
+from tether.runtime.files.atomic_file import fsync_path, publish_dir, replace_symlink, temp_dir_for
+from tether.runtime.files.safe_paths import contained
 from tether.sync.checkpoint_files import (
     MARKER_NAME,
     CheckpointError,

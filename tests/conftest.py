@@ -28,7 +28,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny Llama checkpoint (`tether init-model`'s), written once; tests only read it."""
-    from tether.rollout.cpu_engine.tiny_model import write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "llama")
 

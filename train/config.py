@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from tether.runtime.errors import ConfigError
+from tether.train.state.checks import check_trainer_state_flags
 
 AdvantageEstimator = Literal[
     "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
@@ -304,7 +305,7 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             "counts them); set alone, only those and the newest are kept."
         ),
     ] = None
-    # Megatron's checkpoint flags as slime passes them (tether.train.checkpoint applies them).
+    # Megatron's checkpoint flags as slime passes them (tether.train.checkpoint.load_save applies them).
     no_save_optim: Annotated[
         bool,
         Meta(
@@ -531,8 +532,6 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             )
 
         _check_opd(self)
-        from tether.train.trainer_state_checks import check_trainer_state_flags
-
         check_trainer_state_flags(self)
 
     @property
@@ -592,7 +591,7 @@ def _check_opd(cfg: AlgorithmConfig) -> None:
         raise ConfigError("--opd-teacher-load", load, "does not exist (or is not a directory)")
     from pathlib import Path
 
-    from tether.train.checkpoint_layout import holds_megatron_checkpoint, is_hf_checkpoint
+    from tether.train.checkpoint.layout import holds_megatron_checkpoint, is_hf_checkpoint
 
     step = cfg.opd_teacher_ckpt_step
     if step is None and not holds_megatron_checkpoint(Path(load)) and not is_hf_checkpoint(Path(load)):
@@ -735,7 +734,7 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
 class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Megatron-core flags tether passes to Megatron: parallelism, optimizer, precision, recompute, model.
 
-    Each flag reaches the Megatron config it belongs to (`tether.train.megatron_args` builds them) or
+    Each flag reaches the Megatron config it belongs to (`tether.train.model.megatron_args` builds them) or
     is refused here, before any process starts, with the flag, the value and what is missing.
     """
 
@@ -893,7 +892,7 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "data-parallel ranks) in its schedule, instead of tether's per-token weights."
         ),
     ] = False
-    # Multi-token prediction (slime's MTP flags; tether.train.mtp).
+    # Multi-token prediction (slime's MTP flags; tether.train.model.mtp).
     mtp_num_layers: Annotated[
         int | None,
         Meta(

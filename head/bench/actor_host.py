@@ -16,11 +16,11 @@ import os
 import sys
 
 from tether.runtime.errors import HeartbeatLost
-from tether.runtime.liveness import LivenessMonitor
-from tether.runtime.malloc_tuning import tune_malloc
-from tether.runtime.rpc import RpcServer, connect
-from tether.runtime.secret import secret_from_env
-from tether.runtime.signals import StopRequested, handle_signals
+from tether.runtime.process.malloc_tuning import tune_malloc
+from tether.runtime.process.signals import StopRequested, handle_signals
+from tether.runtime.rpc.actors import RpcServer, connect
+from tether.runtime.rpc.liveness import LivenessMonitor
+from tether.runtime.rpc.secret import secret_from_env
 
 log = logging.getLogger(__name__)
 EXIT_HEAD_LOST = 3

@@ -17,10 +17,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tether.runtime.endpoints import ipc_endpoint
-from tether.runtime.process import ProcessSpec
-from tether.runtime.rpc import ActorHandle
-from tether.runtime.supervisor import LOCAL, Supervisor
+from tether.runtime.process.spec import ProcessSpec
+from tether.runtime.process.supervisor import LOCAL, Supervisor
+from tether.runtime.rpc.actors import ActorHandle
+from tether.runtime.rpc.endpoints import ipc_endpoint
 
 TRANSPORTS = ("auto", "tcp", "ipc")
 _HOST_MODULE = "tether.bench.actor_host"

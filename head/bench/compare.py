@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tether.runtime.errors import ConfigError
+
 
 def add_compare_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -30,9 +32,12 @@ def load_result(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"--compare={path}: cannot read an earlier JSON result: {exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError("--compare", str(path), f"cannot read an earlier JSON result: {why}") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"--compare={path}: holds {type(data).__name__}, not a JSON object of figures")
+        raise ConfigError(
+            "--compare", str(path), f"holds {type(data).__name__}, not a JSON object of figures"
+        )
     data.pop("compare", None)  # an earlier result printed with --compare carries its own
     return data
 

@@ -39,10 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tether import demo, demo_task
 from tether.bench.compare import compare_table, with_comparison
-from tether.run_dir import read_jsonl
-from tether.runtime.atomic_file import write_bytes_atomic
+from tether.commands import demo, demo_task
+from tether.records.run_dir import read_jsonl
+from tether.runtime.errors import ConfigError
+from tether.runtime.files.atomic_file import write_bytes_atomic
 
 MODES = ("sync", "async", "fully-async")
 RATIO_KEYS = ("samples_per_s", "trainer_busy_fraction", "engine_busy_fraction", "sync_time_mean_s")
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _positive(args: argparse.Namespace) -> None:
     for name in ("steps", "prompts", "samples", "baseline_threads"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be at least 1")
 
 
 def prepare(out: Path, seed: int) -> tuple[Path, Path]:
@@ -315,7 +316,6 @@ def _load() -> str:
 
 
 def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    _positive(args)
     started = time.monotonic()
     model, prompts = prepare(out, args.seed)
     modes: dict[str, dict[str, Any]] = {}
@@ -418,6 +418,7 @@ def _cell(value: float | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    _positive(args)  # a bad flag is the user's: one line from the CLI, not a failed run
     try:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tether-bench-engine-") as tmp:
         model_path = args.model_path
         if model_path is None:
-            from tether.rollout.cpu_engine.tiny_model import write_tiny_model
+            from tether.rollout.cpu_engine.modeling.tiny_model import write_tiny_model
 
             model_path = os.fspath(write_tiny_model(Path(tmp) / "model"))
         result = uvloop.run(_bench(args, model_path, Path(tmp)))

@@ -38,6 +38,9 @@ async def cpu_engines(
     `module` is the CPU engine or tether.bench.slow_engine; `extra(i)` adds engine i's flags.
     Logs go to `log_dir`/engine-<i>.log when given (else nowhere). Every engine is stopped on exit.
     """
+    from tether.rollout.cpu_engine.server import check_model_path
+
+    check_model_path(str(model))  # one line naming --model-path, not an engine that exits at load
     procs: list[asyncio.subprocess.Process] = []
     urls: list[str] = []
     try:

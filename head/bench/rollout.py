@@ -21,12 +21,12 @@ from tether.bench.compare import with_comparison
 from tether.bench.engines import cpu_engines
 from tether.bench.slow_engine import delay_argv
 from tether.rollout.config import DataConfig, RolloutConfig
-from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
+from tether.rollout.data.source import DataSource, PromptRecord, load_tokenizer
 from tether.rollout.engine_api.auth import new_engine_key
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.rollout_fn import RolloutContext, run_rollout, using_context
-from tether.rollout.router import Router
+from tether.rollout.routing.router import Router
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +100,7 @@ def _figures(samples: int, wall: float, busy: float, engines: int) -> dict[str, 
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from tether.rollout.cpu_engine.tiny_model import write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="tether-bench-rollout-") as tmp:
         model = args.model_path or str(write_tiny_model(Path(tmp) / "model"))

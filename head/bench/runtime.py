@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tether.bench.compare import with_comparison
+from tether.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from tether.rollout.sample import Sample
@@ -296,8 +297,8 @@ async def _tether_once(
     """One repeat of every tether figure; the floors' round trips go in `out["floors"]`."""
     from tether.bench.actors import start_actor
     from tether.bench.sample_codec import pack_samples
-    from tether.runtime.secret import new_secret
-    from tether.runtime.supervisor import Supervisor
+    from tether.runtime.process.supervisor import Supervisor
+    from tether.runtime.rpc.secret import new_secret
 
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -421,7 +422,7 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tether.bench.sample_codec import encode_batch
     from tether.runtime.loop import run as run_loop
-    from tether.runtime.malloc_tuning import tune_malloc
+    from tether.runtime.process.malloc_tuning import tune_malloc
 
     # This process sends multi-MiB frames, as the actors receive them: it gets the actors'
     # malloc thresholds (Ray, measured in this process too, gets them as well).
@@ -526,7 +527,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     for key in ("repeats", "calls", "batch_rounds"):
         if getattr(args, key) < 1:
-            raise SystemExit(f"--{key.replace('_', '-')}={getattr(args, key)!r}: must be at least 1")
+            raise ConfigError(f"--{key.replace('_', '-')}", getattr(args, key), "must be at least 1")
     print(json.dumps(with_comparison(run(args), args), indent=2))
     return 0
 

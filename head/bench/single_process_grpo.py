@@ -31,7 +31,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from tether import demo_task  # noqa: E402
+from tether.commands import demo_task  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ import torch
 
 from tether.bench.compare import with_comparison
 from tether.bench.engines import cpu_engines, free_port
-from tether.runtime.atomic_file import staged_dir
+from tether.runtime.errors import ConfigError
+from tether.runtime.files.atomic_file import staged_dir
 from tether.sync.checkpoint_files import TORCH_TO_ST, open_checkpoint, tensor_bytes
 from tether.sync.config import WeightSyncConfig
 from tether.sync.delta import DATA_FILE, RawTensor, checkpoint_tensors, encode_delta, preallocate
@@ -318,12 +319,12 @@ async def engine_figures(
     allow_nonfinite: bool = False,
     per_request: bool = False,
 ) -> dict[str, Any]:
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
     from tether.rollout.engine_api.auth import new_engine_key
     from tether.rollout.engine_api.client import EngineClient
-    from tether.sync.transport_delta import DeltaDiskTransport
-    from tether.sync.transport_disk import FullDiskTransport
-    from tether.sync.transport_distributed import DistributedTransport
+    from tether.sync.transports.delta import DeltaDiskTransport
+    from tether.sync.transports.disk import FullDiskTransport
+    from tether.sync.transports.distributed import DistributedTransport
 
     spec = TinyModelSpec(hidden=hidden, layers=layers, heads=8, kv_heads=8, intermediate=4 * hidden)
     model = await asyncio.to_thread(write_tiny_model, work / "model", spec)
@@ -444,7 +445,7 @@ def main(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tether-bench-sync-", dir=args.workdir))
     try:
         if args.skip_delta and args.skip_engine:
-            raise SystemExit("--skip-delta with --skip-engine: nothing left to measure")
+            raise ConfigError("--skip-engine", True, "with --skip-delta leaves nothing to measure; drop one")
         result: dict[str, Any] = {"size_gib": args.size_gib, "threads": args.threads or None}
         if not args.skip_delta:
             result["delta"] = delta_figures(tmp / "delta", args.size_gib, fractions, args.threads)

@@ -32,11 +32,11 @@ def copy_seconds(state: dict[str, torch.Tensor]) -> float:
 
 
 async def cuda_engine_figures(work: Path, hidden: int, layers: int, syncs: int) -> dict[str, Any]:
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
     from tether.rollout.engine_api.auth import new_engine_key
     from tether.rollout.engine_api.client import EngineClient
     from tether.sync.checkpoint_files import open_checkpoint
-    from tether.sync.transport_tensor import TensorTransport
+    from tether.sync.transports.tensor import TensorTransport
 
     if not torch.cuda.is_available():
         raise SystemExit("tether bench sync --device cuda: no CUDA device is visible")

@@ -4,13 +4,16 @@ It is not part of rollout's logic: rollout talks to it, as to SGLang, only over 
 tether.rollout.engine_api. One entry: `python -m tether.rollout.cpu_engine` (`tether engine`),
 whose flags `add_arguments` declares and `main` serves.
 
-    server.py      process entry: flags, API key, serve until a stop signal
-    http_api.py    the endpoints (generate, weights, memory, health) and their limits
-    scheduler.py   continuous batching of requests over the model
-    model.py       the decoder (Llama, Qwen2, Qwen3) in plain torch, loaded from safetensors
-    sampling.py    SGLang's sampling parameters and the sampler
-    receive.py     receiving weight buckets broadcast by the trainer
-    tiny_model.py  `tether init-model`: small random Hugging Face models and tokenizers
+    server.py          process entry: flags, API key, serve until a stop signal
+    scheduler.py       continuous batching of requests over the model
+    sampling.py        SGLang's sampling parameters and the sampler
+    constrained.py     grammar-constrained decoding (JSON schema, regex, EBNF)
+    prompt_logprobs.py log-probs of the prompt's tokens
+    http/              the endpoints: SGLang's native API (sglang_api.py), the OpenAI one
+                       (openai_api.py), what they share (common.py: state, limits, refusals)
+    modeling/          the decoder in plain torch (model.py, mla.py, moe.py, rope.py) and
+                       `tether init-model`'s small random models (tiny_model.py)
+    weights/           weight updates: broadcast buckets (receive.py), disk streams, the checker
 """
 
 from tether.rollout.cpu_engine.server import SchedulerFailed, add_arguments, main, serve

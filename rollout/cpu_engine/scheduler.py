@@ -29,7 +29,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tether.rollout.cpu_engine.constrained import TokenConstraint
-from tether.rollout.cpu_engine.model import KVCache, ModelConfig, Routes, TinyLM
+from tether.rollout.cpu_engine.modeling.model import KVCache, ModelConfig, Routes, TinyLM
 from tether.rollout.cpu_engine.prompt_logprobs import PromptScore, score_prompt, wants_scoring
 from tether.rollout.cpu_engine.sampling import Choice, SamplingParams, choose_tokens
 

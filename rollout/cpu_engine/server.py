@@ -179,13 +179,24 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(flag, value, why)
 
 
+def check_model_path(path: str) -> None:
+    """--model-path must be a model directory (the engine would exit at load otherwise)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            "--model-path",
+            path,
+            "holds no config.json; pass a Hugging Face model directory (config.json, tokenizer.json, "
+            "*.safetensors), e.g. one `tether init-model --out DIR` writes",
+        )
+
+
 def _api_key(args: argparse.Namespace) -> str | None:
     """The key from --api-key-file or TETHER_ENGINE_API_KEY; the variable leaves this process's
     environment, so nothing the engine starts inherits it. None with --no-api-key (loopback only)."""
     import ipaddress
 
     from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, key_from_env
-    from tether.runtime.secret import read_key_file
+    from tether.runtime.rpc.secret import read_key_file
 
     from_env = key_from_env()
     os.environ.pop(ENGINE_KEY_ENV, None)
@@ -224,7 +235,7 @@ def resolve_dtype(flag: str, device: str, model_path: str) -> torch.dtype:
     float32 checkpoint)."""
     import torch
 
-    from tether.rollout.cpu_engine.model import checkpoint_dtype
+    from tether.rollout.cpu_engine.modeling.model import checkpoint_dtype
 
     if flag != "auto":
         dtype: torch.dtype = getattr(torch, DTYPES[flag])
@@ -261,8 +272,9 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
     from aiohttp import web
     from tokenizers import Tokenizer
 
-    from tether.rollout.cpu_engine.http_api import EngineLimits, EngineState, make_app
-    from tether.rollout.cpu_engine.model import ModelConfig, TinyLM, read_safetensors_dir
+    from tether.rollout.cpu_engine.http.common import EngineLimits, EngineState
+    from tether.rollout.cpu_engine.http.sglang_api import make_app
+    from tether.rollout.cpu_engine.modeling.model import ModelConfig, TinyLM, read_safetensors_dir
     from tether.rollout.cpu_engine.scheduler import Scheduler
 
     torch.set_num_threads(args.threads)
@@ -366,6 +378,7 @@ def main(args: argparse.Namespace, delay: Callable[[], float] | None = None) -> 
     import uvloop
 
     _check(args)
+    check_model_path(args.model_path)
     args.api_key = _api_key(args)
     try:
         uvloop.run(serve(args, delay))

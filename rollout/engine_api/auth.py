@@ -16,7 +16,7 @@ import os
 import secrets
 from collections.abc import Mapping
 
-from tether.runtime.secret import check_key, read_key_file
+from tether.runtime.rpc.secret import check_key, read_key_file
 
 ENGINE_KEY_ENV = "TETHER_ENGINE_API_KEY"  # key_shim.py (standard library only) repeats the name
 

@@ -42,8 +42,8 @@ from tether.rollout.engine_api import key_shim as key_shim_file
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, bearer_header
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.errors import ConfigError
-from tether.runtime.process import ProcessSpec
-from tether.runtime.supervisor import ManagedProcess, Supervisor
+from tether.runtime.process.spec import ProcessSpec
+from tether.runtime.process.supervisor import ManagedProcess, Supervisor
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tether.rollout.data_source import DataSource as TetherDataSource
-from tether.rollout.hooks import HookError, maybe_await
+from tether.rollout.data.source import DataSource as TetherDataSource
+from tether.rollout.hooks.calls import HookError, maybe_await
 from tether.rollout.rollout_fn import RolloutContext, rollout_metrics
 from tether.rollout.sample import Sample, SampleContractError, validate_group, validate_sample
 from tether.rollout.slime_api.convert import (

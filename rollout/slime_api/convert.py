@@ -106,7 +106,7 @@ _API_MODULES = frozenset(target_of(name) for name in MIRRORED)
 def uses_slime_api(fn: Callable[..., Any]) -> bool:
     """Whether `fn` is written against slime's API: defined in a module of tether's slime API, or
     its module or its own body imports from `slime` (tether's modules that only use the glue, such
-    as tether.rollout.rewards, do not count)."""
+    as tether.rollout.rewards.scoring, do not count)."""
     target = getattr(fn, "__func__", fn)
     module_name = getattr(target, "__module__", None) or ""
     if _is_slime_name(module_name):

@@ -15,9 +15,9 @@ import pytest
 import torch
 from support.engines import EngineFactory
 
-from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM, read_safetensors_dir
+from tether.rollout.cpu_engine.modeling.model import KVCache, ModelConfig, TinyLM, read_safetensors_dir
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.cpu_engine.sampling import SamplingParams, choose_tokens
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -77,7 +77,7 @@ def test_cuda_ipc_payload_names_its_gpu_by_uuid_and_opens_in_another_process(tmp
 
 @needs_cuda
 def test_distributed_sender_keeps_tensors_on_the_gpu_for_nccl() -> None:
-    from tether.sync.transport_distributed import flatten_bucket, wire_device
+    from tether.sync.transports.distributed import flatten_bucket, wire_device
 
     device = wire_device("nccl", torch.device("cuda", 0))  # the sender names its GPU
     assert device == torch.device("cuda", 0)
@@ -105,7 +105,7 @@ RECEIVER = textwrap.dedent(
 @needs_two
 def test_nccl_weight_group_carries_a_flattened_bucket(tmp_path: Path, free_port: int) -> None:
     from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
-    from tether.sync.transport_distributed import flatten_bucket
+    from tether.sync.transports.distributed import flatten_bucket
 
     port = free_port
     torch.cuda.set_device(0)

@@ -1,4 +1,4 @@
-"""--offload-train on a real GPU (tether.train.offload): the trainer's weights, gradients, optimizer
+"""--offload-train on a real GPU (tether.train.state.offload): the trainer's weights, gradients, optimizer
 state and the reference's weights leave device memory and come back bit for bit; skipped without
 CUDA. One single-rank torchrun of tests/support/train_checks/check_offload.py.
 """

@@ -20,8 +20,8 @@ pytestmark = [
 
 
 def test_flat_buckets_fill_on_the_gpu_from_host_and_gpu_tensors() -> None:
-    from tether.sync.bucket_fill import BucketFiller
-    from tether.sync.transport_distributed import flatten_bucket, wire_device
+    from tether.sync.buckets.fill import BucketFiller
+    from tether.sync.transports.distributed import flatten_bucket, wire_device
 
     device = wire_device("nccl", torch.device("cuda", 0))
     named = [
@@ -67,9 +67,9 @@ def test_a_gpu_sender_names_its_gpu_and_frees_its_buffers_after_each_sync(
     given, every step runs there without asking any thread which GPU is current, the export and
     the broadcasts see it current, and the flattened buckets' buffers are freed when each sync
     ends."""
-    from tether.sync import transport_distributed
     from tether.sync.config import WeightSyncConfig
-    from tether.sync.transport_distributed import DistributedTransport
+    from tether.sync.transports import distributed as transport_distributed
+    from tether.sync.transports.distributed import DistributedTransport
 
     gpu = torch.device("cuda", torch.cuda.device_count() - 1)  # the last GPU: not 0 where there are two
     callers = _tether_callers(monkeypatch)

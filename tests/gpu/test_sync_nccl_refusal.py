@@ -129,7 +129,7 @@ def _free_within(gpu: torch.device, limit_s: float) -> bool:
 def test_a_refused_nccl_broadcast_is_aborted_and_the_next_sync_rebuilds_the_group(free_port: int) -> None:
     from tether.sync.config import WeightSyncConfig
     from tether.sync.engine_control import SyncFailed
-    from tether.sync.transport_distributed import DistributedTransport, flatten_bucket
+    from tether.sync.transports.distributed import DistributedTransport, flatten_bucket
 
     gpu = torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(0)  # this thread's GPU is not the sender's

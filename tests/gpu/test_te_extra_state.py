@@ -3,7 +3,7 @@ a TE model through tether's load; skipped without CUDA or TransformerEngine.
 
 A TE GPT model runs FP8 ("hybrid" delayed scaling) steps, so its FP8 metadata moves off its
 initial values; Megatron's `sharded_state_dict` + `dist_checkpointing.save` write it (Megatron-LM's
-layout); `tether.train.checkpoint._load_model` loads it into a fresh TE model, whose FP8 scales and
+layout); `tether.train.checkpoint.load_save._load_model` loads it into a fresh TE model, whose FP8 scales and
 amax histories then equal the saved model's. The CPU (local-spec) side drops these entries:
 tests/unit/test_train_checkpoint_flags.py.
 """
@@ -95,8 +95,8 @@ def _fp8_meta(model: Any) -> dict[str, torch.Tensor]:
 def test_te_fp8_state_loads_into_a_te_model(tmp_path: Path) -> None:
     from megatron.core import dist_checkpointing
 
-    from tether.train import checkpoint
-    from tether.train.checkpoint_megatron import extra_state_to_load, uses_transformer_engine
+    from tether.train.checkpoint import load_save as checkpoint
+    from tether.train.checkpoint.megatron import extra_state_to_load, uses_transformer_engine
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or newer")

@@ -23,7 +23,7 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
     path = tmp_path_factory.mktemp("convert") / "hf"
     write_tiny_model(path, TinyModelSpec(arch="qwen3", layers=2, seed=3))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.e2e import STEPS, check_run, jsonl, make_workspace, tether
 
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

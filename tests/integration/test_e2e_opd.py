@@ -17,8 +17,8 @@ import pytest
 from support.e2e import Workspace, check_run, tether
 from support.engines import cpu_engine, hf_logprobs
 
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
-from tether.train_dump import load_train_data
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
+from tether.run.train_dump import load_train_data
 
 STEPS = 2
 SAMPLES = 16  # --rollout-batch-size 4 x --n-samples-per-prompt 4

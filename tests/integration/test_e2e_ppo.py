@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from support.e2e import Workspace, check_clean_exit, jsonl, tether
 
-from tether.train.gae import gae, ppo_token_rewards
-from tether.train_dump import load_train_data
+from tether.run.train_dump import load_train_data
+from tether.train.algorithms.gae import gae, ppo_token_rewards
 
 ROLLOUTS = 4
 

@@ -14,7 +14,7 @@ import pytest
 from support.e2e import STEPS, check_run, make_workspace, tether
 
 from tether.rollout.config import moe_routing
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec
 from tether.rollout.debug_dump import load_rollout
 
 FLAGS = {"r2": "--use-routing-replay", "r3": "--use-rollout-routing-replay"}

@@ -147,7 +147,7 @@ def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Pa
     assert not (train / "logs" / "engine0.log").exists()  # no engine was started
     # --dump-details: slime's layout; the train data is every DP rank's shard of what was trained on
     from tether.rollout.debug_dump import load_rollout
-    from tether.train_dump import load_train_data
+    from tether.run.train_dump import load_train_data
 
     assert (details / "tokenizer" / "tokenizer_config.json").is_file()
     for rollout_id in (0, 1):

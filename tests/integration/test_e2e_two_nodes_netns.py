@@ -39,11 +39,11 @@ from support.e2e import Workspace, jsonl
 from support.net import free_port_block
 
 from tether.runtime.netif import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
-from tether.runtime.secret import SECRET_ENV, new_secret, secret_to_env
+from tether.runtime.rpc.secret import SECRET_ENV, new_secret, secret_to_env
 
 RUN_TIMEOUT = 300.0
 CPU_ENGINE = ["-m", "tether.rollout.cpu_engine"]
-TORCHRUN = ["-m", "tether.train.torchrun"]
+TORCHRUN = ["-m", "tether.train.rank.torchrun"]
 
 
 @dataclass(frozen=True)

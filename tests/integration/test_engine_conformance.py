@@ -44,12 +44,12 @@ from support.engines import (
 from support.net import free_port
 
 from tether.bench.slow_engine import delay_argv
-from tether.rollout.cpu_engine.tiny_model import ARCHES, TinyModelSpec, write_tiny_model
+from tether.rollout.cpu_engine.modeling.tiny_model import ARCHES, TinyModelSpec, write_tiny_model
 from tether.rollout.engine_api.weights import encode_named_tensors
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group
 from tether.sync.config import WeightSyncConfig
 from tether.sync.ledger import LedgerEntry
-from tether.sync.transport_distributed import DistributedTransport, flatten_bucket
+from tether.sync.transports.distributed import DistributedTransport, flatten_bucket
 
 PROMPTS = [[1, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [42]]
 N = 12
@@ -1058,8 +1058,8 @@ def test_openai_turns_become_one_sample(engine: Engine, models: tuple[str, str])
 
 def test_router_front_forwards_openai(engine: Engine) -> None:
     """tether's router front passes /v1/* to an engine (adding the key), streams included."""
-    from tether.rollout.router import Router
-    from tether.rollout.router_front import RouterFront
+    from tether.rollout.routing.front import RouterFront
+    from tether.rollout.routing.router import Router
 
     async def scenario() -> None:
         router = Router([engine_client(engine.url, name="engine0")])

@@ -17,11 +17,11 @@ from support.plans import gpu_plan, sglang_cfg
 
 from tether.placement.plan import EnginePart
 from tether.rollout.engine_api.launch import EngineLaunchConfig, build_launch, server_argv, start_engine
-from tether.rollout.sglang_router import RouterLaunchConfig, router_argv
+from tether.rollout.routing.sglang_router import RouterLaunchConfig, router_argv
 from tether.runtime.errors import ActorDied
 from tether.runtime.loop import run
-from tether.runtime.secret import new_secret
-from tether.runtime.supervisor import Supervisor
+from tether.runtime.process.supervisor import Supervisor
+from tether.runtime.rpc.secret import new_secret
 
 
 def test_cpu_engine_starts_through_the_launcher(tiny_model: Path, run_dir: Path) -> None:

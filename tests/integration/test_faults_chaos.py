@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 from support.e2e import Workspace, jsonl, wait_for
 
-from tether.run_dir import model_steps, read_jsonl
+from tether.records.run_dir import model_steps, read_jsonl
 
 STEPS, GROUP = 26, 4
 INTERVAL, TIMEOUT = 0.5, 1.0
@@ -111,7 +111,7 @@ def descendants(pid: int, argv: list[str]) -> list[psutil.Process]:
 
 
 def read_addresses_pid(path: Path) -> int:
-    """The pid a trainer rank wrote beside its RPC address (train/worker.py)."""
+    """The pid a trainer rank wrote beside its RPC address (train/rank/worker.py)."""
     return int(json.loads(path.read_text())["pid"])
 
 
@@ -148,7 +148,7 @@ def test_chaos_every_step_once(ws: Workspace, tmp_path: Path, run_dir: Path) -> 
         # The next attempt resumes from a checkpoint: let the first (--save-interval 3) land.
         wait_for("the first checkpoint", lambda: count(run, "checkpoint") >= 1, proc)
         # The last rank, by the pid it published (ranks are forked from torchrun's forkserver,
-        # train/rank_zygote.py, so their command line is not `-m tether.train.worker`).
+        # train/rank/zygote.py, so their command line is not `-m tether.train.rank.worker`).
         last = sorted((run / "trainer").glob("rank_*.json"))[-1]
         rank = psutil.Process(read_addresses_pid(last))
         assert rank in psutil.Process(proc.pid).children(recursive=True)
@@ -165,10 +165,15 @@ def test_chaos_every_step_once(ws: Workspace, tmp_path: Path, run_dir: Path) -> 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         assert events(run)[-1]["event"] == "stopped"
-        signal_checkpoints = [
-            e for e in events(run) if e["event"] == "checkpoint" and e["reason"] == "signal"
-        ]
-        assert signal_checkpoints
+        # The stop's checkpoint is of the step boundary it stopped at: its own ("signal"), or the
+        # interval save that was under way when the signal came, which answers it (same boundary).
+        attempt = events(run)[max(i for i, e in enumerate(events(run)) if e["event"] == "start") :]
+        stop_checkpoint = [e for e in attempt if e["event"] == "checkpoint"][-1]
+        deferred = [e for e in attempt if e["event"] == "checkpoint_deferred"]
+        assert stop_checkpoint["reason"] == "signal" or (
+            deferred and stop_checkpoint["rollout_id"] == deferred[-1]["step_under_way"] - 1
+        ), attempt
+        assert stop_checkpoint["rollout_id"] == max(model_steps(read_jsonl(run / "samples.jsonl")).steps)
 
         # --- attempt 3: resume, then SIGKILL the head mid-run ------------------------------
         proc = resumed_for_two_steps(ws, run, tmp_path, 3)

@@ -98,10 +98,10 @@ def rank_pid(run: Path, run_pid: int, rank: int) -> tuple[int, list[psutil.Proce
     match = [p for p in descendants if p.pid == pid]
     assert match, f"rank {rank} (pid {pid}) is not a descendant of the run (pid {run_pid})"
     # The rank itself: not its torchrun agent nor a shim. Forked from torchrun's forkserver
-    # (train/rank_zygote.py), it shows the command a spawned rank has, not the forkserver's.
+    # (train/rank/zygote.py), it shows the command a spawned rank has, not the forkserver's.
     line = match[0].cmdline()
-    assert not any("tether.train.torchrun" in arg or arg.endswith("shim.py") for arg in line)
-    assert line[1:4] == ["-u", "-m", "tether.train.worker"], line
+    assert not any("tether.train.rank.torchrun" in arg or arg.endswith("shim.py") for arg in line)
+    assert line[1:4] == ["-u", "-m", "tether.train.rank.worker"], line
     return pid, descendants
 
 

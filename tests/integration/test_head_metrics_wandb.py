@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tether.metrics import MetricsSink
-from tether.run_dir import RunDir
+from tether.records.metrics import MetricsSink
+from tether.records.run_dir import RunDir
 
 
 def test_tensorboard_and_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,12 +16,12 @@ import pytest
 from support.e2e import Workspace, jsonl, tether
 
 from tether.config import resolve
-from tether.job import control_heartbeat
-from tether.run_dir import read_jsonl
+from tether.records.run_dir import read_jsonl
+from tether.run.job import control_heartbeat
 from tether.runtime.errors import ConfigError
 from tether.runtime.loop import run
-from tether.runtime.secret import new_secret
-from tether.runtime.supervisor import Supervisor, _HeadService
+from tether.runtime.process.supervisor import Supervisor, _HeadService
+from tether.runtime.rpc.secret import new_secret
 
 
 def test_heartbeat_misses_reach_the_head_and_its_agents(tmp_path: Path) -> None:
@@ -83,12 +83,12 @@ def test_sigterm_during_start_up_stops_cleanly(ws: Workspace, run_dir: Path) -> 
 
 def test_the_head_starts_its_processes_before_it_imports_torch() -> None:
     """torch costs the head ~1.2 s of import: made on a thread once the trainer ranks start
-    (`tether.trainer_pool.import_step_work`), not before the run starts anything."""
+    (`tether.run.trainer_pool.import_step_work`), not before the run starts anything."""
     code = (
-        "import sys; import tether.run_command, tether.job; "
+        "import sys; import tether.commands.run, tether.run.job; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('tether'))\n"
-        "from tether.trainer_pool import import_step_work; import_step_work(); "
-        "assert 'torch' in sys.modules and 'tether.train.rank_work' in sys.modules"
+        "from tether.run.trainer_pool import import_step_work; import_step_work(); "
+        "assert 'torch' in sys.modules and 'tether.train.rank.work' in sys.modules"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

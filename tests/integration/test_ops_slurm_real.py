@@ -25,7 +25,7 @@ from support.e2e import Workspace, jsonl
 from support.net import free_port_block
 from support.slurm_cluster import FINAL_STATES, SlurmCluster, slurm_cluster
 
-from tether.run_dir import model_steps, read_jsonl
+from tether.records.run_dir import model_steps, read_jsonl
 
 __all__ = ["slurm_cluster"]  # the fixture, used by name
 

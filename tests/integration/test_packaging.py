@@ -71,8 +71,9 @@ def test_wheel_holds_every_module_and_imports_beside_user_modules(tmp_path: Path
     (wheel,) = out.glob("tether-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for package, folder in _package_dir().items():
-        for source in (ROOT / folder).glob("*.py"):
-            assert f"{package.replace('.', '/')}/{source.name}" in names
+        for source in (ROOT / folder).rglob("*.py"):  # subpackages too: each must be listed in pyproject
+            inside = source.relative_to(ROOT / folder).as_posix()
+            assert f"{package.replace('.', '/')}/{inside}" in names
     # Import from the wheel alone (zip import), in a directory holding the user's modules.
     cwd = _user_dir(tmp_path / "user")
     code = f"import sys; sys.path.insert(0, {str(wheel)!r}); import tether.train, tether.runtime; print(tether.train.__file__)"

@@ -12,10 +12,10 @@ from support.engines import SLOW_ENGINE, cpu_engine, engine_client
 from support.rollout import make_config
 
 from tether.bench.slow_engine import delay_argv
-from tether.rollout.data_source import DataSource, PromptRecord, load_tokenizer
+from tether.rollout.data.source import DataSource, PromptRecord, load_tokenizer
 from tether.rollout.engine_api.client import EngineClient, EngineError, EngineUnavailable
 from tether.rollout.fully_async import FullyAsyncWorker
-from tether.rollout.hooks import HookError
+from tether.rollout.hooks.calls import HookError
 from tether.rollout.rollout_fn import (
     RolloutContext,
     generate_group,
@@ -23,7 +23,7 @@ from tether.rollout.rollout_fn import (
     sampling_params,
     using_context,
 )
-from tether.rollout.router import Router
+from tether.rollout.routing.router import Router
 from tether.rollout.sample import TRAINABLE, SampleStatus
 
 
@@ -287,7 +287,7 @@ def test_slime_log_hooks_and_reward_category(engines: Engines, tmp_path: Path) -
     keeps them. --log-reward-category logs the share of each value of a dict reward's key."""
     import json
 
-    from tether.rollout_manager import RolloutManager
+    from tether.run.rollout_manager import RolloutManager
 
     hooks = tmp_path / "log_hooks.py"
     hooks.write_text(
@@ -393,7 +393,7 @@ def test_eval_config_datasets_each_with_their_settings(engines: Engines, tmp_pat
 def test_eval_function_path_replaces_the_evaluation(engines: Engines, tmp_path: Path) -> None:
     """--eval-function-path: the evaluation is that function's, called with evaluation=True; a
     tether-API one returns figures, a slime-API one slime's data by dataset."""
-    from tether.rollout_manager import RolloutManager
+    from tether.run.rollout_manager import RolloutManager
 
     hooks = tmp_path / "eval_fns.py"
     hooks.write_text(

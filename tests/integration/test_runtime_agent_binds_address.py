@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tether.runtime.agent import NodeAgent
 from tether.runtime.loop import run
 from tether.runtime.netif import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV, interface_holding
-from tether.runtime.process import ExitInfo, ProcessSpec
-from tether.runtime.secret import new_secret
+from tether.runtime.process.agent import NodeAgent
+from tether.runtime.process.spec import ExitInfo, ProcessSpec
+from tether.runtime.rpc.secret import new_secret
 
 
 def test_agent_binds_each_process_to_its_planned_address(tmp_path: Path) -> None:

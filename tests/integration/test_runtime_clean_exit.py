@@ -24,9 +24,9 @@ from support import support_env
 
 from tether.bench.actors import start_actor
 from tether.runtime.loop import run
-from tether.runtime.process import ExitInfo, ProcessSpec
-from tether.runtime.secret import new_secret
-from tether.runtime.supervisor import Heartbeat, Supervisor
+from tether.runtime.process.spec import ExitInfo, ProcessSpec
+from tether.runtime.process.supervisor import Heartbeat, Supervisor
+from tether.runtime.rpc.secret import new_secret
 
 if TYPE_CHECKING:  # support.e2e (the tiny model) is imported by the end-to-end tests only
     from support.e2e import Workspace

@@ -19,9 +19,9 @@ from support import SUPPORT, support_env
 from tether.bench.actors import start_actor
 from tether.runtime.errors import ActorDied, HeartbeatLost
 from tether.runtime.loop import run
-from tether.runtime.process import ExitInfo, ProcessSpec
-from tether.runtime.secret import SECRET_ENV, new_secret, secret_to_env
-from tether.runtime.supervisor import Heartbeat, Supervisor
+from tether.runtime.process.spec import ExitInfo, ProcessSpec
+from tether.runtime.process.supervisor import Heartbeat, Supervisor
+from tether.runtime.rpc.secret import SECRET_ENV, new_secret, secret_to_env
 
 ENV = support_env()  # actors import support.runtime_actors
 HEAD = SUPPORT / "runtime_actors.py"  # `python HEAD head RUN_DIR`: a small head process
@@ -189,7 +189,7 @@ def test_two_agents_as_two_nodes(tmp_path: Path, started: list[subprocess.Popen[
                 argv = [
                     sys.executable,
                     "-m",
-                    "tether.runtime.agent",
+                    "tether.runtime.process.agent",
                     "--head",
                     sup.address,
                     "--node-name",
@@ -239,7 +239,15 @@ def test_a_stalled_head_keeps_its_agents_within_the_missed_heartbeats(
     async def main() -> None:
         async with Supervisor(tmp_path, secret, grace=1.0, heartbeat=hb) as sup:
             env = {**os.environ, SECRET_ENV: secret_to_env(secret)}
-            argv = [sys.executable, "-m", "tether.runtime.agent", "--head", sup.address, "--node-name", "n1"]
+            argv = [
+                sys.executable,
+                "-m",
+                "tether.runtime.process.agent",
+                "--head",
+                sup.address,
+                "--node-name",
+                "n1",
+            ]
             started.append(subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE))  # noqa: ASYNC220  # fixture kills by pid
             await sup.wait_for_agents(["n1"], timeout=30)
             await asyncio.sleep(hb.first_wait + hb.interval)  # the agent's heartbeats are running
@@ -259,7 +267,7 @@ def test_a_stalled_head_keeps_its_agents_within_the_missed_heartbeats(
 
 
 def test_same_node_actor_falls_back_to_tcp_when_the_socket_path_is_too_long(tmp_path: Path) -> None:
-    from tether.runtime.endpoints import ipc_endpoint
+    from tether.runtime.rpc.endpoints import ipc_endpoint
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     assert ipc_endpoint(deep / "sock", "actor") is None

@@ -19,9 +19,9 @@ from support import TESTS, support_env
 from tether.bench.actors import start_actor
 from tether.runtime.errors import ActorDied
 from tether.runtime.loop import run
-from tether.runtime.process import ExitInfo, ProcessSpec
-from tether.runtime.secret import new_secret
-from tether.runtime.supervisor import Supervisor, local_log_tail
+from tether.runtime.process.spec import ExitInfo, ProcessSpec
+from tether.runtime.process.supervisor import Supervisor, local_log_tail
+from tether.runtime.rpc.secret import new_secret
 
 CHILD = [sys.executable, "-m", "support.zygote_children"]
 # What differs between any two processes (ids, own log): left out of the comparison.

@@ -44,20 +44,21 @@ from support.engines import (
 )
 from support.net import free_port
 
-from tether.rollout.cpu_engine.http_api import EngineApp, EngineState
+from tether.rollout.cpu_engine.http.common import EngineState
+from tether.rollout.cpu_engine.http.sglang_api import EngineApp
 from tether.rollout.cpu_engine.scheduler import Scheduler
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
 from tether.rollout.engine_api.client import EngineClient, EngineError
 from tether.rollout.engine_api.launch import EngineLaunchConfig, build_launch
 from tether.rollout.engine_api.weights import encode_named_tensors
 from tether.runtime.loop import run
-from tether.runtime.process import ProcessSpec
-from tether.runtime.secret import SECRET_ENV, new_secret
-from tether.runtime.supervisor import Supervisor
+from tether.runtime.process.spec import ProcessSpec
+from tether.runtime.process.supervisor import Supervisor
+from tether.runtime.rpc.secret import SECRET_ENV, new_secret
 from tether.runtime.weight_group import WeightGroup, broadcast, destroy_weight_group, init_weight_group
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import SyncFailed
-from tether.sync.transport_distributed import DistributedTransport
+from tether.sync.transports.distributed import DistributedTransport
 
 NAN_TENSOR = "model.layers.0.mlp.up_proj.weight"
 PROBE = "model.layers.0.self_attn.q_proj.weight"  # differs between v1 and v2: shows which serve
@@ -69,7 +70,7 @@ MAX_BODY = 12 << 20  # room for the 10 MB text below, not for 13 MB
 
 def test_key_shim_runs_the_module_with_the_key_and_redacts_it_from_logs(tmp_path: Path) -> None:
     """The shim SGLang and the sglang-router start through, with a stand-in for the router's
-    module (whose name tether's rollout/sglang_router.py, beside the shim, must not shadow)."""
+    module (whose name tether's rollout/routing/sglang_router.py, beside the shim, must not shadow)."""
     (tmp_path / "sglang_router.py").write_text(
         "import argparse, logging, os, sys\n"
         "logging.basicConfig(level=logging.INFO, force=True)\n"

@@ -11,15 +11,15 @@ import sys
 from support.wait import until
 
 from tether.runtime.loop import run
-from tether.runtime.rpc import connect
-from tether.runtime.secret import new_secret
+from tether.runtime.rpc.actors import connect
+from tether.runtime.rpc.secret import new_secret
 
 # -- bounded queues --------------------------------------------------------------------------
 
 _STOPPABLE_SERVER = """
 import asyncio, sys
 from tether.runtime.loop import run
-from tether.runtime.rpc import RpcServer
+from tether.runtime.rpc.actors import RpcServer
 
 class Echo:
     def __init__(self) -> None:

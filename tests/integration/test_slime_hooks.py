@@ -28,7 +28,7 @@ from support.e2e import Workspace, check_clean_exit, jsonl, tether
 
 from tether.rollout.debug_dump import load_rollout
 from tether.rollout.slime_api.convert import SLIME_ATTRS
-from tether.train_dump import load_train_data
+from tether.run.train_dump import load_train_data
 
 HOOKS = Path(__file__).resolve().parents[1] / "support" / "slime_hooks"
 STEPS = 2

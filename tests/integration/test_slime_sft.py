@@ -17,8 +17,8 @@ import pytest
 from support.e2e import check_clean_exit, jsonl, tether
 from transformers import AutoTokenizer
 
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
-from tether.train_dump import load_train_data
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
+from tether.run.train_dump import load_train_data
 
 CONVERSATIONS = [
     [{"role": "user", "content": f"{a}+{b}"}, {"role": "assistant", "content": str(a + b)}]

@@ -19,7 +19,7 @@ import uvloop
 from support.engines import engine_client, launch_engine, prepared_cpu_engine, stop_engine
 from support.net import free_port
 
-from tether.rollout.cpu_engine.tiny_model import write_tiny_model
+from tether.rollout.cpu_engine.modeling.tiny_model import write_tiny_model
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.engine_api.memory import GENERATION, WEIGHTS, EngineMemory
 from tether.runtime.bucket_stream import STREAM_ENDPOINT
@@ -28,10 +28,10 @@ from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import SyncFailed, served_versions
 from tether.sync.ledger import LedgerEntry
 from tether.sync.local_store import LocalCheckpointStore
-from tether.sync.transport_delta import DeltaDiskTransport
-from tether.sync.transport_disk import FullDiskTransport
-from tether.sync.transport_distributed import DistributedTransport
-from tether.sync.transport_tensor import TensorTransport
+from tether.sync.transports.delta import DeltaDiskTransport
+from tether.sync.transports.disk import FullDiskTransport
+from tether.sync.transports.distributed import DistributedTransport
+from tether.sync.transports.tensor import TensorTransport
 
 PROMPT = [5, 17, 42, 99, 7, 123]
 
@@ -421,7 +421,7 @@ def test_flattened_bucket_is_one_broadcast_of_the_tensors_bytes(tmp_path: Path) 
     from datetime import timedelta
 
     from tether.runtime.weight_group import destroy_weight_group, init_weight_group
-    from tether.sync.bucket_fill import BucketFiller
+    from tether.sync.buckets.fill import BucketFiller
 
     bucket = [
         ("b.bias", torch.arange(7, dtype=torch.float32)),

@@ -14,7 +14,7 @@ import torch
 from support.ranks import run_ranks
 
 from tether.rollout.sample import Sample
-from tether.train.batching import build_train_batch, plan_micro_batches, shard_for_data_parallel
+from tether.train.rank.batching import build_train_batch, plan_micro_batches, shard_for_data_parallel
 
 
 def _dp_worker(rank: int, port: int, out_dir: str, shard_bytes: list[bytes]) -> None:

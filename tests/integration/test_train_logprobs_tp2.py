@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 from support.ranks import run_ranks
 
-from tether.train.logprobs import log_probs_and_entropy, response_logits, token_log_probs
+from tether.train.algorithms.logprobs import log_probs_and_entropy, response_logits, token_log_probs
 
 
 def _tp_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-        from tether.train import megatron_cpu
+        from tether.train.model import megatron_cpu
 
         megatron_cpu.apply()
         with megatron_cpu.quiet_megatron_imports():

@@ -98,7 +98,7 @@ def test_checkpoint_layout_on_disk(runs: tuple[Path, dict[str, list[dict[str, An
         "rank_00001.msgpack",
     ]
     # Every file, both ranks' shards included, is in the digests the save wrote, and they match.
-    from tether.train import checkpoint
+    from tether.train.checkpoint import load_save as checkpoint
 
     record = (top / "tether" / checkpoint.DIGESTS).read_bytes()
     files = msgspec.msgpack.decode(record, type=checkpoint.CheckpointDigests).files

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from support.train_checks.launcher import make_batch, start_worker_job, stop_job
 
 from tether.runtime.errors import RemoteError
-from tether.runtime.rpc import connect
-from tether.runtime.secret import new_secret
+from tether.runtime.rpc.actors import connect
+from tether.runtime.rpc.secret import new_secret
 from tether.train.config import AlgorithmConfig, MegatronConfig
-from tether.train.protocol import (
+from tether.train.rank.protocol import (
     ExportRequest,
     InitRequest,
     LoadRequest,
@@ -29,7 +29,7 @@ from tether.train.protocol import (
     SaveRequest,
     TrainRequest,
 )
-from tether.train.worker import read_addresses
+from tether.train.rank.worker import read_addresses
 
 WORLD = 2
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from tether.rollout.cpu_engine.model import ModelConfig, TinyLM, read_safetensors_dir
+from tether.rollout.cpu_engine.modeling.model import ModelConfig, TinyLM, read_safetensors_dir
 from tether.rollout.cpu_engine.scheduler import Scheduler
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tether import demo_task
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+from tether.commands import demo_task
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3

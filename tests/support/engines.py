@@ -45,8 +45,8 @@ from tether.rollout.engine_api.launch import (
     start_engine,
 )
 from tether.runtime.loop import run
-from tether.runtime.secret import SECRET_ENV, new_secret
-from tether.runtime.supervisor import Supervisor
+from tether.runtime.process.supervisor import Supervisor
+from tether.runtime.rpc.secret import SECRET_ENV, new_secret
 
 ENGINE_KEY = new_engine_key()
 """The key of every engine the tests start (one per test session)."""
@@ -323,7 +323,7 @@ def decode_routed_experts(meta: dict[str, Any], layers: int, topk: int) -> torch
 
 def make_models(root: Path) -> tuple[str, str]:
     """Two tiny Llama checkpoints with the same shapes and different weights (v1, v2)."""
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
     v1 = write_tiny_model(root / "v1", TinyModelSpec(seed=0))
     v2 = write_tiny_model(root / "v2", TinyModelSpec(seed=1))

@@ -8,9 +8,9 @@ import math
 import torch
 
 from support import SUPPORT
-from tether.train import losses
+from tether.train.algorithms import losses
+from tether.train.algorithms.loss_hooks import load_loss_hooks
 from tether.train.config import AlgorithmConfig
-from tether.train.loss_hooks import load_loss_hooks
 
 LOSS_HOOKS = SUPPORT / "slime_hooks" / "loss_hooks.py"
 

@@ -65,10 +65,10 @@ def _children(pid: int) -> list[int]:
 
 async def _head(run_dir: Path) -> int:
     from tether.bench.actors import start_actor
-    from tether.runtime.sdnotify import Notifier
-    from tether.runtime.secret import new_secret
-    from tether.runtime.signals import StopRequested, handle_signals
-    from tether.runtime.supervisor import Heartbeat, ProcessSpec, Supervisor
+    from tether.runtime.process.sdnotify import Notifier
+    from tether.runtime.process.signals import StopRequested, handle_signals
+    from tether.runtime.process.supervisor import Heartbeat, ProcessSpec, Supervisor
+    from tether.runtime.rpc.secret import new_secret
 
     notifier = Notifier.from_env()
     checkpoints = run_dir / "checkpoints.txt"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tether.bench import compare
+from tether.runtime.errors import ConfigError
 
 
 def test_figures_are_matched_by_path_with_their_ratio() -> None:
@@ -45,12 +46,12 @@ def test_with_comparison_reads_the_earlier_result(tmp_path: Path) -> None:
 def test_a_bad_earlier_file_is_refused_naming_it(tmp_path: Path, content: str, why: str) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(content)
-    with pytest.raises(SystemExit, match=rf"--compare={bad}.*{why}"):
+    with pytest.raises(ConfigError, match=rf"--compare='{bad}'.*{why}"):
         compare.load_result(bad)
 
 
 def test_every_bench_takes_compare(tmp_path: Path) -> None:
     from tether import bench
 
-    with pytest.raises(SystemExit, match=r"--compare=.*cannot read"):
+    with pytest.raises(ConfigError, match=r"--compare=.*cannot read"):
         bench.main_argv(["runtime", "--compare", str(tmp_path / "missing.json")])

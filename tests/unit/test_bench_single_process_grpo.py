@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether import demo, demo_task
 from tether.bench.single_process_grpo import (
     Recipe,
     SingleProcessGRPO,
@@ -18,6 +17,7 @@ from tether.bench.single_process_grpo import (
     read_digits,
     summary,
 )
+from tether.commands import demo, demo_task
 
 
 def test_group_advantages_centre_and_scale_each_group() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from tether.bench.compare import compare
 from tether.bench.sync import add_arguments, main, raw_write_gb_s, sync_targets
+from tether.runtime.errors import ConfigError
 
 
 def _result(over_raw: list[float], first_gb_s: float, raw_write_gb_s: float = 2.0) -> dict[str, Any]:
@@ -71,5 +72,5 @@ def test_skipping_both_parts_is_refused() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--skip-delta", "--skip-engine"])
-    with pytest.raises(SystemExit, match="nothing left to measure"):
+    with pytest.raises(ConfigError, match="--skip-engine=True: with --skip-delta leaves nothing to measure"):
         main(args)

@@ -23,29 +23,30 @@ import pytest
 import torch
 
 from tether.config import Config, resolve
-from tether.engine_pool import EnginePool
-from tether.job import Steps, release_engines_at_launch, resume
-from tether.loops import LoopRange, sync_loop
-from tether.metrics import MetricsSink
 from tether.placement.colocation import handle_sources
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config
-from tether.progress import RunProgress
+from tether.records.metrics import MetricsSink
+from tether.records.progress import RunProgress
+from tether.records.run_dir import RunDir
 from tether.rollout.engine_api.launch import build_launch
 from tether.rollout.engine_api.memory import ALL_TAGS, GENERATION, WEIGHTS, EngineMemory
+from tether.rollout.routing.sglang_router import RouterLaunchConfig, router_argv
 from tether.rollout.sample import Sample
-from tether.rollout.sglang_router import RouterLaunchConfig, router_argv
-from tether.run_dir import RunDir
+from tether.run.engine_pool import EnginePool
+from tether.run.job import release_engines_at_launch, resume
+from tether.run.loops import LoopRange, sync_loop
+from tether.run.steps import Steps
 from tether.runtime.errors import ConfigError
-from tether.runtime.sdnotify import Notifier
+from tether.runtime.process.sdnotify import Notifier
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import SyncFailed
 from tether.sync.ledger import LedgerEntry
-from tether.sync.transport_tensor import HandleBucket, TensorTransport, rank_handle_buckets, route_handles
-from tether.train import offload
-from tether.train.protocol import UpdateWeightsRequest
-from tether.train.worker import TrainerWorker
+from tether.sync.transports.tensor import HandleBucket, TensorTransport, rank_handle_buckets, route_handles
+from tether.train.rank.protocol import UpdateWeightsRequest
+from tether.train.rank.worker import TrainerWorker
+from tether.train.state import offload
 
 Log = list[tuple[Any, ...]]
 
@@ -507,7 +508,7 @@ def test_phases_follow_slimes_order(tmp_path: Path, pool: tuple[EnginePool, list
 
 
 def run_dir_events(run_dir: RunDir) -> list[dict[str, Any]]:
-    from tether.run_dir import read_jsonl
+    from tether.records.run_dir import read_jsonl
 
     return read_jsonl(run_dir.events_path)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tether.checks.slime_flags import MEGATRON_NOT_IMPLEMENTED, NOT_IMPLEMENTED
 from tether.config import flag_specs, resolve
 from tether.runtime.errors import ConfigError
-from tether.slime_flags import MEGATRON_NOT_IMPLEMENTED, NOT_IMPLEMENTED
 
 
 def test_no_refused_flag_is_also_a_tether_flag() -> None:
@@ -42,7 +42,7 @@ def test_slimes_fully_async_rollout_function_selects_the_fully_async_loop() -> N
 
     cfg = resolve(["--rollout-function-path", SLIME_FULLY_ASYNC])
     assert cfg.run.loop == "fully-async"
-    assert cfg.rollout.rollout_function_path == "tether.rollout.default_rollout.generate_rollout"
+    assert cfg.rollout.rollout_function_path == "tether.rollout.hooks.default_rollout.generate_rollout"
     with pytest.raises(ConfigError, match="contradicts --rollout-function-path"):
         resolve(["--rollout-function-path", SLIME_FULLY_ASYNC, "--loop", "sync"])
 

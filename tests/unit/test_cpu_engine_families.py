@@ -18,8 +18,9 @@ import torch
 from support.engines import decode_routed_experts, hf_routed_experts, local_plan_engine
 from tokenizers import Tokenizer
 
-from tether.rollout.cpu_engine import server, tiny_model
-from tether.rollout.cpu_engine.model import (
+from tether.rollout.cpu_engine import server
+from tether.rollout.cpu_engine.modeling import tiny_model
+from tether.rollout.cpu_engine.modeling.model import (
     KVCache,
     ModelConfig,
     ModelConfigError,

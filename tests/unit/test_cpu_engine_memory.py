@@ -21,10 +21,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from support.cpu_engine_app import host_scheduler
 from torch.multiprocessing import reductions
 
-from tether.rollout.cpu_engine.http_api import EngineState, make_app
-from tether.rollout.cpu_engine.model import ModelConfigError
+from tether.rollout.cpu_engine.http.common import EngineState
+from tether.rollout.cpu_engine.http.sglang_api import make_app
+from tether.rollout.cpu_engine.modeling.model import ModelConfigError
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.cpu_engine.server import _check, add_arguments, engine_device, resolve_dtype
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors
 from tether.runtime.errors import ConfigError
 

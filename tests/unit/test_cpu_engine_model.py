@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether.rollout.cpu_engine import tiny_model
-from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM, WeightMismatch, read_safetensors_dir
+from tether.rollout.cpu_engine.modeling import tiny_model
+from tether.rollout.cpu_engine.modeling.model import (
+    KVCache,
+    ModelConfig,
+    TinyLM,
+    WeightMismatch,
+    read_safetensors_dir,
+)
 from tether.rollout.cpu_engine.sampling import SamplingParams, choose_tokens, parse_sampling_params
 from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors, encode_named_tensors
 from tether.runtime.errors import ConfigError

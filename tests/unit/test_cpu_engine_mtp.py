@@ -13,8 +13,14 @@ import pytest
 import torch
 from support.hf_reference import load_causal_lm
 
-from tether.rollout.cpu_engine import tiny_model
-from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM, WeightMismatch, read_safetensors_dir
+from tether.rollout.cpu_engine.modeling import tiny_model
+from tether.rollout.cpu_engine.modeling.model import (
+    KVCache,
+    ModelConfig,
+    TinyLM,
+    WeightMismatch,
+    read_safetensors_dir,
+)
 from tether.runtime.errors import ConfigError
 
 CASES = {

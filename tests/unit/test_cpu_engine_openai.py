@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from tether.rollout.cpu_engine.constrained import GrammarConstraint, Vocab, schema_node
-from tether.rollout.cpu_engine.sampling import SamplingParams, choose_tokens
-from tether.rollout.cpu_engine.tool_calls import (
+from tether.rollout.cpu_engine.http.tool_calls import (
     FORMATS,
     ToolDef,
     holdback,
@@ -20,6 +19,7 @@ from tether.rollout.cpu_engine.tool_calls import (
     parse_tool_calls,
     structural_constraint,
 )
+from tether.rollout.cpu_engine.sampling import SamplingParams, choose_tokens
 from tether.rollout.openai_turns import Turn, TurnDrift, continuation_ids, sample_from_turns
 
 SCHEMA: dict[str, Any] = {
@@ -250,7 +250,7 @@ def test_turn_reads_meta_info_and_refuses_missing_ids() -> None:
 
 
 def test_continuation_ids_append_only_the_new_messages() -> None:
-    from tether.rollout.cpu_engine.tiny_model import build_tokenizer
+    from tether.rollout.cpu_engine.modeling.tiny_model import build_tokenizer
 
     tok: Any = build_tokenizer(48)
     user = [{"role": "user", "content": "What is 2+3?"}]

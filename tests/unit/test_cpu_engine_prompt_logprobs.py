@@ -16,9 +16,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from support.cpu_engine_app import host_scheduler
 from support.engines import hf_logprobs
 
-from tether.rollout.cpu_engine.http_api import EngineState, make_app
+from tether.rollout.cpu_engine.http.common import EngineState
+from tether.rollout.cpu_engine.http.sglang_api import make_app
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.cpu_engine.prompt_logprobs import score_prompt
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11]
 TOL = 1e-5  # fp32, the same torch ops as transformers

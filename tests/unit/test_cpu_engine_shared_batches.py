@@ -16,11 +16,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from tokenizers import Tokenizer
 
-from tether.rollout.cpu_engine.http_api import EngineState, make_app
-from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM, read_safetensors_dir
+from tether.rollout.cpu_engine.http.common import EngineState
+from tether.rollout.cpu_engine.http.sglang_api import make_app
+from tether.rollout.cpu_engine.modeling.model import KVCache, ModelConfig, TinyLM, read_safetensors_dir
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.cpu_engine.sampling import SamplingParams, _draw_unfiltered, choose_tokens
 from tether.rollout.cpu_engine.scheduler import Scheduler
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
 from tether.rollout.engine_api.client import EngineClient
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

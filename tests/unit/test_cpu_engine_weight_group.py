@@ -13,8 +13,9 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 from support.cpu_engine_app import host_scheduler
 
-from tether.rollout.cpu_engine.http_api import EngineLimits, EngineState, make_app
-from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+from tether.rollout.cpu_engine.http.common import EngineLimits, EngineState
+from tether.rollout.cpu_engine.http.sglang_api import make_app
+from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
 
 def _init_group(model_dir: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], set[str]]:

@@ -14,9 +14,9 @@ import msgspec
 import pytest
 import torch
 
-from tether.rollout.cpu_engine import tiny_model
-from tether.rollout.cpu_engine.model import KVCache, ModelConfig, TinyLM, read_safetensors_dir
-from tether.rollout.cpu_engine.rope import YarnConfig, inv_freq
+from tether.rollout.cpu_engine.modeling import tiny_model
+from tether.rollout.cpu_engine.modeling.model import KVCache, ModelConfig, TinyLM, read_safetensors_dir
+from tether.rollout.cpu_engine.modeling.rope import YarnConfig, inv_freq
 
 TOL = 1e-5
 # A short pretraining context puts the ramp between beta_fast's and beta_slow's dims inside the

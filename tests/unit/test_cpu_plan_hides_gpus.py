@@ -12,10 +12,10 @@ from tether.config import resolve
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config
+from tether.records.run_dir import RunDir
 from tether.rollout.engine_api.launch import build_launch
-from tether.run_dir import RunDir
-from tether.runtime.supervisor import LOCAL
-from tether.trainer_pool import TrainerPool
+from tether.run.trainer_pool import TrainerPool
+from tether.runtime.process.supervisor import LOCAL
 
 HIDDEN = {"CUDA_VISIBLE_DEVICES": ""}
 

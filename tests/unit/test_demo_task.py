@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tether import demo_task
+from tether.commands import demo_task
 
 
 @pytest.mark.parametrize(

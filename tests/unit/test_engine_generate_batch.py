@@ -122,7 +122,7 @@ def test_close_cancels_batches_in_flight_and_their_callers() -> None:
 
 def test_the_router_passes_batch_keys_on_except_in_front_of_the_sglang_router() -> None:
     from tether.rollout.engine_api.client import EngineClient, GenerateResponse
-    from tether.rollout.router import Router
+    from tether.rollout.routing.router import Router
 
     class Client(EngineClient):
         def __init__(self) -> None:

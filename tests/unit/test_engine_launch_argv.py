@@ -21,7 +21,7 @@ from tether.rollout.engine_api.launch import (
     server_argv,
     sglang_python,
 )
-from tether.rollout.sglang_router import RouterLaunchConfig, router_argv
+from tether.rollout.routing.sglang_router import RouterLaunchConfig, router_argv
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.errors import ConfigError
 

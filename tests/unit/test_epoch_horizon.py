@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from tether.config import check_epoch_source, counts_epochs, horizon_note, resolve, with_counted_epochs
-from tether.job import prompt_count, total_rollouts
-from tether.rollout.data_source import DataSource
+from tether.rollout.data.source import DataSource
+from tether.run.job import prompt_count, total_rollouts
 from tether.runtime.errors import ConfigError
-from tether.train import megatron_args
+from tether.train.model import megatron_args
 
 SFT = ["--num-epoch", "3", "--lr-decay-style", "cosine", "--min-lr", "1e-6", "--lr-warmup-fraction", "0.1"]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tether.config import resolve
-from tether.job import head_bind_host
-from tether.nodes import node_names
 from tether.placement.inventory import Inventory, Node
 from tether.placement.plan import plan_from_config
+from tether.run.job import head_bind_host
+from tether.run.nodes import node_names
 from tether.runtime.errors import ConfigError
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tether.config import resolve
+from tether.run.train_dump import DebugTrainDumpError, load_train_data, save_train_data
 from tether.runtime.errors import ConfigError
-from tether.train_dump import DebugTrainDumpError, load_train_data, save_train_data
 
 
 class Shard(msgspec.Struct):
@@ -54,9 +54,9 @@ def test_dump_details_fills_slimes_layout() -> None:
 def test_train_env_vars_reach_the_trainer_processes(tmp_path: Path) -> None:
     from support.plans import ONE_BOX, one_box_plan
 
-    from tether.run_dir import RunDir
-    from tether.runtime.supervisor import LOCAL
-    from tether.trainer_pool import TrainerPool
+    from tether.records.run_dir import RunDir
+    from tether.run.trainer_pool import TrainerPool
+    from tether.runtime.process.supervisor import LOCAL
 
     cfg = resolve(
         [

@@ -21,16 +21,17 @@ from typing import Any
 import pytest
 
 from tether.config import Config, resolve
-from tether.job import Steps, resume, run_loop
-from tether.loops import LoopRange
-from tether.metrics import MetricsSink
-from tether.progress import RunProgress
+from tether.records.metrics import MetricsSink
+from tether.records.progress import RunProgress
+from tether.records.run_dir import RunDir, model_steps, read_jsonl
 from tether.rollout.sample import Sample
-from tether.run_dir import RunDir, model_steps, read_jsonl
-from tether.runtime.sdnotify import Notifier
-from tether.runtime.signals import StopRequested, handle_signals
+from tether.run.job import resume, run_loop
+from tether.run.loops import LoopRange
+from tether.run.steps import Steps
+from tether.runtime.process.sdnotify import Notifier
+from tether.runtime.process.signals import StopRequested, handle_signals
 from tether.sync.ledger import LedgerEntry
-from tether.train.protocol import LoadedState
+from tether.train.rank.protocol import LoadedState
 
 STEPS = 6
 PHASES = ("rollout", "train", "sync", "after_step")

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tether.config import resolve
-from tether.job import Steps, resume
-from tether.rollout.data_source import DataSource, DataSourceState, PromptRecord
-from tether.train.protocol import LoadedState
+from tether.rollout.data.source import DataSource, DataSourceState, PromptRecord
+from tether.run.job import resume
+from tether.run.steps import Steps
+from tether.train.rank.protocol import LoadedState
 
 
 class _Trainer:

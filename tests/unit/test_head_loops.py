@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tether.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
+from tether.run.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
 
 
 class Recorder:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tether.metrics import MetricsSink
-from tether.run_dir import RunDir, read_jsonl
+from tether.records.metrics import MetricsSink
+from tether.records.run_dir import RunDir, read_jsonl
 
 
 def test_jsonl_and_prometheus(tmp_path: Path, free_port: int) -> None:
@@ -106,7 +106,7 @@ def test_the_receipt_keeps_no_wandb_key() -> None:
     import msgspec
 
     from tether.config import resolve
-    from tether.run_dir import redact_argv, redact_config
+    from tether.records.run_dir import redact_argv, redact_config
 
     key = "k" * 40
     argv = ["--wandb-key", key, "--wandb-project", "p", f"--wandb-key={key}"]
@@ -122,7 +122,7 @@ def test_the_receipt_keeps_no_wandb_key() -> None:
 
 def test_slime_tensorboard_names_choose_the_event_directory(tmp_path: Path) -> None:
     from tether.config import resolve
-    from tether.metrics import tensorboard_dir
+    from tether.records.metrics import tensorboard_dir
 
     run = tmp_path / "runs" / "20260101-000000"
     assert tensorboard_dir(run) == run / "tensorboard"
@@ -138,7 +138,7 @@ def test_wandb_random_suffix_and_train_step(tmp_path: Path, monkeypatch: pytest.
     --disable-wandb-random-suffix it is used as given. --wandb-always-use-train-step: the trackers
     count optimizer steps, metrics.jsonl keeps the rollout."""
     from tether.config import resolve
-    from tether.run_dir import read_jsonl
+    from tether.records.run_dir import read_jsonl
 
     groups = []
     for extra in ([], ["--disable-wandb-random-suffix"]):

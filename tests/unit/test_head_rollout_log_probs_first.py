@@ -13,9 +13,9 @@ import pytest
 from test_train_rank_work import groups
 
 from tether.config import resolve
-from tether.train.protocol import LogProbsRequest, LogProbsResult, TrainRequest, TrainResult, WorkerInfo
-from tether.train_data_hooks import load_train_data_hooks
-from tether.trainer_pool import TrainerPool
+from tether.run.train_data_hooks import load_train_data_hooks
+from tether.run.trainer_pool import TrainerPool
+from tether.train.rank.protocol import LogProbsRequest, LogProbsResult, TrainRequest, TrainResult, WorkerInfo
 
 
 class FakeRank:

@@ -1,5 +1,6 @@
-"""The components' import graph points one way, with no cycle, and no product module imports a
-benchmark or a test helper (ARCHITECTURE.md's layout rule, checked on the source)."""
+"""The components' import graph points one way, with no cycle, no two files import each other (even
+lazily), and no product module imports a benchmark or a test helper (ARCHITECTURE.md's layout rule,
+checked on the source)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ SUBCOMPONENTS = {
     "tether.rollout.cpu_engine": "cpu_engine",  # a server we run, reached only over HTTP
     "tether.rollout.sample": "contract",  # the Sample contract train and sync may use
     "tether.rollout.config": "contract",
-    "tether.rollout.reward_types": "contract",
-    "tether.rollout.eval_config": "contract",  # the eval datasets file --eval-config names, checked at parse
+    "tether.rollout.rewards.types": "contract",
+    # the eval datasets file --eval-config names, checked at parse
+    "tether.rollout.data.eval_config": "contract",
     # The `import slime` finder (stdlib only): trainer ranks install it too, for slime-written loss hooks.
     "tether.rollout.slime_api.finder": "contract",
-    "tether.rollout.hook_loader": "contract",  # importing a hook a flag names (ranks load loss hooks)
+    "tether.rollout.hooks.loader": "contract",  # importing a hook a flag names (ranks load loss hooks)
     "tether.bench": "bench",
 }
 ALLOWED: dict[str, set[str]] = {
@@ -124,6 +126,55 @@ def test_the_allowed_graph_points_one_way() -> None:
     for node in sorted(ALLOWED):
         visit(node, ())
     assert order.index("runtime") < order.index("rollout") < order.index("head") < order.index("bench")
+
+
+def file_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One cycle of the graph as the modules along it (first repeated at the end), None if none."""
+    done: set[str] = set()
+    trail: list[str] = []
+    on_trail: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        if node in on_trail:
+            return [*trail[trail.index(node) :], node]
+        if node in done:
+            return None
+        trail.append(node)
+        on_trail.add(node)
+        for nxt in graph[node]:
+            found = visit(nxt)
+            if found:
+                return found
+        trail.pop()
+        on_trail.discard(node)
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        found = visit(node)
+        if found:
+            return found
+    return None
+
+
+def test_file_cycle_finds_a_circle_and_only_a_circle() -> None:
+    graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}
+    assert file_cycle(graph) == ["a", "b", "c", "a"]
+    assert file_cycle({"a": ["b"], "b": [], "c": ["a", "b"]}) is None
+
+
+def test_no_two_files_import_each_other() -> None:
+    """No cycle between product files, counting imports inside functions and under TYPE_CHECKING:
+    a shared piece lives where both can import it (ARCHITECTURE.md's layout)."""
+    files = dict(modules())
+    graph = {
+        module: sorted(
+            {target for target, _ in imports(module, path) if target in files and target != module}
+        )
+        for module, path in files.items()
+    }
+    cycle = file_cycle(graph)
+    assert cycle is None, "files importing each other: " + " -> ".join(cycle or [])
 
 
 def test_no_product_module_imports_a_test_helper() -> None:

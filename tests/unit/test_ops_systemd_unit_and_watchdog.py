@@ -14,7 +14,7 @@ import pytest
 from support import REPO
 from support.sdnotify import NotifySocket
 
-from tether.runtime.sdnotify import Notifier
+from tether.runtime.process.sdnotify import Notifier
 
 UNIT = REPO / "bin" / "systemd" / "tether@.service"
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tether.commands.plan import main_argv
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config, uses_dp_attention
-from tether.plan_command import main_argv
-from tether.ports import local_ports
+from tether.run.ports import local_ports
 
 NODE = Node(hostname="box", address="10.0.0.7", gpus=[Gpu(index=g) for g in range(8)])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tether.rollout.examples_calculator import CalculatorError, calculate, tool_answer
-from tether.rollout.multi_turn import (
+from tether.rollout.hooks.examples_calculator import CalculatorError, calculate, tool_answer
+from tether.rollout.hooks.multi_turn import (
     MODEL,
     TOOL,
     append_model_tokens,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from support.rollout import make_config
 
-from tether.rollout.eval_config import resolve_eval_datasets
+from tether.rollout.data.eval_config import resolve_eval_datasets
 from tether.runtime.errors import ConfigError
 
 CONFIG = """

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tether.rollout.router_front import RouterFront
+from tether.rollout.routing.front import RouterFront
 from tether.rollout.slime_api.utils.http_utils import HTTPStatusError, get, post
 
 

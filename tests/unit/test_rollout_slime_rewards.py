@@ -11,11 +11,9 @@ import pytest
 from support.rollout import make_config
 
 from tether.config import resolve
-from tether.rollout.data_source import DataError, load_prompts
-from tether.rollout.hooks import FlatArgs, HookError
-from tether.rollout.reward_types import missing_requirement
-from tether.rollout.rewards import RewardModel
-from tether.rollout.rule_rewards import (
+from tether.rollout.data.source import DataError, load_prompts
+from tether.rollout.hooks.calls import FlatArgs, HookError
+from tether.rollout.rewards.rules import (
     boxed_content,
     dapo_score,
     deepscaler_score,
@@ -24,12 +22,14 @@ from tether.rollout.rule_rewards import (
     math_score,
     rule_reward,
 )
+from tether.rollout.rewards.scoring import RewardModel
+from tether.rollout.rewards.types import missing_requirement
 from tether.rollout.sample import Sample
 from tether.rollout.slime_api.args import slime_args
 from tether.rollout.slime_api.rollout.rm_hub import async_rm
 from tether.rollout.slime_api.utils.types import Sample as SlimeSample
 from tether.runtime.errors import ConfigError
-from tether.train.batching import build_train_batch, shard_for_data_parallel
+from tether.train.rank.batching import build_train_batch, shard_for_data_parallel
 
 
 def test_math_grades_the_last_boxed_answer() -> None:

@@ -10,14 +10,14 @@ import pytest
 from support.rollout import make_config
 
 from tether.rollout.config import DataConfig, RolloutConfig
-from tether.rollout.data_source import DataError, DataSource, PromptRecord, load_prompts
+from tether.rollout.data.source import DataError, DataSource, PromptRecord, load_prompts
 from tether.rollout.debug_dump import DebugDumpError, load_rollout, save_rollout
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.fully_async import weight_lag
-from tether.rollout.hooks import FlatArgs, HookError, check_hook_samples, load_function
-from tether.rollout.rewards import check_reward_nonzero_std, exact_match, extract_answer, math_reward
+from tether.rollout.hooks.calls import FlatArgs, HookError, check_hook_samples, load_function
+from tether.rollout.rewards.scoring import check_reward_nonzero_std, exact_match, extract_answer, math_reward
 from tether.rollout.rollout_fn import append_segment, reset_to_prompt
-from tether.rollout.router import Router
+from tether.rollout.routing.router import Router
 from tether.rollout.sample import Sample, SampleStatus
 from tether.runtime.errors import ConfigError
 
@@ -86,12 +86,12 @@ def test_flat_args_reads_every_slice_and_is_read_only() -> None:
 
 
 def test_load_function_from_module_and_file(tmp_path: Path) -> None:
-    assert load_function("tether.rollout.rewards.math_reward") is math_reward
+    assert load_function("tether.rollout.rewards.scoring.math_reward") is math_reward
     hook = tmp_path / "my_hook.py"
     hook.write_text("def f(args, sample):\n    return 1.0\n")
     assert load_function(f"{hook}:f")(None, None) == 1.0
     with pytest.raises(ConfigError, match="--custom-rm-path"):
-        load_function("tether.rollout.rewards.nope", "--custom-rm-path")
+        load_function("tether.rollout.rewards.scoring.nope", "--custom-rm-path")
     with pytest.raises(ConfigError, match="cannot be imported"):
         load_function("no_such_pkg_xyz.f", "--custom-rm-path")
 

@@ -18,9 +18,9 @@ from tether.rollout.config import MoeRouting, moe_routing
 from tether.rollout.engine_api.client import EngineClient, EngineResponseError, GenerateResponse
 from tether.rollout.sample import RoutedExperts, Sample, SampleContractError, SampleStatus, validate_sample
 from tether.runtime.errors import ConfigError
-from tether.train.batching import UNROUTED, build_train_batch, micro_batch_tensors
 from tether.train.config import AlgorithmConfig
-from tether.train.rank_work import WorkOptions, rollout_steps
+from tether.train.rank.batching import UNROUTED, build_train_batch, micro_batch_tensors
+from tether.train.rank.work import WorkOptions, rollout_steps
 
 RUN = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
 LAYERS, TOPK = 3, 2
@@ -266,7 +266,7 @@ def test_routing_replay_decides_which_log_probs_a_step_needs() -> None:
 # ----- flags -----
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", TinyModelSpec(arch="qwen3_moe"))
 
@@ -301,7 +301,7 @@ def test_flags_mean_what_slime_means_and_dense_models_are_refused(tiny_model: Pa
 
 
 def test_slime_hooks_see_the_flags(moe_dir: Path) -> None:
-    from tether.rollout.hooks import FlatArgs
+    from tether.rollout.hooks.calls import FlatArgs
     from tether.rollout.slime_api.args import slime_args
 
     cfg = resolve([*RUN, "--hf-checkpoint", str(moe_dir), "--use-rollout-routing-replay"])
@@ -325,7 +325,7 @@ def test_engines_record_routed_experts_for_r3() -> None:
 
 
 def test_external_engines_must_record_routed_experts() -> None:
-    from tether.engine_pool import check_records_routed_experts
+    from tether.run.engine_pool import check_records_routed_experts
 
     check_records_routed_experts("http://e:1", {"enable_return_routed_experts": True})
     check_records_routed_experts("http://e:1", {"device": "cpu"})  # does not say: the first answer will

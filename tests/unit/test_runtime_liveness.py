@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tether.runtime.errors import HeartbeatLost
-from tether.runtime.liveness import LivenessMonitor, ManualClock
 from tether.runtime.loop import run
-from tether.runtime.sdnotify import Notifier
-from tether.runtime.signals import StopRequested, handle_signals
+from tether.runtime.process.sdnotify import Notifier
+from tether.runtime.process.signals import StopRequested, handle_signals
+from tether.runtime.rpc.liveness import LivenessMonitor, ManualClock
 
 
 def test_hung_probe_is_reported_after_timeout() -> None:

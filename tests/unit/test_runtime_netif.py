@@ -20,7 +20,7 @@ from tether.runtime.netif import (
     socket_ifname_env,
 )
 from tether.runtime.weight_group import host_store
-from tether.train.torchrun import rendezvous_store
+from tether.train.rank.torchrun import rendezvous_store
 
 TABLE = {
     "lo": [SimpleNamespace(family=socket.AF_INET, address="127.0.0.1")],
@@ -92,7 +92,7 @@ def test_weight_group_and_rendezvous_stores_listen_on_the_address_alone() -> Non
     port = probe.getsockname()[1]
     probe.close()
     flags = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
-    rdzv = rendezvous_store([*flags, "--node-rank=0", "-m", "tether.train.worker", "--node-rank", "1"])
+    rdzv = rendezvous_store([*flags, "--node-rank=0", "-m", "tether.train.rank.worker", "--node-rank", "1"])
     assert rdzv is not None and listening(port) == {"127.0.0.1"}
     del rdzv
     assert rendezvous_store([*flags, "--node-rank=1", "-m", "x"]) is None  # not its store to host

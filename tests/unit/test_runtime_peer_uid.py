@@ -1,4 +1,4 @@
-"""Who holds the other end of a loopback connection (tether.runtime.peer_uid), and the router
+"""Who holds the other end of a loopback connection (tether.runtime.rpc.peer_uid), and the router
 front refusing connections of another user."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from tether.rollout.router_front import RouterFront
+from tether.rollout.routing.front import RouterFront
 from tether.rollout.slime_api.utils.http_utils import HTTPStatusError, get
-from tether.runtime.peer_uid import same_user, tcp_peer_uid
+from tether.runtime.rpc.peer_uid import same_user, tcp_peer_uid
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
 

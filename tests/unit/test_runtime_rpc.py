@@ -15,9 +15,9 @@ import zmq
 
 from tether.runtime.errors import ActorDied, RemoteError, RpcTimeout
 from tether.runtime.loop import run
-from tether.runtime.rpc import RpcServer, connect, never_suspends
-from tether.runtime.secret import new_secret
-from tether.runtime.wire import Codec, Kind
+from tether.runtime.rpc.actors import RpcServer, connect, never_suspends
+from tether.runtime.rpc.secret import new_secret
+from tether.runtime.rpc.wire import Codec, Kind
 
 
 class Point(msgspec.Struct):

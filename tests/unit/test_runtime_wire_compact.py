@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tether.runtime import wire
-from tether.runtime.secret import new_secret
-from tether.runtime.wire import Codec, Direction, Kind
+from tether.runtime.rpc import wire
+from tether.runtime.rpc.secret import new_secret
+from tether.runtime.rpc.wire import Codec, Direction, Kind
 
 TAG = bytes(range(16))
 

@@ -14,18 +14,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tether.runtime import zygote as z
-from tether.runtime import zygote_client
 from tether.runtime.loop import run
-from tether.runtime.process import ProcessSpec
-from tether.runtime.secret import SECRET_ENV
-from tether.runtime.zygote_client import (
+from tether.runtime.process import zygote as z
+from tether.runtime.process import zygote_client
+from tether.runtime.process.spec import ProcessSpec
+from tether.runtime.process.zygote_client import (
     ZygoteChild,
     ZygoteClient,
     ZygoteUnavailable,
     fork_refusal,
     zygote_environment,
 )
+from tether.runtime.rpc.secret import SECRET_ENV
 
 PY = [sys.executable, "-m", "pkg.mod"]
 BASE = {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "HOME": "/root"}

@@ -13,9 +13,9 @@ from support.engines import local_plan_engine, write_key
 from tether.config import resolve
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV, authorized
 from tether.rollout.engine_api.launch import EngineLaunchConfig, build_launch
-from tether.rollout.sglang_router import RouterLaunchConfig, router_spec
+from tether.rollout.routing.sglang_router import RouterLaunchConfig, router_spec
 from tether.runtime.errors import ConfigError
-from tether.runtime.secret import read_key_file
+from tether.runtime.rpc.secret import read_key_file
 
 
 def test_key_file_is_checked_and_never_echoed(tmp_path: Path) -> None:

@@ -25,16 +25,16 @@ from test_train_checkpoint_fallback import _shard
 from test_train_checkpoint_fallback import _write as write_checkpoint
 
 from tether.rollout.engine_api.weights import PayloadRejected, decode_named_tensors, encode_named_tensors
-from tether.runtime.safe_paths import UnsafePath
+from tether.runtime.files.safe_paths import UnsafePath
 from tether.sync import cli
 from tether.sync.checkpoint_files import INDEX_NAME, CheckpointError, open_checkpoint, verify_checkpoint
 from tether.sync.delta import ChecksumMismatch, CorruptDelta, apply_delta
 from tether.sync.delta_format import DELTA_INDEX, DeltaFormatError, read_index
 from tether.sync.hf_writer import write_hf_checkpoint
 from tether.sync.local_store import LocalCheckpointStore
-from tether.train import checkpoint
-from tether.train.checkpoint_retention import resolve_protected
-from tether.train.hf_convert import HFWeights
+from tether.train.checkpoint import load_save as checkpoint
+from tether.train.checkpoint.retention import resolve_protected
+from tether.train.model.hf_convert import HFWeights
 
 CANARY = b"the canary: nothing may write here"
 

@@ -21,12 +21,12 @@ import pytest
 import zmq
 from support.wait import until
 
-from tether.runtime import wire
 from tether.runtime.errors import ActorDied, RemoteError
 from tether.runtime.loop import run
-from tether.runtime.rpc import HANDSHAKE_IVL_MS, RpcServer, connect
-from tether.runtime.secret import new_secret
-from tether.runtime.wire import Codec, Kind
+from tether.runtime.rpc import wire
+from tether.runtime.rpc.actors import HANDSHAKE_IVL_MS, RpcServer, connect
+from tether.runtime.rpc.secret import new_secret
+from tether.runtime.rpc.wire import Codec, Kind
 
 MB = 1 << 20
 

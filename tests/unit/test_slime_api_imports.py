@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from support.rollout import make_config
 
-from tether.plan_command import main_argv as plan_main
-from tether.rollout.hook_checks import check_hooks
-from tether.rollout.hooks import load_function
+from tether.commands.plan import main_argv as plan_main
+from tether.rollout.hooks.calls import load_function
+from tether.rollout.hooks.checks import check_hooks
 from tether.rollout.slime_api import finder
 from tether.rollout.slime_api.finder import RayRequired
 from tether.runtime.errors import ConfigError

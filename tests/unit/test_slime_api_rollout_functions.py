@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from support.rollout import make_config
 
-from tether.rollout.hooks import HookError
+from tether.rollout.hooks.calls import HookError
 from tether.rollout.rollout_fn import RolloutContext, using_context
-from tether.rollout.router import Router
+from tether.rollout.routing.router import Router
 from tether.rollout.sample import Sample, SampleStatus
 from tether.rollout.slime_api.bridge import eval_metrics, groups_from_slime
 from tether.rollout.slime_api.rollout.base_types import (

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 from support.rollout import make_config
 
-from tether.rollout import rewards as tether_rewards
-from tether.rollout.data_source import DataSource, PromptRecord
-from tether.rollout.hooks import (
+from tether.rollout.data.source import DataSource, PromptRecord
+from tether.rollout.hooks.calls import (
     FlatArgs,
     HookError,
     buffer_filter,
@@ -21,7 +20,8 @@ from tether.rollout.hooks import (
     call_generate_hook,
     load_function,
 )
-from tether.rollout.rewards import RewardModel
+from tether.rollout.rewards import scoring as tether_rewards
+from tether.rollout.rewards.scoring import RewardModel
 from tether.rollout.sample import Sample, SampleStatus, validate_sample
 from tether.rollout.slime_api import finder
 from tether.rollout.slime_api.args import slime_args
@@ -177,7 +177,7 @@ def test_a_generate_hook_in_slime_api_gets_and_returns_slime_samples(tmp_path: P
     assert uses_slime_api(fn) and finder.installed()
     # tether's own hooks stay in tether's API, though their modules use the slime API's glue
     assert not uses_slime_api(tether_rewards.check_reward_nonzero_std)
-    assert not uses_slime_api(load_function("tether.rollout.default_rollout.generate_rollout"))
+    assert not uses_slime_api(load_function("tether.rollout.hooks.default_rollout.generate_rollout"))
     params = {"max_new_tokens": 4}
     pending = Sample(index=0, group_index=0, rollout_id=0, tokens=[1, 2])
     [out] = asyncio.run(call_generate_hook(fn, path, make_config(), pending, params))

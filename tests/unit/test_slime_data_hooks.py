@@ -17,28 +17,28 @@ from test_train_rank_work import groups
 
 from tether.config import Config, resolve
 from tether.rollout.config import RolloutConfig
-from tether.rollout.custom_data_source import (
+from tether.rollout.data.custom_source import (
     BlankDataSource,
     HookDataSource,
     build_custom_source,
     check_data_source_class,
 )
-from tether.rollout.hook_checks import check_hooks
-from tether.rollout.hooks import flat_args, load_function
+from tether.rollout.hooks.calls import flat_args, load_function
+from tether.rollout.hooks.checks import check_hooks
 from tether.rollout.sample import Sample, SampleStatus
 from tether.rollout.slime_api.args import slime_args
 from tether.rollout.slime_api.convert import is_slime_sample
-from tether.rollout_manager import RolloutManager
+from tether.run.rollout_manager import RolloutManager
+from tether.run.train_data_hooks import check_train_data_hooks, load_train_data_hooks
 from tether.runtime.errors import ConfigError
 from tether.train.config import AlgorithmConfig
-from tether.train.rank_work import WorkOptions, rollout_steps
-from tether.train.slime_train_data import (
+from tether.train.data.hooks import TrainDataHooks
+from tether.train.data.slime_train_data import (
     TrainDataError,
     correct_sample_metrics,
     train_batch_from_train_data,
 )
-from tether.train.train_data_hooks import TrainDataHooks
-from tether.train_data_hooks import check_train_data_hooks, load_train_data_hooks
+from tether.train.rank.work import WorkOptions, rollout_steps
 
 HOOKS = """
 import torch

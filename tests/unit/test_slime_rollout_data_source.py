@@ -14,10 +14,10 @@ import torch
 
 from tether.config import Config
 from tether.rollout.config import DataConfig, RolloutConfig
-from tether.rollout.cpu_engine.tiny_model import build_tokenizer
-from tether.rollout.custom_data_source import HookDataSource, build_custom_source, check_data_source_class
-from tether.rollout.hook_checks import check_hooks
-from tether.rollout.hooks import FlatArgs
+from tether.rollout.cpu_engine.modeling.tiny_model import build_tokenizer
+from tether.rollout.data.custom_source import HookDataSource, build_custom_source, check_data_source_class
+from tether.rollout.hooks.calls import FlatArgs
+from tether.rollout.hooks.checks import check_hooks
 from tether.rollout.sample import SampleStatus
 from tether.rollout.slime_api.args import slime_args
 from tether.train.config import AlgorithmConfig
@@ -64,7 +64,7 @@ def _source(tmp: Path, tokenizer_dir: Path, name: str, *, load: Path | None = No
     )
     check_hooks(config.rollout)  # `tether plan` takes the subclass
     args = FlatArgs(config, extra=slime_args(config, router_ip=None, router_port=None))
-    from tether.rollout.data_source import load_tokenizer
+    from tether.rollout.data.source import load_tokenizer
 
     return build_custom_source(
         check_data_source_class(path),

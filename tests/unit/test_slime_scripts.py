@@ -20,9 +20,9 @@ import pytest
 from tether.config import Config, horizon_note, resolve, with_counted_epochs
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config
-from tether.rollout.hook_checks import check_hooks
+from tether.rollout.hooks.checks import check_hooks
 from tether.runtime.errors import ConfigError
-from tether.train import megatron_args
+from tether.train.model import megatron_args
 
 # --- model configs: the Hugging Face config.json each MODEL_ARGS describes ------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_slime_api_samples import _ChatTokenizer
 
-from tether.rollout.data_source import DataError, render_prompt
+from tether.rollout.data.source import DataError, render_prompt
 from tether.rollout.slime_api.rollout.sft_rollout import sft_sample
 from tether.rollout.slime_api.utils.mask_utils import MultiTurnLossMaskGenerator
 from tether.rollout.slime_api.utils.processing_utils import load_processor

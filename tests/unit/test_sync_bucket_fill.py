@@ -1,4 +1,4 @@
-"""The distributed sync's bucket filler (tether.sync.bucket_fill) and the sender's overlap of the
+"""The distributed sync's bucket filler (tether.sync.buckets.fill) and the sender's overlap of the
 export of bucket k+1 with the broadcast of bucket k, with no process and no engine: the bytes
 each bucket would put on the wire equal the tensors' bytes, in order."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from tether.sync.bucket_fill import BucketFiller
+from tether.sync.buckets.fill import BucketFiller
 from tether.sync.config import WeightSyncConfig
-from tether.sync.transport_distributed import DistributedTransport, flatten_bucket
+from tether.sync.transports.distributed import DistributedTransport, flatten_bucket
 
 CPU = torch.device("cpu")
 

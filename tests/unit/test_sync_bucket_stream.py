@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from tether.rollout.cpu_engine import tiny_model
-from tether.rollout.cpu_engine.http_api import parse_dtype
-from tether.rollout.cpu_engine.model import ModelConfig, TinyLM, WeightMismatch, read_safetensors_dir
-from tether.rollout.cpu_engine.receive import BucketReceiver
-from tether.rollout.cpu_engine.receive_stream import receive_stream
+from tether.rollout.cpu_engine.http.sglang_api import parse_dtype
+from tether.rollout.cpu_engine.modeling import tiny_model
+from tether.rollout.cpu_engine.modeling.model import ModelConfig, TinyLM, WeightMismatch, read_safetensors_dir
+from tether.rollout.cpu_engine.weights.receive import BucketReceiver
+from tether.rollout.cpu_engine.weights.receive_stream import receive_stream
 from tether.runtime.bucket_stream import StreamAborted, recv_header
 from tether.runtime.weight_group import WeightGroup, broadcast
-from tether.sync.bucket_fill import BucketFiller
-from tether.sync.bucket_pump import BucketPump, PumpStopped
+from tether.sync.buckets.fill import BucketFiller
+from tether.sync.buckets.pump import BucketPump, PumpStopped
 
 CPU = torch.device("cpu")
 

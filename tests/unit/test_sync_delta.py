@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether.runtime.atomic_file import staged_dir
+from tether.runtime.files.atomic_file import staged_dir
 from tether.sync.checkpoint_files import open_checkpoint, read_marker, verify_checkpoint
 from tether.sync.delta import (
     ChecksumMismatch,

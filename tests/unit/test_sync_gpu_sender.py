@@ -27,11 +27,12 @@ from torch.distributed import distributed_c10d as c10d
 
 from tether.runtime.bucket_stream import STREAM_CAPABILITY, STREAM_ENDPOINT
 from tether.runtime.errors import ConfigError
-from tether.sync import bucket_pump, transport_distributed
-from tether.sync.bucket_fill import BucketFiller
+from tether.sync.buckets import pump as bucket_pump
+from tether.sync.buckets.fill import BucketFiller
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import SyncFailed
-from tether.sync.transport_distributed import DistributedTransport, wire_device
+from tether.sync.transports import distributed as transport_distributed
+from tether.sync.transports.distributed import DistributedTransport, wire_device
 
 SENDER_GPU = 3
 CALLER_GPU = 5  # the thread that builds and drives the transport chose another GPU

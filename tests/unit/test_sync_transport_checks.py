@@ -9,7 +9,7 @@ import torch
 
 from tether.sync.config import WeightSyncConfig
 from tether.sync.engine_control import SyncFailed
-from tether.sync.transport_distributed import DistributedTransport
+from tether.sync.transports.distributed import DistributedTransport
 
 
 def test_config_rejects_bad_combinations() -> None:
@@ -30,7 +30,7 @@ def test_config_rejects_bad_combinations() -> None:
 
 
 def test_buckets_respect_the_size_and_keep_flattened_offsets_aligned() -> None:
-    from tether.sync.buckets import buckets
+    from tether.sync.buckets.grouping import buckets
 
     named = [
         ("a", torch.zeros(3, dtype=torch.bfloat16)),  # 6 bytes: an fp32 after it would sit at 6
@@ -51,8 +51,8 @@ def test_buckets_respect_the_size_and_keep_flattened_offsets_aligned() -> None:
 
 
 def test_engine_refuses_an_unaligned_flattened_bucket_naming_the_tensor() -> None:
-    from tether.rollout.cpu_engine.model import WeightMismatch
-    from tether.rollout.cpu_engine.receive import _check_aligned
+    from tether.rollout.cpu_engine.modeling.model import WeightMismatch
+    from tether.rollout.cpu_engine.weights.receive import _check_aligned
 
     _check_aligned(["x", "y"], [torch.bfloat16, torch.float32], [[4], [2]])  # y at 8: fine
     with pytest.raises(WeightMismatch, match=r"y: byte offset 6 .*float32 element size 4"):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.train import advantages as adv
+from tether.train.algorithms import advantages as adv
 from tether.train.config import AlgorithmConfig
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tether.rollout.sample import Sample, SampleContractError
-from tether.train.batching import (
+from tether.train.rank.batching import (
     TrainBatch,
     balanced_partition,
     build_train_batch,

@@ -1,7 +1,7 @@
 """Choosing the checkpoint to resume from when the newest complete one is damaged.
 
 Real `torch.distributed.checkpoint` files (written here without a process group) in the
-layout `train/checkpoint.py` saves; the selection itself needs no torchrun.
+layout `train/checkpoint/load_save.py` saves; the selection itself needs no torchrun.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tether.train import checkpoint
+from tether.train.checkpoint import load_save as checkpoint
 
 
 def _write(root: Path, step: int, *, digests: bool = True) -> Path:

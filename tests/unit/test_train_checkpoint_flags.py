@@ -19,16 +19,16 @@ import msgspec
 import pytest
 import torch
 
+from tether.checks.slime_flags import NOT_IMPLEMENTED
 from tether.config import Config, resolve
-from tether.job import _ckpt_step
-from tether.rollout import slime_data_state
-from tether.rollout.data_source import DataError, DataSource, DataSourceState, PromptRecord
+from tether.rollout.data import slime_state as slime_data_state
+from tether.rollout.data.source import DataError, DataSource, DataSourceState, PromptRecord
+from tether.run.job import _ckpt_step
 from tether.runtime.errors import ConfigError
-from tether.slime_flags import NOT_IMPLEMENTED
-from tether.train import megatron_args
-from tether.train.checkpoint import saved_adam_step
-from tether.train.checkpoint_layout import StartChoice, StartKind, select_checkpoint_step
-from tether.train.step import optimizer_step
+from tether.train.checkpoint.layout import StartChoice, StartKind, select_checkpoint_step
+from tether.train.checkpoint.load_save import saved_adam_step
+from tether.train.model import megatron_args
+from tether.train.rank.step import optimizer_step
 
 with warnings.catch_warnings():
     # torch.compile machinery imported by megatron.core warns about torch's own deprecations.
@@ -294,7 +294,7 @@ def test_a_finite_step_is_applied_and_with_the_check_on_the_step_is_megatrons() 
 def test_extra_state_is_asked_for_only_by_a_te_model() -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from tether.train.checkpoint_megatron import drop_extra_state, uses_transformer_engine
+    from tether.train.checkpoint.megatron import drop_extra_state, uses_transformer_engine
 
     # Megatron's TE wrappers subclass TE's modules: the class hierarchy says TE.
     te_base = type("LayerNormLinear", (torch.nn.Module,), {"__module__": "transformer_engine.pytorch.module"})
@@ -320,8 +320,8 @@ def test_a_pruned_checkpoint_takes_its_slime_data_state_along(tmp_path: Path) ->
 
     import torch.distributed.checkpoint as dcp
 
-    from tether.train import checkpoint
-    from tether.train.checkpoint_retention import prune_checkpoints
+    from tether.train.checkpoint import load_save as checkpoint
+    from tether.train.checkpoint.retention import prune_checkpoints
 
     for step in (1, 2, 3):  # complete checkpoints (tether's previous layout, as the retention tests)
         d = tmp_path / checkpoint.iter_dir_name(step)
@@ -345,8 +345,9 @@ def test_a_pruned_checkpoint_takes_its_slime_data_state_along(tmp_path: Path) ->
 
 
 def test_the_head_takes_a_foreign_checkpoints_position_from_slimes_file(tmp_path: Path) -> None:
-    from tether.job import Steps, _slime_position
-    from tether.train.protocol import LoadedState
+    from tether.run.job import _slime_position
+    from tether.run.steps import Steps
+    from tether.train.rank.protocol import LoadedState
 
     saved = {"sample_offset": 3, "epoch_id": 0, "sample_group_index": 3, "sample_index": 6, "metadata": {}}
     _slime_file(tmp_path / "rollout" / "global_dataset_state_dict_5.pt", saved)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tether.runtime.errors import ConfigError
-from tether.train import checkpoint_layout as cl
-from tether.train.checkpoint_layout import Layout, StartKind, choose_start, start_attempts
-from tether.train.checkpoint_names import alternative_keys, is_extra_state, rename_for_checkpoint
+from tether.train.checkpoint import layout as cl
+from tether.train.checkpoint.layout import Layout, StartKind, choose_start, start_attempts
+from tether.train.checkpoint.names import alternative_keys, is_extra_state, rename_for_checkpoint
 
 
 def megatron_dir(path: Path) -> Path:
@@ -209,7 +209,7 @@ def _convert_args(**kw: object) -> argparse.Namespace:
 
 
 def test_convert_checks_name_the_flag(tmp_path: Path) -> None:
-    from tether.convert_command import check
+    from tether.commands.convert import check
 
     hf = hf_dir(tmp_path / "hf")
     with pytest.raises(ConfigError, match="--nproc"):

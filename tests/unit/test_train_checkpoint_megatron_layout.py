@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tether.train import checkpoint
-from tether.train.checkpoint_retention import prune_checkpoints
+from tether.train.checkpoint import load_save as checkpoint
+from tether.train.checkpoint.retention import prune_checkpoints
 
 
 def _dist_files(d: Path, step: int) -> None:

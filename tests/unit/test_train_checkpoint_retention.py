@@ -2,7 +2,7 @@
 what it never deletes, crash-safe deletion, the flags' checks, and the head's events.
 
 The checkpoints are real: `torch.distributed.checkpoint` files of one small tensor (written
-without a process group) in the layout `train/checkpoint.py` saves, so `validate_checkpoint`
+without a process group) in the layout `train/checkpoint/load_save.py` saves, so `validate_checkpoint`
 checks them as it checks a trainer's.
 """
 
@@ -23,11 +23,12 @@ import torch.distributed.checkpoint as dcp
 from support import REPO
 
 from tether.config import help_text, resolve
-from tether.retention import CheckpointRetention
-from tether.run_dir import RunDir
+from tether.records.retention import CheckpointRetention
+from tether.records.run_dir import RunDir
 from tether.runtime.errors import ConfigError
-from tether.train import checkpoint, checkpoint_retention
-from tether.train.checkpoint_retention import (
+from tether.train.checkpoint import load_save as checkpoint
+from tether.train.checkpoint import retention as checkpoint_retention
+from tether.train.checkpoint.retention import (
     DeletedCheckpoint,
     kept_by_policy,
     prune_checkpoints,

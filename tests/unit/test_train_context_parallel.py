@@ -1,5 +1,5 @@
 """--context-parallel-size: the flag reaches Megatron's config, the parallel state and the layer spec;
-each CP rank's share of a micro-batch (tether.train.context_parallel.localize) lines up with the
+each CP rank's share of a micro-batch (tether.train.parallel.context.localize) lines up with the
 logits it computes. Numerical agreement of CP=2 with the other layouts (log-probs, losses, grad
 norms over five steps) is tests/integration/test_train_steps.py's `cp2` layout."""
 
@@ -15,9 +15,10 @@ from test_train_megatron_args import RUN, transformer
 
 from tether.config import resolve
 from tether.runtime.errors import ConfigError
-from tether.train import context_parallel, megatron_args
-from tether.train.batching import micro_batch_tensors
-from tether.train.context_parallel import CPLayout
+from tether.train.model import megatron_args
+from tether.train.parallel import context as context_parallel
+from tether.train.parallel.context import CPLayout
+from tether.train.rank.batching import micro_batch_tensors
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron's spec module imports a deprecated TE shim
@@ -66,7 +67,7 @@ def test_the_two_ranks_split_the_response_tokens_between_them() -> None:
 
 
 def test_bare_forward_input_gets_the_causal_mask_of_its_positions() -> None:
-    from tether.train.step import MicroBatch
+    from tether.train.rank.step import MicroBatch
 
     tokens = torch.arange(8).reshape(1, 8)
     mb = context_parallel.localize(MicroBatch(tokens, tokens.clone()), CPLayout(2, 1, None))
@@ -88,7 +89,7 @@ def test_the_flag_reaches_megatron_and_pads_micro_batches_to_its_chunks() -> Non
 
 
 def test_the_local_spec_gathers_keys_and_values_under_context_parallelism() -> None:
-    from tether.train import bridge
+    from tether.train.model import bridge
 
     cfg = resolve([*RUN, "--cpu-devices", "2", "--context-parallel-size", "2"])
     spec = bridge.layer_spec(transformer(cfg), False, 0)

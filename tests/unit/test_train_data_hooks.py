@@ -11,11 +11,11 @@ from support.rollout import make_config
 from test_train_rank_work import groups
 
 from tether.config import Config
+from tether.run.train_data_hooks import check_train_data_hooks, load_train_data_hooks
 from tether.runtime.errors import ConfigError
 from tether.train.config import AlgorithmConfig
-from tether.train.rank_work import WorkOptions, rollout_steps
-from tether.train.train_data_hooks import TrainDataHooks, TrainHookError
-from tether.train_data_hooks import check_train_data_hooks, load_train_data_hooks
+from tether.train.data.hooks import TrainDataHooks, TrainHookError
+from tether.train.rank.work import WorkOptions, rollout_steps
 
 HOOKS = """
 import torch

@@ -1,5 +1,5 @@
 """In-process units: HF config mapping (dense, MoE and MLA families, refusals), the conversion through
-mbridge (`tether.train.bridge`: name mapping for the local spec, TP 1/2/4 layouts, the TransformerConfig
+mbridge (`tether.train.model.bridge`: name mapping for the local spec, TP 1/2/4 layouts, the TransformerConfig
 with the HF facts mbridge drops, GLM-4 dense's bridge and layer spec), checkpoint selection on disk,
 and the CPU patch switch."""
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tether.runtime.errors import ConfigError
-from tether.train import bridge, checkpoint, megatron_cpu
-from tether.train.hf_config import ModelArch, check_architecture_flags, check_parallel, load_arch
+from tether.train.checkpoint import load_save as checkpoint
+from tether.train.model import bridge, megatron_cpu
+from tether.train.model.hf_config import ModelArch, check_architecture_flags, check_parallel, load_arch
 
 with warnings.catch_warnings():
     # torch.compile machinery imported by megatron.core and mbridge warns about torch's own deprecations.
@@ -460,7 +461,8 @@ def test_glm4_layers_carry_the_output_norms_under_both_specs(tmp_path: Path) -> 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from tether.train import bridge_glm4, bridge_spec
+    from tether.train.model import glm4 as bridge_glm4
+    from tether.train.model import spec as bridge_spec
 
     arch, b = _open(write_config(tmp_path, **GLM4), 2)
     fields = bridge.config_kwargs(
@@ -572,11 +574,11 @@ def test_cpu_patches_follow_cuda_availability() -> None:
 
 def test_local_spec_runs_what_te_spec_runs(tmp_path: Path) -> None:
     """The local spec's norms accept sequence parallelism; MLA gets a core attention taking its head
-    dims and a replicated kv down-projection (see tether.train.bridge_spec)."""
+    dims and a replicated kv down-projection (see tether.train.model.spec)."""
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from tether.train import bridge_spec
+    from tether.train.model import spec as bridge_spec
 
     hf_dir = write_config(tmp_path, model_type="deepseek_v3", **MOE["deepseek_v3"])
     arch, b = _open(hf_dir, 2)

@@ -11,7 +11,7 @@ from tether.config import resolve
 from tether.rollout.sample import Sample
 from tether.runtime.errors import ConfigError
 from tether.train.config import AlgorithmConfig
-from tether.train.rank_work import WorkOptions, rollout_steps
+from tether.train.rank.work import WorkOptions, rollout_steps
 
 CUSTOM_TIS = "support.anything.fn"  # the path is only loaded on the ranks; here it only names one
 

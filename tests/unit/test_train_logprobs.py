@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.train.logprobs import log_probs_and_entropy, response_logits, token_entropy, token_log_probs
+from tether.train.algorithms.logprobs import (
+    log_probs_and_entropy,
+    response_logits,
+    token_entropy,
+    token_log_probs,
+)
 
 
 def test_tp1_log_probs_and_entropy_match_full_softmax() -> None:
@@ -22,7 +27,7 @@ def test_tp1_log_probs_and_entropy_match_full_softmax() -> None:
 def test_response_slicing_picks_positions_that_predict_response_tokens() -> None:
     # Batch of 2 rows, seq 4; row 0 = prompt [5, 6] + response [7, 8]; row 1 = prompt [9] + response [3, 4, 2].
     from tether.rollout.sample import Sample
-    from tether.train.batching import build_train_batch, micro_batch_tensors
+    from tether.train.rank.batching import build_train_batch, micro_batch_tensors
 
     samples = [
         Sample(index=0, rollout_id=0, tokens=[5, 6, 7, 8], response_length=2, loss_mask=[1, 1], reward=0.0),
@@ -56,7 +61,9 @@ def test_temperature_divides_logits() -> None:
 def test_entropy_gradient_matches_autograd_of_full_softmax() -> None:
     torch.manual_seed(1)
     logits = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
-    from tether.train.logprobs import _VocabParallelEntropy  # its backward formula, without a process group
+    from tether.train.algorithms.logprobs import (
+        _VocabParallelEntropy,  # its backward formula, without a process group
+    )
 
     logp = torch.log_softmax(logits, -1)
     (-(logp.exp() * logp).sum(-1)).sum().backward()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.train import logprobs
+from tether.train.algorithms import logprobs
 
 
 def _case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

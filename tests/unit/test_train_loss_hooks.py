@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from support.loss_cases import hook, loaded_hooks, t, two_samples
 
+from tether.checks.loss_hooks import check_loss_hooks
 from tether.config import resolve
-from tether.loss_hook_checks import check_loss_hooks
 from tether.rollout.slime_api.args import slime_args
 from tether.runtime.errors import ConfigError
-from tether.train import losses
+from tether.train.algorithms import losses
+from tether.train.algorithms.loss_hooks import hook_args
 from tether.train.config import AlgorithmConfig
-from tether.train.loss_hooks import hook_args
 
 
 def test_cispo_clips_the_ratio_under_stop_gradient_and_keeps_every_tokens_gradient() -> None:
@@ -194,8 +194,8 @@ def test_custom_config_keys_set_flags_and_reach_every_hooks_args(tmp_path: Path)
 def test_hooks_get_each_samples_total_length_from_the_padded_micro_batch() -> None:
     from support.train_checks.launcher import make_batch
 
-    from tether.train.batching import micro_batch_tensors
-    from tether.train.step import micro_batch_total_lengths
+    from tether.train.rank.batching import micro_batch_tensors
+    from tether.train.rank.step import micro_batch_total_lengths
 
     batch = make_batch(5, seed=3)
     for multiple in (1, 4):  # sequence parallelism pads the sequence to a multiple of TP

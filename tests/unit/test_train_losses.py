@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tether.rollout.sample import Sample
-from tether.train import losses
-from tether.train.batching import (
+from tether.train.algorithms import losses
+from tether.train.config import AlgorithmConfig
+from tether.train.rank.batching import (
     build_train_batch,
     micro_batch_tensors,
     plan_micro_batches,
     shard_for_data_parallel,
 )
-from tether.train.config import AlgorithmConfig
 
 
 def t(*values: float) -> torch.Tensor:

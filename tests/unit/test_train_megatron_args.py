@@ -17,10 +17,10 @@ import torch
 
 from tether.config import Config, flag_specs, resolve
 from tether.runtime.errors import ConfigError
-from tether.train import megatron_args
-from tether.train.capabilities import Capabilities, check_capabilities
 from tether.train.config import AlgorithmConfig, MegatronConfig, stage_layers
-from tether.train.hf_config import ModelArch, check_architecture_flags
+from tether.train.model import megatron_args
+from tether.train.model.capabilities import Capabilities, check_capabilities
+from tether.train.model.hf_config import ModelArch, check_architecture_flags
 
 with warnings.catch_warnings():
     # torch.compile machinery imported by megatron.core warns about torch's own deprecations.
@@ -187,7 +187,7 @@ def test_sequence_parallel_reaches_the_config_at_tp2_and_is_off_at_tp1() -> None
 
 
 def test_sequence_parallel_runs_without_transformer_engine() -> None:
-    # The local spec's norms accept sequence parallelism (tether.train.bridge_spec), so CPU plans
+    # The local spec's norms accept sequence parallelism (tether.train.model.spec), so CPU plans
     # and GPU ranks without TE run it as TE's spec does.
     cfg = parse("--cpu-devices", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel")
     assert transformer(cfg).sequence_parallel
@@ -430,7 +430,7 @@ def test_cpu_offload_and_precision_aware_optimizer() -> None:
 
 
 def test_distributed_timeout_minutes_reaches_init_distributed() -> None:
-    from tether.train import parallel
+    from tether.train.parallel import topology as parallel
 
     cfg = parse("--distributed-timeout-minutes", "45", "--seed", "7")
     kwargs = megatron_args.init_distributed_kwargs(cfg.megatron, cfg.algorithm)
@@ -444,7 +444,7 @@ def test_distributed_timeout_minutes_reaches_init_distributed() -> None:
 
 
 def test_deterministic_mode_reaches_megatron_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tether.train import parallel
+    from tether.train.parallel import topology as parallel
 
     on = megatron_args.transformer_config_kwargs(parse("--deterministic-mode").megatron, GPU, tp_size=1)
     off = megatron_args.transformer_config_kwargs(parse().megatron, GPU, tp_size=1)
@@ -808,7 +808,7 @@ def test_micro_batch_size_plans_the_micro_batches() -> None:
     # it to the ranks' micro-batch plan (WorkOptions.micro_batch_size → plan_micro_batches).
     from support.train_checks.launcher import make_batch
 
-    from tether.train.batching import plan_micro_batches
+    from tether.train.rank.batching import plan_micro_batches
 
     size = parse("--micro-batch-size", "3").data.micro_batch_size
     plan = plan_micro_batches([make_batch(8, seed=1)], micro_batch_size=size)
@@ -1150,7 +1150,8 @@ def test_every_megatron_flag_reaches_megatron_or_is_refused() -> None:
     ],
 )
 def test_plan_and_run_refuse_alike(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from tether import plan_command, run_command
+    from tether.commands import plan as plan_command
+    from tether.commands import run as run_command
 
     for prog, main in (("tether plan", plan_command.main_argv), ("tether run", run_command.main_argv)):
         with pytest.raises(SystemExit) as exit_:
@@ -1200,7 +1201,7 @@ def test_plan_checks_the_hf_family_before_anything_starts(
 ) -> None:
     import json
 
-    from tether import plan_command
+    from tether.commands import plan as plan_command
 
     shape = {
         "vocab_size": 320,
@@ -1224,7 +1225,7 @@ def test_plan_accepts_moe_flags_that_match_the_hf_config(tmp_path: Any) -> None:
     # sequence parallelism, nothing refused.
     import json
 
-    from tether import plan_command
+    from tether.commands import plan as plan_command
 
     config = {
         "model_type": "qwen3_moe",
@@ -1266,8 +1267,8 @@ SLIME_GLM4 = """--swiglu --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 -
 def test_plan_accepts_slime_glm4_flags_that_match_the_hf_config(tmp_path: Any) -> None:
     import json
 
-    from tether import plan_command
-    from tether.train.hf_config import load_arch
+    from tether.commands import plan as plan_command
+    from tether.train.model.hf_config import load_arch
 
     config = {
         "model_type": "glm4",
@@ -1350,7 +1351,7 @@ def test_slime_moe_model_args_agree_with_their_hf_config(
     # tiny HF config of the same family: parsed (a GPU plan), then checked against the HF config.
     import json
 
-    from tether.train.hf_config import load_arch
+    from tether.train.model.hf_config import load_arch
 
     (tmp_path / "config.json").write_text(json.dumps({**TINY, **config}))
     m = parse(*model_args.split()).megatron

@@ -1,4 +1,4 @@
-"""A rank imports Megatron without Dynamo/Inductor, wandb and TensorBoard (train/megatron_cpu.py):
+"""A rank imports Megatron without Dynamo/Inductor, wandb and TensorBoard (train/model/megatron_cpu.py):
 `torch.compile` compiles at a function's first call with the same options, and the hidden modules
 are hidden only inside the block."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tether.train.megatron_cpu import deferred_compile, lean_megatron_imports
+from tether.train.model.megatron_cpu import deferred_compile, lean_megatron_imports
 
 
 def test_deferred_compile_compiles_once_at_the_first_call_with_the_same_options() -> None:

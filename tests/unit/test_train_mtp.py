@@ -24,9 +24,9 @@ import torch
 from test_train_megatron_args import ARCH
 
 from tether.runtime.errors import ConfigError
-from tether.train import bridge, megatron_args, mtp
 from tether.train.config import MegatronConfig
-from tether.train.hf_config import ModelArch, check_architecture_flags, check_mtp_layers
+from tether.train.model import bridge, megatron_args, mtp
+from tether.train.model.hf_config import ModelArch, check_architecture_flags, check_mtp_layers
 
 S, B = 10, 2  # sequence, batch
 
@@ -131,7 +131,8 @@ def one_rank() -> Iterator[Any]:
     import megatron.core.tensor_parallel.random as mrandom
     import torch.distributed as dist
 
-    from tether.train import megatron_cpu, parallel
+    from tether.train.model import megatron_cpu
+    from tether.train.parallel import topology as parallel
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -166,7 +167,7 @@ def mimo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny MiMo with every tensor perturbed (fresh norms are all ones, which would hide a swap)."""
     from safetensors.torch import load_file, save_file
 
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
     path = write_tiny_model(tmp_path_factory.mktemp("mimo") / "m", TinyModelSpec(arch="mimo", seed=4))
     f = path / "model.safetensors"
@@ -177,7 +178,7 @@ def mimo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _build(one_rank: Any, hf: Path, **flags: Any) -> tuple[Any, Any]:
-    from tether.train import model as tm
+    from tether.train.model import build as tm
 
     opts = tm.ModelOptions(hf_checkpoint=str(hf), megatron=MegatronConfig(lr_decay_style="constant", **flags))
     train = bool(flags.get("enable_mtp_training"))
@@ -331,7 +332,7 @@ def test_without_mtp_training_the_block_is_frozen_and_not_run(one_rank: Any, mim
 
 
 def test_tiny_mimo_config_names_its_mtp_layers(mimo_dir: Path) -> None:
-    from tether.train.hf_config import load_arch
+    from tether.train.model.hf_config import load_arch
 
     assert json.loads((mimo_dir / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert load_arch(mimo_dir).mtp_layers == 1

@@ -1,4 +1,4 @@
-"""tether.train.offload's storage move, on CPU tensors: views of a moved storage see the same bytes
+"""tether.train.state.offload's storage move, on CPU tensors: views of a moved storage see the same bytes
 after the round trip (the mechanism --offload-train uses on CUDA; tests/gpu/test_offload.py runs it
 on a GPU with Megatron)."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tether.train import offload
+from tether.train.state import offload
 
 
 def test_storage_round_trip_keeps_views_valid() -> None:

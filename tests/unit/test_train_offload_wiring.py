@@ -10,8 +10,8 @@ from typing import Any, cast
 
 import pytest
 
-from tether.train import offload
-from tether.train.worker import TrainerWorker
+from tether.train.rank.worker import TrainerWorker
+from tether.train.state import offload
 
 ACTOR = SimpleNamespace(chunks=[])  # no chunk: no pending parameter all-gather to land first
 

@@ -18,11 +18,11 @@ from tether.config import resolve
 from tether.rollout.sample import Sample, SampleContractError, validate_sample
 from tether.rollout.slime_api.convert import copy_back, from_slime, to_slime
 from tether.runtime.errors import ConfigError
-from tether.train.advantages import whiten
-from tether.train.batching import build_train_batch
+from tether.train.algorithms.advantages import whiten
+from tether.train.algorithms.opd_teacher import teacher_checkpoint
 from tether.train.config import AlgorithmConfig
-from tether.train.opd_teacher import teacher_checkpoint
-from tether.train.rank_work import WorkOptions, rollout_steps
+from tether.train.rank.batching import build_train_batch
+from tether.train.rank.work import WorkOptions, rollout_steps
 
 STUDENT = [[-0.5, -1.0, -0.25], [-2.0, -0.5]]  # the engine's log-probs of each response token
 TEACHER = [[-0.25, -2.0, -0.25], [-1.0, -1.5]]
@@ -319,7 +319,7 @@ def test_reward_func_asks_the_teacher_to_score_the_sample_tokens() -> None:
 
 
 def test_slime_module_path_resolves_to_ours() -> None:
-    from tether.rollout.hooks import load_function
+    from tether.rollout.hooks.calls import load_function
     from tether.rollout.slime_api.rollout import on_policy_distillation as opd_hooks
 
     assert load_function("slime.rollout.on_policy_distillation.reward_func") is opd_hooks.reward_func
@@ -328,7 +328,7 @@ def test_slime_module_path_resolves_to_ours() -> None:
 def test_the_heads_post_process_hook_keeps_the_teacher_log_probs_on_tethers_samples(tmp_path: Path) -> None:
     """--custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards gets
     slime's Samples; what it sets on them reaches the Samples the trainer's batch is built from."""
-    from tether.train_data_hooks import load_train_data_hooks
+    from tether.run.train_data_hooks import load_train_data_hooks
 
     cfg = resolve(
         [

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from tether.config import resolve
-from tether.job import _start_trainers, make_plan
 from tether.rollout.sample import Sample
+from tether.run.job import _start_trainers, make_plan
 from tether.runtime.errors import ConfigError
-from tether.train.advantages import compute_advantages
+from tether.train.algorithms.advantages import compute_advantages
+from tether.train.algorithms.critic_work import CriticWork
+from tether.train.algorithms.gae import gae, ppo_token_rewards, value_loss
 from tether.train.config import AlgorithmConfig
-from tether.train.critic import ValueHead, attach_value_head
-from tether.train.critic_work import CriticWork
-from tether.train.gae import gae, ppo_token_rewards, value_loss
-from tether.train.rank_work import WorkOptions, rollout_steps
-from tether.train.train_data_hooks import TrainDataHooks
+from tether.train.data.hooks import TrainDataHooks
+from tether.train.model.value_head import ValueHead, attach_value_head
+from tether.train.rank.work import WorkOptions, rollout_steps
 
 # Two samples: response lengths 3 and 2, values V, token rewards r, gamma 0.9, lambd 0.8 (gl = 0.72).
 # Sample 0: V = [0.5, 0.2, 0.1], r = [0, 0, 1]

@@ -1,4 +1,4 @@
-"""A rollout turned into each rank's work (tether.train.rank_work): which log-probs a step needs,
+"""A rollout turned into each rank's work (tether.train.rank.work): which log-probs a step needs,
 the shards and plans per data-parallel rank, and advantages before or after the log-probs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from tether.rollout.sample import Sample
 from tether.train.config import AlgorithmConfig
-from tether.train.rank_work import WorkOptions, rollout_steps
+from tether.train.rank.work import WorkOptions, rollout_steps
 
 
 def groups(n_groups: int, per_group: int = 2) -> list[list[Sample]]:

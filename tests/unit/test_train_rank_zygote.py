@@ -1,5 +1,5 @@
-"""Trainer ranks forked from a zygote (train/rank_zygote.py, train/rank_preload.py) and the
-head's overlapped start (head/job.py `overlap_start`): which launches fork, what the zygote
+"""Trainer ranks forked from a zygote (train/rank/zygote.py, train/rank/preload.py) and the
+head's overlapped start (head/run/job.py `overlap_start`): which launches fork, what the zygote
 imports, how a forked rank's output behaves; no process is started here (the integration
 tests' `tether run`s start their ranks this way)."""
 
@@ -15,9 +15,9 @@ import torch
 from torch.distributed.run import parse_args
 
 from tether.config import resolve
-from tether.job import overlap_start
 from tether.placement.plan import TorchrunNode
-from tether.train import rank_zygote
+from tether.run.job import overlap_start
+from tether.train.rank import zygote as rank_zygote
 
 NODE = TorchrunNode(
     node=0,
@@ -35,7 +35,7 @@ WORKER_ARGS = ["--rpc-address-dir", "/tmp/run/trainer", "--job", "trainer", "--i
 
 
 def tether_argv(*torchrun_extra: str, module: str = rank_zygote.WORKER_MODULE) -> list[str]:
-    """A torchrun command line as head/trainer_pool.py builds it."""
+    """A torchrun command line as head/run/trainer_pool.py builds it."""
     return [*NODE.torchrun_args(), *torchrun_extra, "-m", module, *WORKER_ARGS]
 
 
@@ -73,7 +73,7 @@ def test_the_zygote_imports_every_module_it_names() -> None:
     # A renamed or removed module would silently leave each rank to import it itself.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Megatron's import-time deprecations (errors under pytest)
-        from tether.train import rank_preload
+        from tether.train.rank import preload as rank_preload
 
         assert rank_preload.preload() == []
     assert rank_preload.FAILED == []

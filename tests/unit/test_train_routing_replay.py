@@ -17,7 +17,7 @@ import torch
 from support import moe_model as mm
 
 from tether.runtime.errors import ConfigError
-from tether.train.routing_replay import RoutingReplay, RoutingReplayError
+from tether.train.parallel.routing_replay import RoutingReplay, RoutingReplayError
 
 S, B = 6, 2  # sequence, batch
 
@@ -32,7 +32,7 @@ pytestmark = [
 def dist_one_rank() -> Iterator[None]:
     import torch.distributed as dist
 
-    from tether.train import parallel
+    from tether.train.parallel import topology as parallel
 
     with warnings.catch_warnings():
         # torch.compile machinery imported by megatron.core warns about torch's own deprecations.
@@ -42,7 +42,7 @@ def dist_one_rank() -> Iterator[None]:
         import megatron.core.transformer.moe.router_replay  # noqa: F401
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    # init_distributed patches torch for Megatron on CPU (tether.train.megatron_cpu); other unit
+    # init_distributed patches torch for Megatron on CPU (tether.train.model.megatron_cpu); other unit
     # tests share this process, so every patched attribute is put back afterwards.
     patched = _patch_points()
     originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
@@ -62,10 +62,10 @@ def dist_one_rank() -> Iterator[None]:
 
 
 def _patch_points() -> list[tuple[Any, str]]:
-    """Every attribute tether.train.megatron_cpu.apply() replaces."""
+    """Every attribute tether.train.model.megatron_cpu.apply() replaces."""
     import megatron.core.tensor_parallel.random as mrandom
 
-    from tether.train import megatron_cpu
+    from tether.train.model import megatron_cpu
 
     points: list[tuple[Any, str]] = [(torch, name) for name in megatron_cpu._FACTORIES]
     cuda_names = (

@@ -11,11 +11,11 @@ import pytest
 import torch
 from test_train_rank_work import groups
 
-from tether.train.advantages import whiten
+from tether.train.algorithms.advantages import whiten
+from tether.train.algorithms.shard_whitening import whiten_across_shards
 from tether.train.config import AlgorithmConfig
-from tether.train.rank_work import StepWork, WorkOptions, rollout_steps
-from tether.train.shard_whitening import whiten_across_shards
-from tether.train.train_data_hooks import TrainDataHooks
+from tether.train.data.hooks import TrainDataHooks
+from tether.train.rank.work import StepWork, WorkOptions, rollout_steps
 
 
 def test_whitening_shards_with_the_groups_sums_equals_whitening_them_together() -> None:

@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from tether.config import Config, resolve
-from tether.rollout.cpu_engine.weights_checker import CheckWeightsReq, WeightsChecker, WeightsCheckFailed
+from tether.rollout.cpu_engine.weights.checker import CheckWeightsReq, WeightsChecker, WeightsCheckFailed
 from tether.rollout.engine_api.client import EngineError
 from tether.rollout.sample import Sample
 from tether.runtime.errors import ConfigError
 from tether.train.config import AlgorithmConfig
-from tether.train.old_actor import OldActor
-from tether.train.optimizer_reset import reset_optimizer_states
-from tether.train.param_freeze import apply_freeze, freeze_params
-from tether.train.rank_work import WorkOptions, rollout_steps
-from tether.train.ref_update import ref_update_due, update_reference
-from tether.train.weight_copies import WeightCopy, live_tensors, swapped_in
+from tether.train.rank.work import WorkOptions, rollout_steps
+from tether.train.state.old_actor import OldActor
+from tether.train.state.optimizer_reset import reset_optimizer_states
+from tether.train.state.param_freeze import apply_freeze, freeze_params
+from tether.train.state.ref_update import ref_update_due, update_reference
+from tether.train.state.weight_copies import WeightCopy, live_tensors, swapped_in
 
 RUN = ["--num-rollout", "4", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
 
@@ -407,7 +407,7 @@ class FakeSteps:
 
 
 def run_check(steps: FakeSteps, publish_in_resume: bool) -> int:
-    from tether.weight_update_check import resume_checking_weight_update
+    from tether.run.weight_update_check import resume_checking_weight_update
 
     async def resume() -> int:
         steps.log.append("resume")
@@ -437,7 +437,7 @@ def test_a_resume_that_published_is_not_published_again() -> None:
 def test_a_mismatch_fails_naming_the_engine_and_the_tensor() -> None:
     message = "check tensor equality failed:\nname=model.norm.weight max_abs_err=0.5"
     steps = FakeSteps(FakeRouter([FakeEngine("e0"), FakeEngine("e1", mismatch=message)]))
-    from tether.weight_update_check import WeightUpdateMismatch
+    from tether.run.weight_update_check import WeightUpdateMismatch
 
     with pytest.raises(WeightUpdateMismatch, match="engine e1: check tensor equality failed") as err:
         run_check(steps, publish_in_resume=False)
@@ -446,12 +446,21 @@ def test_a_mismatch_fails_naming_the_engine_and_the_tensor() -> None:
 
 # ----- the pool marks where a rollout starts and ends -----
 def test_the_pool_marks_the_first_and_last_step_of_a_rollout() -> None:
-    from tether.train.protocol import TrainRequest, TrainResult, WorkerInfo
-    from tether.trainer_pool import TrainerPool
+    from tether.run.trainer_pool import TrainerPool
+    from tether.train.rank.protocol import (
+        LogProbsRequest,
+        LogProbsResult,
+        TrainRequest,
+        TrainResult,
+        WorkerInfo,
+    )
 
     seen: list[TrainRequest] = []
 
     class Rank:
+        async def compute_log_probs(self, request: LogProbsRequest) -> LogProbsResult:
+            return LogProbsResult(log_probs=np.zeros(int(request.shard.response_lengths.sum()), np.float32))
+
         async def train(self, request: TrainRequest) -> TrainResult:
             seen.append(request)
             return TrainResult(metrics={"loss": 0.0})
@@ -463,16 +472,6 @@ def test_the_pool_marks_the_first_and_last_step_of_a_rollout() -> None:
     pool.ranks = [Rank()]  # type: ignore[list-item]
     pool.infos = [WorkerInfo(rank=0, world_size=1, initialized=True)]
     pool.steps_done = 0
-
-    async def no_log_probs(step: Any) -> None:
-        step.with_log_probs(
-            {
-                m: [np.zeros(int(s.response_lengths.sum()), np.float32) for s in step.shards]
-                for m in step.log_prob_models
-            }
-        )
-
-    pool._attach_log_probs = no_log_probs  # type: ignore[method-assign]
     asyncio.run(pool.train(7, group(4), weight_version=0))
     assert [(r.rollout_id, r.first_of_rollout, r.last_of_rollout) for r in seen] == [
         (7, True, False),

@@ -84,7 +84,7 @@ class PromptDataset:
 
 def read_prompt_dataset(args: Any) -> PromptDataset:
     """`args.prompt_data` as slime's Samples, read as tether's own data source reads it."""
-    from tether.rollout.data_source import load_prompts, load_tokenizer
+    from tether.rollout.data.source import load_prompts, load_tokenizer
     from tether.runtime.errors import ConfigError
 
     if args.hf_checkpoint is None:
@@ -176,8 +176,8 @@ class RolloutDataSource(DataSource):
             return
         import torch
 
-        from tether.rollout.slime_data_state import state_path
-        from tether.runtime.atomic_file import write_bytes_atomic
+        from tether.rollout.data.slime_state import state_path
+        from tether.runtime.files.atomic_file import write_bytes_atomic
 
         data = io.BytesIO()
         torch.save(self.state_dict(), data)
@@ -189,7 +189,7 @@ class RolloutDataSource(DataSource):
             return
         import torch
 
-        from tether.rollout.slime_data_state import state_path
+        from tether.rollout.data.slime_state import state_path
 
         path = state_path(self.args.load, -1 if rollout_id is None else rollout_id)
         if not Path(path).exists():
@@ -217,7 +217,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
         self.buffer: list[list[Any]] = []
         self.buffer_filter: Callable[..., list[list[Any]]] = pop_first
         if args.buffer_filter_path is not None:
-            from tether.rollout.hook_loader import load_function
+            from tether.rollout.hooks.loader import load_function
 
             self.buffer_filter = load_function(args.buffer_filter_path, "--buffer-filter-path")
 

@@ -14,7 +14,7 @@ reward. `post_process_rewards(args, samples)` takes from each answer the log-pro
 tokens (`meta_info.input_token_logprobs`, one `[logprob, token_id, ...]` entry per input token,
 the first without a log-prob) into `sample.teacher_log_probs`, and returns zero task rewards
 (raw and processed): the learning signal is the distillation penalty the trainer adds to the
-advantages (`tether.train.opd`). A script with task rewards replaces this function with its own.
+advantages (`tether.train.algorithms.opd`). A script with task rewards replaces this function with its own.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import numpy as np
 
 from tether.rollout.engine_api.client import EngineUnavailable
 from tether.rollout.evaluation import dataset_record, eval_datasets, eval_source, generate_dataset
-from tether.rollout.hooks import load_function, maybe_await
+from tether.rollout.hooks.calls import load_function, maybe_await
 from tether.rollout.rollout_fn import (
     ENGINE_FAILURE,
     RolloutContext,
@@ -43,7 +43,7 @@ from tether.rollout.rollout_fn import (
     sampling_params,
     take_routed_experts,
 )
-from tether.rollout.router import NoEngineError
+from tether.rollout.routing.router import NoEngineError
 from tether.rollout.sample import RoutedExperts
 from tether.rollout.sample import Sample as TetherSample
 from tether.rollout.slime_api.bridge import SlimeDataSource
@@ -111,7 +111,7 @@ class GenerateState:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from tether.rollout.data_source import load_tokenizer
+            from tether.rollout.data.source import load_tokenizer
 
             path = self._ctx.rollout.hf_checkpoint
             if path is None:

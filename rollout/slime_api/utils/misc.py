@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, TypeVar
 
-from tether.rollout.hooks import load_function as _load
+from tether.rollout.hooks.calls import load_function as _load
 from tether.rollout.slime_api.finder import RayRequired
 from tether.rollout.slime_api.utils.http_utils import is_port_available
 

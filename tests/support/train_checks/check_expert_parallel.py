@@ -17,8 +17,10 @@ import common
 import torch
 import torch.distributed as dist
 
-from tether.train import model, parallel, step
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.model import build as model
+from tether.train.parallel import topology as parallel
+from tether.train.rank import step
 
 # layout -> expert-parallel size (TP=PP=1; DP=2 at EP=1, each rank holding every expert).
 LAYOUTS = {"ep1": 1, "ep2": 2}

@@ -25,8 +25,11 @@ import common
 import torch
 import torch.distributed as dist
 
-from tether.train import model, offload, parallel, step
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.model import build as model
+from tether.train.parallel import topology as parallel
+from tether.train.rank import step
+from tether.train.state import offload
 
 SFT = AlgorithmConfig(loss_type="sft_loss", lr=3e-3)
 STEPS = 3
@@ -162,7 +165,7 @@ def main() -> None:
     results = common.Results(work / "results", rank)
     hf = work / "model"
     if rank == 0 and not (hf / "config.json").exists():
-        from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+        from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
         write_tiny_model(hf, TinyModelSpec(layers=4, seed=3))
     for layout, variants in (((1, 1), DP2), ((2, 1), TP2), ((1, 2), PP2)):
@@ -180,7 +183,7 @@ def main() -> None:
             dist.barrier()
         if layout == (2, 1):
             sp = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
-            # The local spec's norms accept sequence parallelism (tether.train.bridge_spec).
+            # The local spec's norms accept sequence parallelism (tether.train.model.spec).
             results.record("tp2_sequence_parallel", lambda t=topo, f=sp: run(hf, t, f))
             dist.barrier()
     results.set("done", True)

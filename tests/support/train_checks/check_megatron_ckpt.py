@@ -6,7 +6,7 @@
    (`load_weights_only`) reads it at TP=1 (DP=2) and at PP=2: the weights equal the export's,
    and the log-probs equal a model built from the exported HF weights (bit for bit) and the
    TP=2 model's (float tolerance); so does the on-policy distillation teacher loaded from it by
-   --opd-teacher-load / --opd-teacher-ckpt-step 7 (`tether.train.opd_teacher`). A resume (`load_checkpoint`) of it at TP=1 is refused,
+   --opd-teacher-load / --opd-teacher-ckpt-step 7 (`tether.train.algorithms.opd_teacher`). A resume (`load_checkpoint`) of it at TP=1 is refused,
    naming both layouts; at TP=2 it resumes after iteration 7, optimizer included.
 2. "tether_save": at DP=2 a trained actor is saved by `checkpoint.save`; a fresh GPTModel built
    with bare Megatron calls loads it through dist_checkpointing alone (no tether code) with
@@ -39,8 +39,12 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from tether.train import checkpoint, export, model, parallel, step
+from tether.train.checkpoint import export
+from tether.train.checkpoint import load_save as checkpoint
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.model import build as model
+from tether.train.parallel import topology as parallel
+from tether.train.rank import step
 
 SFT = AlgorithmConfig(loss_type="sft_loss")
 FAMILY = "qwen2"  # qkv bias, untied embeddings
@@ -169,7 +173,7 @@ def foreign(work: Path, hf: Path, results: common.Results) -> None:
         if layout == "tp1":
             # --use-opd --opd-type megatron: the teacher from --opd-teacher-load at
             # --opd-teacher-ckpt-step 7 is that checkpoint (the same log-probs as the HF-built model).
-            from tether.train.opd_teacher import build_teacher
+            from tether.train.algorithms.opd_teacher import build_teacher
 
             teacher_cfg = AlgorithmConfig(
                 use_opd=True, opd_type="megatron", opd_teacher_load=str(ckpt), opd_teacher_ckpt_step=7
@@ -413,8 +417,8 @@ def flags(work: Path, hf: Path, results: common.Results) -> None:
 
     from megatron.core import dist_checkpointing
 
-    from tether.train import checkpoint_async
-    from tether.train.checkpoint_layout import select_checkpoint_step
+    from tether.train.checkpoint import async_save as checkpoint_async
+    from tether.train.checkpoint.layout import select_checkpoint_step
 
     topo = reinit(1, 1)
     actor = model.build_actor(options(hf), topo)

@@ -20,9 +20,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for support.*
 
-from tether.train import export, model, parallel, step
+from tether.train.checkpoint import export
 from tether.train.config import AlgorithmConfig, MegatronConfig
-from tether.train.hf_convert import HFWeights
+from tether.train.model import build as model
+from tether.train.model.hf_convert import HFWeights
+from tether.train.parallel import topology as parallel
+from tether.train.rank import step
 
 # layout -> (TP, PP, EP, CP); EP=2 (MoE families only) dispatches tokens with Megatron's alltoall,
 # and "ep2ag" with its allgather dispatcher (the families in ALLGATHER_EP only; every rank's
@@ -128,7 +131,7 @@ SFT = AlgorithmConfig(loss_type="sft_loss", lr=1e-3)
 
 def _weights(actor: model.Actor, mtp_part: bool) -> dict[str, torch.Tensor]:
     """This rank's MTP weights (`mtp_part`) or the others, copied."""
-    from tether.train.mtp import is_mtp_param
+    from tether.train.model.mtp import is_mtp_param
 
     return {
         n: p.detach().clone()

@@ -17,8 +17,11 @@ from typing import Any
 import common
 import torch
 
-from tether.train import model, offload, parallel, step
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.model import build as model
+from tether.train.parallel import topology as parallel
+from tether.train.rank import step
+from tether.train.state import offload
 
 SFT = AlgorithmConfig(loss_type="sft_loss", lr=3e-3)
 

@@ -1,5 +1,5 @@
 """torchrun --nproc-per-node 2 check_routing_replay.py WORK_DIR: MoE routing replay through tether's
-real log-prob pass and train step (tether.train.step) on a tiny Megatron MoE GPT, at DP=2 and PP=2.
+real log-prob pass and train step (tether.train.rank.step) on a tiny Megatron MoE GPT, at DP=2 and PP=2.
 
 The samples carry rollout routed experts (random, [len(tokens)-1, layers, topk]) and go through the
 trainer's own data path: Samples -> build_train_batch -> DP shards -> micro-batch plan.
@@ -32,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for supp
 
 from support import moe_model as mm
 from tether.rollout.sample import RoutedExperts, Sample, SampleStatus
-from tether.train import megatron_args, parallel, step
-from tether.train.batching import build_train_batch, plan_micro_batches, shard_for_data_parallel
 from tether.train.config import AlgorithmConfig, MegatronConfig
-from tether.train.model import unwrap
-from tether.train.routing_replay import RoutingReplay
+from tether.train.model import megatron_args
+from tether.train.model.build import unwrap
+from tether.train.parallel import topology as parallel
+from tether.train.parallel.routing_replay import RoutingReplay
+from tether.train.rank import step
+from tether.train.rank.batching import build_train_batch, plan_micro_batches, shard_for_data_parallel
 
 SFT = AlgorithmConfig(loss_type="sft_loss", lr=1e-3)
 LAYERS = 2

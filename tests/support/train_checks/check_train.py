@@ -19,8 +19,11 @@ from pathlib import Path
 import common
 import torch.distributed as dist
 
-from tether.train import checkpoint, model, parallel, step
+from tether.train.checkpoint import load_save as checkpoint
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.model import build as model
+from tether.train.parallel import topology as parallel
+from tether.train.rank import step
 
 SFT = AlgorithmConfig(loss_type="sft_loss")
 STEPS = 5

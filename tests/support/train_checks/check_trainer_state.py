@@ -1,6 +1,6 @@
 """torchrun --nproc-per-node 2 check_trainer_state.py WORK_DIR: slime's trainer-state flags on real
 Megatron ranks (TP=1, PP=2), each rank driving its own `TrainerWorker` as the head drives it (the
-same requests, built by `rank_work.rollout_steps`, with the pool's first/last-of-rollout marks).
+same requests, built by `tether.train.rank.work.rollout_steps`, with the pool's first/last-of-rollout marks).
 
 - ref_update: --use-kl-loss --ref-update-interval 2: the reference's log-probs equal the actor's
   at the start, differ after rollout 0 trained, and equal them again once rollout 1 trained.
@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from tether.rollout.sample import Sample
 from tether.runtime.errors import ConfigError
-from tether.train import step as steps_mod
 from tether.train.config import AlgorithmConfig, MegatronConfig
-from tether.train.protocol import InitRequest, LoadRequest, LogProbsRequest, SaveRequest
-from tether.train.rank_work import WorkOptions, rollout_steps
-from tether.train.weight_copies import live_tensors
-from tether.train.worker import TrainerWorker
+from tether.train.rank import step as steps_mod
+from tether.train.rank.protocol import InitRequest, LoadRequest, LogProbsRequest, SaveRequest
+from tether.train.rank.work import WorkOptions, rollout_steps
+from tether.train.rank.worker import TrainerWorker
+from tether.train.state.weight_copies import live_tensors
 
 MEGATRON = MegatronConfig(
     pipeline_model_parallel_size=2, weight_decay=0.0, adam_beta2=0.98, lr_decay_style="constant"
@@ -147,7 +147,7 @@ def adam_state(worker: TrainerWorker) -> dict[str, float]:
 
 
 async def reset(executor: ThreadPoolExecutor, hf: Path) -> dict[str, Any]:
-    from tether.train.optimizer_reset import reset_optimizer_states
+    from tether.train.state.optimizer_reset import reset_optimizer_states
 
     out: dict[str, Any] = {}
     for flag in (False, True):
@@ -288,7 +288,7 @@ def main() -> None:
     results = common.Results(work / "results", rank)
     if rank == 0:
         common.make_models(work / "models", families={"llama": {"arch": "llama"}})
-    from tether.train import parallel
+    from tether.train.parallel import topology as parallel
 
     parallel.init_distributed(1, 2, seed=1234)
     dist.barrier()

@@ -38,7 +38,7 @@ def make_models(
     """Write each family's tiny model under root (default: FAMILIES), with every weight perturbed
     (biases and norms start at 0/1 in a fresh init, which would hide layout mistakes) and its
     `config_changes` merged into config.json. Models already there are kept."""
-    from tether.rollout.cpu_engine.tiny_model import TinyModelSpec, write_tiny_model
+    from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
 
     out = {}
     for i, (name, kw) in enumerate((families or FAMILIES).items()):
@@ -89,7 +89,7 @@ class Results:
 
 def params_digest(chunks: list[Any], arch: Any) -> dict[str, float]:
     """Per-HF-tensor sums of this stage's full weights (collective over the TP group)."""
-    from tether.train.export import iter_hf_weights
+    from tether.train.checkpoint.export import iter_hf_weights
 
     return {
         name: float(t.double().sum()) + float(t.double().abs().sum())

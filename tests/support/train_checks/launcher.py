@@ -18,7 +18,7 @@ def under_shim(cmd: list[str]) -> list[str]:
     """`cmd` under tether's shim, as the head starts torchrun: what the ranks leave behind when
     they end (Megatron's async-save writer spawns a multiprocessing manager that outlives a rank's
     os._exit) is killed with the job instead of lingering through the rest of the test run."""
-    return [sys.executable, "-m", "tether.runtime.shim", "--parent-pid", str(os.getpid()), "--", *cmd]
+    return [sys.executable, "-m", "tether.runtime.process.shim", "--parent-pid", str(os.getpid()), "--", *cmd]
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 400, log: Path) -> int:
@@ -61,7 +61,7 @@ def make_batch(num_samples: int, seed: int, vocab: int = 320) -> Any:
     """A TrainBatch of random prompt+response tokens, every response token trainable."""
     import numpy as np
 
-    from tether.train.batching import TrainBatch, step_loss_weights
+    from tether.train.rank.batching import TrainBatch, step_loss_weights
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(3, 7, num_samples)
@@ -91,7 +91,7 @@ def shard_and_plan(
     batch: Any, dp_size: int, dp_rank: int, micro_batch_size: int = 2
 ) -> tuple[Any, list[list[int]]]:
     """This DP rank's shard of the step and its micro-batch plan (what the head sends)."""
-    from tether.train.batching import plan_micro_batches, shard_for_data_parallel
+    from tether.train.rank.batching import plan_micro_batches, shard_for_data_parallel
 
     shards = shard_for_data_parallel(batch, dp_size)
     plan = plan_micro_batches(shards, micro_batch_size=micro_batch_size)
@@ -101,7 +101,7 @@ def shard_and_plan(
 def start_worker_job(
     address_dir: Path, secret_hex: str, log: Path, nproc: int = 2
 ) -> subprocess.Popen[bytes]:
-    """Start `torchrun -m tether.train.worker` (its own session, so the test can kill its group)."""
+    """Start `torchrun -m tether.train.rank.worker` (its own session, so the test can kill its group)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TETHER_SECRET=secret_hex)
     cmd = [
         sys.executable,
@@ -110,7 +110,7 @@ def start_worker_job(
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "tether.train.worker",
+        "tether.train.rank.worker",
         "--rpc-address-dir",
         str(address_dir),
     ]

@@ -3,7 +3,7 @@
 `slice_log_prob_with_cp`).
 
 Under context parallelism tether hands the loss (and these hooks) every response token of a sample
-on every CP rank (`tether.train.context_parallel.full_response`), not a rank's share as slime does:
+on every CP rank (`tether.train.parallel.context.full_response`), not a rank's share as slime does:
 gathering a sample's response over the CP group and slicing "this rank's share" of what the hook
 computed both give the tensor back unchanged, and the loss stays over whole responses.
 """

@@ -2,7 +2,7 @@
 
 `async_rm(args, sample)` scores one slime Sample: with the sample's own `custom_rm_path`, else
 --custom-rm-path, else by `rm_type` (the sample's `metadata["rm_type"]`, else --rm-type):
-math, deepscaler, dapo, f1, gpqa, ifbench, random (see `tether.rollout.rule_rewards`), remote_rm
+math, deepscaler, dapo, f1, gpqa, ifbench, random (see `tether.rollout.rewards.rules`), remote_rm
 (POST {"prompt", "response", "label"} to --rm-url; its JSON answer is the reward), exact_match
 (tether's whitespace-normalised equality), and boxed_<type> (<type> on the last \\boxed{} of the
 response). `batched_async_rm(args, samples)` calls --custom-rm-path once with the whole list
@@ -15,10 +15,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from tether.rollout.hooks import load_function, maybe_await
-from tether.rollout.reward_types import BASE_TYPES, RULE_TYPES, split_rm_type
-from tether.rollout.rewards import exact_match
-from tether.rollout.rule_rewards import rule_reward
+from tether.rollout.hooks.calls import load_function, maybe_await
+from tether.rollout.rewards.rules import rule_reward
+from tether.rollout.rewards.scoring import exact_match
+from tether.rollout.rewards.types import BASE_TYPES, RULE_TYPES, split_rm_type
 from tether.rollout.slime_api.rollout.rm_hub.math_utils import extract_answer as extract_boxed_answer
 from tether.rollout.slime_api.rollout.rm_hub.math_utils import grade_answer_verl
 from tether.rollout.slime_api.utils.http_utils import post

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tether.rollout.rule_rewards import boxed_content, grade_boxed_math, grade_mathd, grade_sympy
+from tether.rollout.rewards.rules import boxed_content, grade_boxed_math, grade_mathd, grade_sympy
 
 
 def extract_answer(passage: str) -> str | None:

@@ -1,0 +1,551 @@
+"""Hugging Face config.json → the architecture tether builds in Megatron.
+
+`ModelArch` is read from config.json directly (no transformers or torch import: the head checks a
+plan with it before anything starts) and holds the facts callers need: vocabulary and its padding,
+tied embeddings, layers, attention shape, MoE routing and multi-latent attention. The Megatron
+`TransformerConfig` itself comes from mbridge through `tether.train.model.bridge`. Both rope layouts are
+accepted: transformers 5 (`rope_parameters`) and earlier (`rope_theta` + `rope_scaling`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tether.runtime.errors import ConfigError
+from tether.train.config import stage_layers
+
+# mimo: Qwen2 plus multi-token-prediction layers (built with --mtp-num-layers: tether.train.model.mtp).
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+# Families whose checkpoints carry multi-token-prediction layers (num_nextn_predict_layers):
+# MiMo's under model.mtp_layers.{i}, DeepSeek-V3's and GLM-4.5's as model.layers.{L + i}.
+MTP_MODEL_TYPES = ("mimo", "deepseek_v3", "glm4_moe")
+
+# Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
+# (GLM-4 dense was here until its sandwich norms were built: tether.train.model.glm4.)
+REFUSED_MODEL_TYPES: dict[str, str] = {}
+
+# Megatron's llama3 RoPE scaling hard-codes these; other values cannot be represented.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# YaRN parameters of multi-latent attention (DeepSeek), under their Megatron MLATransformerConfig names.
+_YARN_KEYS = {
+    "factor": "rotary_scaling_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A decoder's shape, in HF terms: enough to build it in Megatron, check flags and plans against it."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    norm_epsilon: float
+    rope_theta: float
+    rope_scaling_factor: float | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+    vocab_multiple: int = 1
+    """--make-vocab-size-divisible-by: embedding rows are padded to a multiple of this times TP."""
+    rotary_percent: float = 1.0
+    """Share of the head dim that RoPE rotates (GLM's partial_rotary_factor)."""
+    rotary_interleaved: bool = False
+    """RoPE rotates adjacent pairs (GLM-4 dense: Megatron's --rotary-interleaved), not the two halves."""
+    post_sublayer_norms: bool = False
+    """GLM-4 dense's sandwich norms: attention's and the MLP's outputs are normalized again before
+    the residual add (HF post_self_attn_layernorm / post_mlp_layernorm; Megatron's
+    --post-self-attn-layernorm / --post-mlp-layernorm)."""
+    # Mixture of experts (num_experts None: dense).
+    num_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    """Qwen2-MoE's sigmoid gate on the shared expert's output."""
+    moe_layer_freq: tuple[int, ...] | None = None
+    """Per layer: 1 for an MoE layer, 0 for a dense one."""
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (no renormalization): HF's norm_topk_prob=False."""
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    """The router holds a per-expert bias for selection (HF's e_score_correction_bias)."""
+    # Multi-latent attention (DeepSeek).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    yarn: tuple[tuple[str, float], ...] | None = None
+    """MLA's YaRN rope scaling, as (MLATransformerConfig field, value) pairs; None: plain RoPE."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint holds (num_nextn_predict_layers; MTP_MODEL_TYPES)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Vocab rounded up to a multiple of `vocab_multiple` x TP (rows split evenly on TP).
+
+        By default only TP divisibility is required; padding further (Megatron-LM's 128) adds
+        logits that real tokens' softmax excludes (`step.mask_padded_vocab`).
+        """
+        multiple = self.vocab_multiple * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def _field(cfg: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in cfg:
+        raise ConfigError(f"{path}:{key}", None, "missing from the Hugging Face config")
+    return cfg[key]
+
+
+def _first(cfg: dict[str, Any], path: Path, *keys: str) -> Any:
+    """The first of `keys` present (transformers renamed some fields between versions)."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    raise ConfigError(f"{path}:{keys[0]}", None, "missing from the Hugging Face config")
+
+
+def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, float | None]:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3" and cfg.get("model_type") == "llama":
+        source = params if params.get("rope_type") == "llama3" else scaling
+        for key, want in _LLAMA3_FIXED.items():
+            if key in source and float(source[key]) != want:
+                raise ConfigError(
+                    f"{path}:rope {key}", source[key], f"Megatron's llama3 RoPE supports only {want}"
+                )
+        return float(theta), float(source.get("factor", 8.0))
+    if rope_type == "yarn" and cfg.get("model_type") == "deepseek_v3":
+        return float(theta), None  # read by _yarn
+    raise ConfigError(
+        f"{path}:rope_type", rope_type, "supported: default, llama3 (llama), yarn (deepseek_v3)"
+    )
+
+
+def _yarn(cfg: dict[str, Any]) -> tuple[tuple[str, float], ...] | None:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if (params.get("rope_type") or params.get("type")) != "yarn":
+        return None
+    return tuple((field, float(params[key])) for key, field in _YARN_KEYS.items() if key in params)
+
+
+def check_model_type(model_type: object, path: str | Path) -> str:
+    """The family, or a refusal naming why it cannot be built (at plan time and on the ranks)."""
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ConfigError(f"{path}:model_type", model_type, REFUSED_MODEL_TYPES[str(model_type)])
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{path}:model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return str(model_type)
+
+
+def _moe_layer_freq(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
+    """Which layers are MoE: DeepSeek/GLM's first_k_dense_replace, Qwen-MoE's decoder_sparse_step and
+    mlp_only_layers (both as transformers reads them)."""
+    if model_type in ("deepseek_v3", "glm4_moe"):
+        dense = int(cfg.get("first_k_dense_replace") or 0)
+        return tuple(0 if i < dense else 1 for i in range(layers))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        return tuple(1 if i not in only_mlp and (i + 1) % step == 0 else 0 for i in range(layers))
+    return (1,) * layers
+
+
+def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -> dict[str, Any]:
+    topk = int(_field(cfg, "num_experts_per_tok", path))
+    out: dict[str, Any] = {
+        "moe_router_topk": topk,
+        "moe_layer_freq": _moe_layer_freq(cfg, model_type, layers),
+    }
+    if model_type == "mixtral":
+        # Mixtral renormalizes the top-k softmax probabilities: top-k on logits, then softmax.
+        out.update(num_experts=int(_first(cfg, path, "num_local_experts", "num_experts")))
+        out.update(moe_ffn_hidden_size=int(_field(cfg, "intermediate_size", path)))
+        return out
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        out["num_experts"] = int(_first(cfg, path, "num_experts", "num_local_experts"))
+        out["moe_ffn_hidden_size"] = int(_field(cfg, "moe_intermediate_size", path))
+        out["moe_router_pre_softmax"] = not cfg.get("norm_topk_prob", model_type == "qwen3_moe")
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe" and shared:
+            out["moe_shared_expert_intermediate_size"] = shared
+            out["moe_shared_expert_gate"] = True
+        return out
+    # deepseek_v3, glm4_moe: sigmoid scores, selection bias, group-limited routing, scaled weights.
+    experts = int(_field(cfg, "n_routed_experts", path))
+    out.update(
+        num_experts=experts,
+        moe_ffn_hidden_size=int(_field(cfg, "moe_intermediate_size", path)),
+        moe_router_score_function="sigmoid",
+        moe_router_pre_softmax=True,
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+    )
+    shared = int(cfg.get("n_shared_experts") or 0)
+    if shared:
+        out["moe_shared_expert_intermediate_size"] = shared * out["moe_ffn_hidden_size"]
+    if topk > 1 and not cfg.get("norm_topk_prob", True):
+        # Megatron always renormalizes sigmoid top-k weights (moe_utils.topk_routing_with_score_function).
+        raise ConfigError(
+            f"{path}:norm_topk_prob", False, "Megatron renormalizes sigmoid top-k weights whenever top-k > 1"
+        )
+    groups = int(cfg.get("n_group") or 1)
+    if groups > 1:
+        group_topk = int(_field(cfg, "topk_group", path))
+        if topk // group_topk != 2:
+            # HF scores a group by its best 2 experts; Megatron by its best top-k / group-top-k.
+            raise ConfigError(
+                f"{path}:topk_group",
+                group_topk,
+                f"Megatron scores a group by its top num_experts_per_tok/topk_group = {topk}//{group_topk} "
+                "experts and the Hugging Face model by its top 2; they differ",
+            )
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    return out
+
+
+def load_arch(hf_dir: str | Path) -> ModelArch:
+    """Read `hf_dir/config.json`; reject families and features tether cannot build exactly."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError("--hf-checkpoint", str(hf_dir), "has no config.json") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(str(path), str(e), "not valid JSON") from e
+    model_type = check_model_type(_field(cfg, "model_type", path), path)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{path}:hidden_act", cfg["hidden_act"], "only silu (SwiGLU) is supported")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(f"{path}:mlp_bias", True, "MLP biases are not supported")
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{path}:use_sliding_window", True, "sliding-window attention is not supported")
+    hidden = int(_field(cfg, "hidden_size", path))
+    heads = int(_field(cfg, "num_attention_heads", path))
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    if heads % groups:
+        raise ConfigError(f"{path}:num_key_value_heads", groups, f"must divide num_attention_heads={heads}")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    # Qwen2(-MoE) always has q/k/v biases; the others have them when attention_bias is set, and then
+    # (except GLM-4.5) o_proj has one too, which Megatron's add_qkv_bias cannot express.
+    if model_type in ("qwen2", "qwen2_moe", "mimo"):
+        qkv_bias = True
+    elif model_type == "glm4":
+        qkv_bias = bool(cfg.get("attention_bias", True))  # transformers' Glm4Config default
+    elif model_type == "glm4_moe":
+        qkv_bias = bool(cfg.get("attention_bias"))
+    elif cfg.get("attention_bias"):
+        raise ConfigError(f"{path}:attention_bias", True, "o_proj bias is not supported")
+    else:
+        qkv_bias = False
+    theta, factor = _rope(cfg, path)
+    layers = int(_field(cfg, "num_hidden_layers", path))
+    params = cfg.get("rope_parameters") or {}
+    # transformers' Glm4Config rotates half the head dim when the config names no factor.
+    default_rotary = 0.5 if model_type == "glm4" else 1.0
+    extra: dict[str, Any] = {
+        "rotary_percent": float(
+            params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_rotary))
+        )
+    }
+    if model_type == "glm4":
+        # Glm4DecoderLayer's extra norms; Glm4's apply_rotary_pos_emb rotates interleaved pairs.
+        extra.update(post_sublayer_norms=True, rotary_interleaved=True)
+    if model_type in MOE_MODEL_TYPES:
+        extra.update(_moe_fields(cfg, model_type, path, layers))
+    if model_type in MTP_MODEL_TYPES:
+        extra["mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
+    if model_type == "deepseek_v3":
+        q_lora = cfg.get("q_lora_rank")
+        extra.update(
+            multi_latent_attention=True,
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(_field(cfg, "kv_lora_rank", path)),
+            qk_head_dim=int(_field(cfg, "qk_nope_head_dim", path)),
+            qk_pos_emb_head_dim=int(_field(cfg, "qk_rope_head_dim", path)),
+            v_head_dim=int(_field(cfg, "v_head_dim", path)),
+            yarn=_yarn(cfg),
+        )
+        head_dim = extra["qk_head_dim"] + extra["qk_pos_emb_head_dim"]
+    # DeepSeek's MLA normalizes its compressed q and kv (Megatron's --qk-layernorm with MLA).
+    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "deepseek_v3") or (
+        model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))
+    )
+    return ModelArch(
+        model_type=model_type,
+        vocab_size=int(_field(cfg, "vocab_size", path)),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_field(cfg, "intermediate_size", path)),
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling_factor=factor,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_layernorm=qk_layernorm,
+        **extra,
+    )
+
+
+def check_parallel(
+    arch: ModelArch,
+    tp_size: int,
+    pp_size: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    *,
+    ep_size: int = 1,
+    etp_size: int | None = None,
+    sequence_parallel: bool | None = None,
+) -> None:
+    """Reject TP/PP/EP sizes (and uneven stage sizes) the model cannot be split by, naming the flag.
+
+    `sequence_parallel` (--sequence-parallel; None: not known here): Megatron trains MoE layers at
+    TP > 1 only with sequence parallelism (`MoELayer.forward` refuses otherwise, as Megatron-LM's
+    argument checks do), so a run without it is refused before it starts.
+    """
+    if arch.is_moe and tp_size > 1 and sequence_parallel is False:
+        raise ConfigError(
+            "--tensor-model-parallel-size",
+            tp_size,
+            f"an MoE model ({arch.model_type}) trains at TP > 1 only with --sequence-parallel "
+            "(Megatron's rule); add it",
+        )
+    if arch.num_query_groups % tp_size or arch.num_attention_heads % tp_size:
+        raise ConfigError(
+            "--tensor-model-parallel-size",
+            tp_size,
+            f"must divide num_key_value_heads={arch.num_query_groups} and heads={arch.num_attention_heads}",
+        )
+    if arch.ffn_hidden_size % tp_size and (arch.moe_layer_freq is None or 0 in arch.moe_layer_freq):
+        raise ConfigError(
+            "--tensor-model-parallel-size", tp_size, f"must divide intermediate_size={arch.ffn_hidden_size}"
+        )
+    if arch.moe_shared_expert_intermediate_size and arch.moe_shared_expert_intermediate_size % tp_size:
+        raise ConfigError(
+            "--tensor-model-parallel-size",
+            tp_size,
+            f"must divide the shared experts' size {arch.moe_shared_expert_intermediate_size}",
+        )
+    if arch.is_moe:
+        assert arch.num_experts is not None and arch.moe_ffn_hidden_size is not None
+        if arch.num_experts % ep_size:
+            raise ConfigError(
+                "--expert-model-parallel-size", ep_size, f"must divide the {arch.num_experts} experts"
+            )
+        etp = etp_size if etp_size is not None else tp_size
+        if etp != tp_size:
+            # Measured on a tiny qwen3_moe at TP=2, ETP=1: the first step's loss matches, the grad
+            # norm and the following steps do not (the expert gradients' reduction over the
+            # separate expert groups is not right yet).
+            raise ConfigError(
+                "--expert-tensor-parallel-size",
+                etp,
+                f"tether trains MoE models with experts split like the dense layers: it must equal "
+                f"--tensor-model-parallel-size={tp_size}",
+            )
+        if arch.moe_ffn_hidden_size % etp:
+            flag = "--expert-tensor-parallel-size" if etp_size is not None else "--tensor-model-parallel-size"
+            raise ConfigError(
+                flag, etp, f"must divide the experts' moe_intermediate_size={arch.moe_ffn_hidden_size}"
+            )
+    elif ep_size != 1 or etp_size not in (None, 1):
+        flag, value = (
+            ("--expert-model-parallel-size", ep_size)
+            if ep_size != 1
+            else ("--expert-tensor-parallel-size", etp_size)
+        )
+        raise ConfigError(flag, value, f"the Hugging Face model ({arch.model_type}) has no experts")
+    stage_layers(
+        arch.num_layers,
+        pp_size,
+        first_stage_layers,
+        last_stage_layers,
+        layers_flag="num_hidden_layers of the Hugging Face config",
+    )
+
+
+def parse_moe_layer_freq(value: str, num_layers: int, flag: str = "--moe-layer-freq") -> tuple[int, ...]:
+    """Megatron's --moe-layer-freq: an integer N (an MoE layer every N layers, from the first) or a
+    Python list expression of 0/1 per layer such as "[0]*1+[1]*2"; read without eval."""
+    import ast
+
+    def evaluate(node: ast.AST) -> int | list[int]:
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, int)
+            and not isinstance(node.value, bool)
+        ):
+            return node.value
+        if isinstance(node, ast.List):
+            items = [evaluate(e) for e in node.elts]
+            if not all(isinstance(i, int) for i in items):
+                raise ValueError("nested lists")
+            return [int(i) for i in items]  # type: ignore[arg-type]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult | ast.Add):
+            left, right = evaluate(node.left), evaluate(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+                return left * right
+            if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, list):
+                return right * left
+        raise ValueError(ast.dump(node))
+
+    try:
+        got = evaluate(ast.parse(value.strip(), mode="eval").body)
+    except (SyntaxError, ValueError) as e:
+        raise ConfigError(flag, value, "must be an integer or a list expression such as [0]*1+[1]*3") from e
+    if isinstance(got, int):
+        if got < 1:
+            raise ConfigError(flag, value, "must be >= 1")
+        return tuple(1 if i % got == 0 else 0 for i in range(num_layers))
+    if len(got) != num_layers or any(v not in (0, 1) for v in got):
+        raise ConfigError(flag, value, f"must list 0 or 1 for each of the {num_layers} layers")
+    return tuple(got)
+
+
+def transformer_shape(arch: ModelArch) -> dict[str, int]:
+    """The decoder's shape under the names Megatron's TransformerConfig and its flags share."""
+    return {
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "ffn_hidden_size": arch.ffn_hidden_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_query_groups": arch.num_query_groups,
+        "kv_channels": arch.head_dim,
+    }
+
+
+def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
+    """Reject Megatron architecture flags (from a slime script) that disagree with the HF config."""
+    yarn = dict(arch.yarn or ())
+    expected: dict[str, object] = {
+        **transformer_shape(arch),
+        "vocab_size": arch.vocab_size,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "rotary_base": arch.rope_theta,
+        "norm_epsilon": arch.norm_epsilon,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "add_qkv_bias": arch.qkv_bias,
+        "qk_layernorm": arch.qk_layernorm,
+        "untie_embeddings_and_output_weights": not arch.tie_word_embeddings,
+        "position_embedding_type": "rope",
+        "use_rotary_position_embeddings": True,
+        "disable_bias_linear": True,
+        "group_query_attention": arch.num_query_groups != arch.num_attention_heads,
+        "rotary_percent": arch.rotary_percent,
+        "rotary_interleaved": arch.rotary_interleaved,
+        "post_self_attn_layernorm": arch.post_sublayer_norms,
+        "post_mlp_layernorm": arch.post_sublayer_norms,
+        # Mixture of experts and multi-latent attention: properties of the checkpoint too.
+        "num_experts": arch.num_experts,
+        "moe_router_topk": arch.moe_router_topk,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
+        "moe_router_score_function": arch.moe_router_score_function if arch.is_moe else None,
+        "moe_router_num_groups": arch.moe_router_num_groups,
+        "moe_router_group_topk": arch.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": arch.moe_router_topk_scaling_factor,
+        "moe_router_enable_expert_bias": arch.moe_router_enable_expert_bias,
+        "moe_router_pre_softmax": arch.moe_router_pre_softmax if arch.is_moe else False,
+        "multi_latent_attention": arch.multi_latent_attention,
+        "q_lora_rank": arch.q_lora_rank,
+        "kv_lora_rank": arch.kv_lora_rank,
+        "qk_head_dim": arch.qk_head_dim,
+        "qk_pos_emb_head_dim": arch.qk_pos_emb_head_dim,
+        "v_head_dim": arch.v_head_dim,
+        "rotary_scaling_factor": yarn.get("rotary_scaling_factor", arch.rope_scaling_factor or 1.0),
+        "mscale": yarn.get("mscale", 1.0),
+        "mscale_all_dim": yarn.get("mscale_all_dim", 1.0),
+    }
+    if arch.multi_latent_attention:
+        # MLA's head dims are --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim (checked above);
+        # Megatron does not size MLA by --kv-channels, which slime's scripts set to the value dim.
+        del expected["kv_channels"]
+    if arch.is_moe and arch.moe_router_num_groups is None:
+        # One expert group (n_group=1) is the same routing as none.
+        expected["moe_router_num_groups"] = 1 if flags.get("moe_router_num_groups") == 1 else None
+        expected["moe_router_group_topk"] = 1 if flags.get("moe_router_group_topk") == 1 else None
+    check_mtp_layers(arch, flags.get("mtp_num_layers"))
+    seq_length = flags.get("seq_length")
+    if isinstance(seq_length, int) and seq_length > arch.max_position_embeddings:
+        raise ConfigError(
+            "--seq-length",
+            seq_length,
+            f"exceeds max_position_embeddings={arch.max_position_embeddings} of the Hugging Face config",
+        )
+    freq = flags.get("moe_layer_freq")
+    if isinstance(freq, str):
+        pattern = parse_moe_layer_freq(freq, arch.num_layers)
+        if pattern != arch.moe_layer_freq:
+            raise ConfigError(
+                "--moe-layer-freq",
+                freq,
+                f"gives MoE layers {list(pattern)}; the Hugging Face config ({arch.model_type}) has "
+                f"{list(arch.moe_layer_freq) if arch.moe_layer_freq else 'no experts'}",
+            )
+    for name, value in flags.items():
+        if name not in expected:
+            continue  # sequence length, vocab padding, kernels: not properties of the checkpoint
+        want = expected[name]
+        if isinstance(want, float) and isinstance(value, int | float):
+            same = abs(float(value) - want) <= 1e-12 * max(1.0, abs(want))
+        else:
+            same = value == want
+        if not same:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(flag, value, f"the Hugging Face config ({arch.model_type}) has {want!r}")
+
+
+def check_mtp_layers(arch: ModelArch, mtp_num_layers: object) -> None:
+    """--mtp-num-layers builds that many of the checkpoint's MTP layers, loaded from its weights: the
+    family must have MTP layers and the checkpoint at least that many (0/unset: none built)."""
+    if not mtp_num_layers:
+        return
+    if arch.model_type not in MTP_MODEL_TYPES:
+        raise ConfigError(
+            "--mtp-num-layers",
+            mtp_num_layers,
+            f"the Hugging Face config ({arch.model_type}) has no multi-token-prediction layers; "
+            f"families with them: {', '.join(MTP_MODEL_TYPES)}",
+        )
+    if not isinstance(mtp_num_layers, int) or mtp_num_layers > arch.mtp_layers:
+        raise ConfigError(
+            "--mtp-num-layers",
+            mtp_num_layers,
+            f"the Hugging Face config ({arch.model_type}) has num_nextn_predict_layers={arch.mtp_layers}",
+        )
