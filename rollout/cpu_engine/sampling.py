@@ -12,6 +12,7 @@ distribution.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -40,6 +41,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    json_schema: str | None = None
+    """The output must be one JSON document matching this schema (a JSON text, SGLang's field),
+    then the end; the keywords `constrained.schema_node` enforces."""
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, object, bool, str]] = [
@@ -57,6 +61,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name, value, ok, why in checks:
             if not ok:
                 raise ValueError(f"sampling_params.{name}={value!r}: {why}")
+        if self.json_schema is not None:
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise ValueError(
+                    f"sampling_params.json_schema={self.json_schema[:80]!r}: not JSON ({e})"
+                ) from None
 
     @property
     def greedy(self) -> bool:

@@ -16,7 +16,9 @@ does for a rule-based `rm_type`:
     random      0 or 1 at random
     boxed_<t>   <t> on the contents of the response's last \\boxed{} ("" without one)
 
-`exact_match` and `remote_rm` are scored by tether.rollout.rewards.scoring.
+The pieces are public because slime's rm_hub modules (`tether.rollout.slime_api.rollout.rm_hub.*`)
+expose them under slime's names: one implementation serves both. `exact_match` and `remote_rm` are
+scored by tether.rollout.rewards.scoring.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import random
 import re
 import string
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tether.rollout.rewards.types import (
@@ -39,11 +41,8 @@ from tether.rollout.rewards.types import (
 
 
 # ----- boxed answers -----
-def boxed_content(text: str) -> str | None:
-    """Contents of the last `\\boxed{...}` (balanced braces); None without one or when unclosed."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
+def _through_closing_brace(text: str, start: int) -> str | None:
+    """`text` from `start` to the `}` that brings the brace count back to zero; None if none does."""
     depth = 0
     for pos in range(start, len(text)):
         ch = text[pos]
@@ -52,10 +51,30 @@ def boxed_content(text: str) -> str | None:
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                whole = text[start : pos + 1]
-                prefix = "\\boxed{"
-                return whole[len(prefix) : -1] if whole.startswith(prefix) else None
+                return text[start : pos + 1]
     return None
+
+
+def last_boxed(text: str) -> str | None:
+    """The last `\\boxed...}` of `text` as written (else the last `\\fbox...}`), braces balanced;
+    None without one or when it never closes."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        start = text.rfind("\\fbox")
+    return None if start < 0 else _through_closing_brace(text, start)
+
+
+def unbox(boxed: str | None) -> str | None:
+    """What a `\\boxed{...}` encloses; None for anything else (an `\\fbox{}`, None)."""
+    prefix = "\\boxed{"
+    if isinstance(boxed, str) and boxed.startswith(prefix) and boxed.endswith("}"):
+        return boxed[len(prefix) : -1]
+    return None
+
+
+def boxed_content(text: str) -> str | None:
+    """Contents of the last `\\boxed{...}` (balanced braces); None without one or when unclosed."""
+    return unbox(last_boxed(text)) if "\\boxed" in text else None
 
 
 # ----- Hendrycks (MATH) string normalisation -----
@@ -191,7 +210,7 @@ def sympy_normalize(expr: str | None) -> str | None:
     """An answer as plain lower-case text sympy can parse: units, $, % and LaTeX removed."""
     if expr is None:
         return None
-    whole_text = re.fullmatch(r"\\text\{(.+?)\}", expr)
+    whole_text = re.match(r"\\text\{(.+?)\}$", expr)  # `$`: a final newline may follow, as in slime
     if whole_text is not None:
         expr = whole_text.group(1)
     expr = expr.replace("\\%", "%").replace("\\$", "$").replace("$", "").replace("%", "")
@@ -224,18 +243,34 @@ def sympy_normalize(expr: str | None) -> str | None:
     return expr
 
 
-def _may_evaluate(expr: str) -> bool:
-    letters = {ch for ch in expr.replace("sqrt", "").replace("frac", "") if ch.isalpha()}
-    if len(letters) > 2 or "^{" in expr or "^(" in expr:
+SYMPY_BAD_SUBSTRINGS = ("^{", "^(")
+SYMPY_BAD_REGEXES = (r"\^[0-9]+\^", r"\^[0-9][0-9]+")
+"""What makes sympy hang on an expression: such an answer is not handed to it."""
+TUPLE_BRACKETS = "()[]"
+
+
+def unknown_letters(expr: str) -> int:
+    """How many distinct letters `expr` uses besides those of `sqrt` and `frac`."""
+    return len({ch for ch in expr.replace("sqrt", "").replace("frac", "") if ch.isalpha()})
+
+
+def may_evaluate(expr: str) -> bool:
+    """Whether sympy may be given `expr`: text and towers of powers can make it hang."""
+    if unknown_letters(expr) > 2 or any(bad in expr for bad in SYMPY_BAD_SUBSTRINGS):
         return False
-    return re.search(r"\^[0-9]+\^", expr) is None and re.search(r"\^[0-9][0-9]+", expr) is None
+    return all(re.search(bad, expr) is None for bad in SYMPY_BAD_REGEXES)
+
+
+def sympy_equal(truth: str, given: str) -> bool:
+    """Whether `(truth)-(given)` simplifies to 0 (both already normalised); False when not tried."""
+    return _sympy_zero(f"({truth})-({given})")
 
 
 def _sympy_zero(expr: str) -> bool:
     import sympy
     from sympy.parsing import sympy_parser
 
-    if not _may_evaluate(expr):
+    if not may_evaluate(expr):
         return False
     names = {k: v for k, v in vars(sympy).items() if not k.startswith("_")}
     transformations = (
@@ -254,13 +289,13 @@ def _sympy_zero(expr: str) -> bool:
         return False
 
 
-def _tuple_items(expr: str) -> list[str]:
+def tuple_items(expr: str) -> list[str]:
+    """The elements of a tuple or interval `(a,b]` (after dropping thousands separators), else [expr]."""
     expr = _drop_thousands_commas(expr)
     if not expr:
         return []
-    brackets = "()[]"
-    if len(expr) > 2 and expr[0] in brackets and expr[-1] in brackets:
-        if not any(ch in brackets for ch in expr[1:-1]):
+    if len(expr) > 2 and expr[0] in TUPLE_BRACKETS and expr[-1] in TUPLE_BRACKETS:
+        if not any(ch in TUPLE_BRACKETS for ch in expr[1:-1]):
             return [item.strip() for item in expr[1:-1].split(",")]
     return [expr]
 
@@ -279,7 +314,7 @@ def grade_sympy(given: str | None, truth: str | None) -> bool:
         return True
     if not given_n:
         return False
-    truth_items, given_items = _tuple_items(truth_n), _tuple_items(given_n)
+    truth_items, given_items = tuple_items(truth_n), tuple_items(given_n)
     if len(truth_items) > 1 and (truth_n[0] != given_n[0] or truth_n[-1] != given_n[-1]):
         return False
     if len(truth_items) != len(given_items):
@@ -290,7 +325,7 @@ def grade_sympy(given: str | None, truth: str | None) -> bool:
         elif _text_is_int(t) != _text_is_int(g):
             same = False
         else:
-            same = _sympy_zero(f"({t})-({g})")
+            same = sympy_equal(t, g)
         if not same:
             return False
     return True
@@ -334,11 +369,12 @@ def deepscaler_score(response: str, label: Any) -> int:
 
 
 # ----- DAPO (Minerva normalisation, integer answers) -----
-_MINERVA_REPLACE = (
+# Minerva's normalisation replaces these (old, new) pairs in order, then deletes MINERVA_REMOVED.
+MINERVA_SUBSTITUTIONS = (
     ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
     (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
 )  # fmt: skip
-_MINERVA_DROP = (
+MINERVA_REMOVED = (
     "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
     "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
     "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
@@ -350,9 +386,9 @@ _MINERVA_DROP = (
 def minerva_normalize(answer: Any) -> str:
     """A final answer in Minerva's canonical text (units, TeX wrappers and $ removed)."""
     s = str(answer).split("=")[-1]
-    for old, new in _MINERVA_REPLACE:
+    for old, new in MINERVA_SUBSTITUTIONS:
         s = s.replace(old, new)
-    for word in _MINERVA_DROP:
+    for word in MINERVA_REMOVED:
         s = s.replace(word, "")
     s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$", s)
     for command in ("text", "textbf", "overline"):
@@ -366,43 +402,119 @@ def minerva_normalize(answer: Any) -> str:
     return s.strip()
 
 
-def dapo_score(response: str, label: Any) -> dict[str, Any]:
-    """slime's `dapo`: the last `Answer: ...` in the response's tail against the integer label."""
-    tail = response[-300:]
-    found = re.findall(r"(?i)Answer\s*:\s*([^\n]+)", tail)
+DAPO_ANSWER_PATTERN = r"(?i)Answer\s*:\s*([^\n]+)"
+"""Where a DAPO response states its answer: the text after `Answer:` on its line."""
+
+
+def dapo_last_boxed(text: str) -> str | None:
+    """The last `\\boxed{...}` of `text`, braces balanced; None without one or when unclosed.
+
+    DAPO's own reading: only `\\boxed{` counts (no `\\fbox`, no `\\boxed x`)."""
+    start = text.rfind("\\boxed{")
+    return None if start < 0 else _through_closing_brace(text, start)
+
+
+def dapo_unbox(boxed: str) -> str:
+    """What `\\boxed{...}` encloses; anything else is a caller's mistake (AssertionError, as slime's)."""
+    prefix = "\\boxed{"
+    if boxed[: len(prefix)] != prefix or boxed[-1:] != "}":
+        raise AssertionError(f"box error: {boxed}")
+    return boxed[len(prefix) : -1]
+
+
+def minerva_check(
+    solution: str, truth: Any, truth_is_boxed: bool = False, answer_pattern: str = DAPO_ANSWER_PATTERN
+) -> tuple[bool, str]:
+    """(whether the solution's last `answer_pattern` match equals the integer truth, that match
+    Minerva-normalised, or "[INVALID]" normalised when there is none)."""
+    found = re.findall(answer_pattern, solution)
     pred = minerva_normalize(found[-1] if found else "[INVALID]")
-    truth_text = minerva_normalize(label)
+    if truth_is_boxed:
+        boxed = dapo_last_boxed(str(truth))
+        if boxed is None:  # slime fails here too, unboxing None
+            raise TypeError(f"the ground truth has no \\boxed{{...}}: {truth!r}")
+        truth_text = minerva_normalize(dapo_unbox(boxed))
+    else:
+        truth_text = minerva_normalize(truth)
     try:
-        truth = str(int(float(truth_text)))
+        expected = str(int(float(truth_text)))  # DAPO's answers are integers
     except ValueError as exc:
-        raise ValueError(f"rm_type dapo needs an integer label, got {label!r}") from exc
-    correct = pred == truth
+        raise ValueError(f"dapo needs an integer label (ground truth), got {truth!r}") from exc
+    return pred == expected, pred
+
+
+def strict_box_check(
+    solution: str, truth: Any, pause_tokens_index: list[int] | None = None
+) -> tuple[int, str | None]:
+    """(1 when the last `\\boxed{}` near the end equals `truth` exactly, else -1; what it encloses).
+
+    Near the end: the last 100 characters, or from 100 before the fourth pause token's index."""
+    if pause_tokens_index is not None:
+        if len(pause_tokens_index) != 4:
+            raise AssertionError(f"pause_tokens_index needs 4 indices, got {pause_tokens_index!r}")
+        tail = solution[pause_tokens_index[-1] - 100 :]
+    else:
+        tail = solution[-100:]
+    boxed = dapo_last_boxed(tail)
+    pred = dapo_unbox(boxed) if boxed is not None else None
+    return (1 if pred == truth else -1), pred
+
+
+def dapo_verify(
+    solution: str,
+    truth: Any,
+    strict_box_verify: bool = False,
+    pause_tokens_index: list[int] | None = None,
+) -> tuple[bool, str | None]:
+    """(correct, prediction): the strict boxed check, or by default the Minerva `Answer:` check."""
+    if strict_box_verify:
+        score, pred = strict_box_check(solution, truth, pause_tokens_index)
+        return score == 1, pred
+    return minerva_check(solution, truth)
+
+
+def dapo_score(
+    response: str,
+    label: Any,
+    strict_box_verify: bool = False,
+    pause_tokens_index: list[int] | None = None,
+) -> dict[str, Any]:
+    """slime's `dapo`: {"score": 1.0 or -1.0, "acc", "pred"} for the response's last 300 characters
+    (MATH-500's longest answer has 159), by `dapo_verify`."""
+    correct, pred = dapo_verify(response[-300:], label, strict_box_verify, pause_tokens_index)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
 # ----- F1 -----
-def _squad_normalize(text: str) -> str:
+def squad_normalize(text: str) -> str:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
     text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
 
-def f1_score(response: str | None, label: Any) -> float:
-    """slime's `f1`: token F1 after SQuAD normalisation; yes/no/noanswer must match exactly."""
-    if response is None:
-        return 0
-    if not isinstance(label, str):
-        raise ValueError(f"rm_type f1 needs a text label, got {label!r}")
-    pred, truth = _squad_normalize(response), _squad_normalize(label)
+def f1_parts(prediction: str | None, truth: Any) -> tuple[float, float, float]:
+    """(F1, precision, recall) of the tokens after SQuAD normalisation; (0, 0, 0) for no prediction,
+    no shared token, or a yes/no/noanswer on either side that the other does not equal."""
+    if prediction is None:
+        return (0, 0, 0)
+    if not isinstance(truth, str):
+        raise ValueError(f"f1 needs a text label (ground truth), got {truth!r}")
+    pred, gold = squad_normalize(prediction), squad_normalize(truth)
     special = ("yes", "no", "noanswer")
-    if (pred in special or truth in special) and pred != truth:
-        return 0
-    pred_tokens, truth_tokens = pred.split(), truth.split()
-    same = sum((Counter(pred_tokens) & Counter(truth_tokens)).values())
+    if (pred in special or gold in special) and pred != gold:
+        return (0, 0, 0)
+    pred_tokens, gold_tokens = pred.split(), gold.split()
+    same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
     if same == 0:
-        return 0
-    precision, recall = same / len(pred_tokens), same / len(truth_tokens)
-    return 2 * precision * recall / (precision + recall)
+        return (0, 0, 0)
+    precision, recall = 1.0 * same / len(pred_tokens), 1.0 * same / len(gold_tokens)
+    return (2 * precision * recall) / (precision + recall), precision, recall
+
+
+def f1_score(response: str | None, label: Any) -> float:
+    """slime's `f1`: the F1 of `f1_parts`."""
+    return f1_parts(response, label)[0]
 
 
 # ----- GPQA (multiple choice) -----
@@ -421,7 +533,11 @@ def _words(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
 
 
-def _chosen_letter(response: str, letters: list[str]) -> str | None:
+def chosen_letter(response: str | None, letters: Iterable[str]) -> str | None:
+    """The option letter the response picks: by a phrase ("answer is B", "C is correct"), else the
+    last standalone capital among `letters`; None when it names none."""
+    if not response:
+        return None
     text = _after_reasoning(response)
     valid = {letter.upper() for letter in letters}
     for pattern in _LETTER_PATTERNS:
@@ -434,7 +550,7 @@ def _chosen_letter(response: str, letters: list[str]) -> str | None:
     return None
 
 
-def gpqa_score(response: str | None, label: Any, metadata: dict[str, Any] | None) -> float:
+def gpqa_score(response: str | None, label: Any, metadata: dict[str, Any] | None = None) -> float:
     """slime's `gpqa`: the option letter the response picks (or the right option's text in it).
 
     The right option comes from metadata `correct_letter`, a letter label, an index label, or a label
@@ -467,7 +583,7 @@ def gpqa_score(response: str | None, label: Any, metadata: dict[str, Any] | None
                 correct = letters[i]
                 meta.setdefault("correct_answer", choice)
                 break
-    chosen = _chosen_letter(response, letters)
+    chosen = chosen_letter(response, letters)
     if chosen and correct:
         return 1.0 if chosen == correct else 0.0
     targets: list[str] = []

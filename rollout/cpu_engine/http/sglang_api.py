@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import http
+import json
 import threading
 import time
 import traceback
@@ -37,6 +38,7 @@ import msgspec
 import torch
 from aiohttp import web
 
+from tether.rollout.cpu_engine.constrained import GrammarConstraint, schema_node
 from tether.rollout.cpu_engine.http.common import (
     MAX_BODY,
     BadRequest,
@@ -333,6 +335,7 @@ class EngineApp:
         )
         self._tokenize_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-tokenize")
         self._weights_checker = WeightsChecker()  # SGLang's /weights_checker snapshot
+        self.openai = OpenAIRoutes(self)
 
     @property
     def sched(self) -> Scheduler:
@@ -379,7 +382,7 @@ class EngineApp:
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
         r.add_route("*", "/weights_checker", self.weights_checker)
-        OpenAIRoutes(self).add_to(r)
+        self.openai.add_to(r)
         return app
 
     async def _scheduler_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -566,6 +569,7 @@ class EngineApp:
             loop = asyncio.get_running_loop()
             encoded = await loop.run_in_executor(self._tokenize_threads, self.encode, texts)
         items = _normalise(body, self.sched, encoded)
+        constraints = [await self._json_constraint(sp) for _, sp, *_ in items]
         now = time.monotonic()
         reqs = [
             Request(
@@ -580,8 +584,9 @@ class EngineApp:
                 routed_experts_start_len=body.routed_experts_start_len,
                 logprob_start_len=start,
                 return_text_in_logprobs=body.return_text_in_logprobs,
+                constraint=constraint,
             )
-            for prompt, sp, rid, lp, top, start in items
+            for (prompt, sp, rid, lp, top, start), constraint in zip(items, constraints, strict=True)
         ]
         self.submit_all(reqs)
         single = len(reqs) == 1 and isinstance(body.text, str | None) and not _is_batched_ids(body.input_ids)
@@ -590,6 +595,16 @@ class EngineApp:
         await self.wait_all(reqs)
         out = [self.sched.response(req) for req in reqs]
         return web.json_response(out[0] if single else out)
+
+    async def _json_constraint(self, sp: SamplingParams) -> GrammarConstraint | None:
+        """The grammar of `sampling_params.json_schema` (one JSON document, then the end)."""
+        if sp.json_schema is None:
+            return None
+        try:
+            head = schema_node(json.loads(sp.json_schema))
+        except (TypeError, ValueError, KeyError) as e:
+            raise BadRequest(f"sampling_params.json_schema: {e}") from None
+        return GrammarConstraint(head=head, vocab=await self.openai.vocab(), then_free=False)
 
     def submit_all(self, reqs: list[Request]) -> None:
         """Submit every request (one with max_new_tokens 0 finishes at once); if one is refused,

@@ -217,9 +217,9 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
         self.buffer: list[list[Any]] = []
         self.buffer_filter: Callable[..., list[list[Any]]] = pop_first
         if args.buffer_filter_path is not None:
-            from tether.rollout.hooks.loader import load_function
+            from tether.rollout.slime_api.utils.misc import _load_for_flag
 
-            self.buffer_filter = load_function(args.buffer_filter_path, "--buffer-filter-path")
+            self.buffer_filter = _load_for_flag(args.buffer_filter_path, "--buffer-filter-path")
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         samples = self._get_samples_from_buffer(num_samples)

@@ -33,7 +33,7 @@ import numpy as np
 
 from tether.rollout.engine_api.client import EngineUnavailable
 from tether.rollout.evaluation import dataset_record, eval_datasets, eval_source, generate_dataset
-from tether.rollout.hooks.calls import load_function, maybe_await
+from tether.rollout.hooks.calls import maybe_await
 from tether.rollout.rollout_fn import (
     ENGINE_FAILURE,
     RolloutContext,
@@ -57,6 +57,7 @@ from tether.rollout.slime_api.rollout.filter_hub.base_types import (
 from tether.rollout.slime_api.rollout.rm_hub import async_rm, batched_async_rm
 from tether.rollout.slime_api.utils.async_utils import run
 from tether.rollout.slime_api.utils.http_utils import get_rollout_num_engines
+from tether.rollout.slime_api.utils.misc import _load_for_flag
 from tether.rollout.slime_api.utils.types import Sample
 
 __all__ = ["generate_rollout", "get_model_url"]
@@ -273,7 +274,7 @@ async def generate_and_rm(
         path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
         result: Sample | list[Sample]
         if path:
-            fn = load_function(path, "--custom-generate-function-path")
+            fn = _load_for_flag(path, "--custom-generate-function-path")
             kwargs = {"evaluation": evaluation} if _takes_evaluation(fn) else {}
             result = await maybe_await(fn(args, sample, sampling_params, **kwargs))
         else:
@@ -344,7 +345,7 @@ async def generate_rollout_async(
     the rest. Returns the kept groups (by sample index) and the aborted ones."""
     state = GenerateState(args)
     path = getattr(args, "dynamic_sampling_filter_path", None)
-    dynamic_filter = load_function(path, "--dynamic-sampling-filter-path") if path else None
+    dynamic_filter = _load_for_flag(path, "--dynamic-sampling-filter-path") if path else None
     gatherer = MetricGatherer()
     target = int(args.rollout_batch_size)
     draw = int(getattr(args, "over_sampling_batch_size", None) or target)

@@ -6,7 +6,13 @@ math, deepscaler, dapo, f1, gpqa, ifbench, random (see `tether.rollout.rewards.r
 (POST {"prompt", "response", "label"} to --rm-url; its JSON answer is the reward), exact_match
 (tether's whitespace-normalised equality), and boxed_<type> (<type> on the last \\boxed{} of the
 response). `batched_async_rm(args, samples)` calls --custom-rm-path once with the whole list
-(slime's batch mode), else scores each sample.
+(slime's batch mode), else scores each sample. Custom reward functions are loaded by
+`slime.utils.misc.load_function(path)`, as slime does.
+
+The scorers slime's package imports are here by the same names (`compute_score_dapo`,
+`get_deepscaler_rule_based_reward`, `f1_score`, `compute_gpqa_reward`, `extract_boxed_answer`,
+`grade_answer_verl`); `slime.rollout.rm_hub.ifbench` is not imported with the package, as in slime,
+since it needs IFBench.
 """
 
 from __future__ import annotations
@@ -15,15 +21,30 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from tether.rollout.hooks.calls import load_function, maybe_await
+from tether.rollout.hooks.calls import maybe_await
 from tether.rollout.rewards.rules import rule_reward
 from tether.rollout.rewards.scoring import exact_match
 from tether.rollout.rewards.types import BASE_TYPES, RULE_TYPES, split_rm_type
+from tether.rollout.slime_api.rollout.rm_hub.deepscaler import get_deepscaler_rule_based_reward
+from tether.rollout.slime_api.rollout.rm_hub.f1 import f1_score
+from tether.rollout.slime_api.rollout.rm_hub.gpqa import compute_gpqa_reward
+from tether.rollout.slime_api.rollout.rm_hub.math_dapo_utils import compute_score as compute_score_dapo
 from tether.rollout.slime_api.rollout.rm_hub.math_utils import extract_answer as extract_boxed_answer
 from tether.rollout.slime_api.rollout.rm_hub.math_utils import grade_answer_verl
 from tether.rollout.slime_api.utils.http_utils import post
+from tether.rollout.slime_api.utils.misc import _load_for_flag
 
-__all__ = ["async_rm", "batched_async_rm", "extract_boxed_answer", "grade_answer_verl", "remote_rm"]
+__all__ = [
+    "async_rm",
+    "batched_async_rm",
+    "compute_gpqa_reward",
+    "compute_score_dapo",
+    "extract_boxed_answer",
+    "f1_score",
+    "get_deepscaler_rule_based_reward",
+    "grade_answer_verl",
+    "remote_rm",
+]
 
 AVAILABLE = (*BASE_TYPES, "boxed_<type>")
 
@@ -41,7 +62,7 @@ async def async_rm(args: Any, sample: Any, **kwargs: Any) -> Any:
     """One sample's reward; see the module docstring for the order of the sources."""
     path = getattr(sample, "custom_rm_path", None) or getattr(args, "custom_rm_path", None)
     if path:
-        return await maybe_await(load_function(path, "--custom-rm-path")(args, sample, **kwargs))
+        return await maybe_await(_load_for_flag(path, "--custom-rm-path")(args, sample, **kwargs))
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     rm_type = str(metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
     if not rm_type:
@@ -64,7 +85,7 @@ async def batched_async_rm(args: Any, samples: Sequence[Any], **kwargs: Any) -> 
     """Rewards for a list of samples: --custom-rm-path once over the list, else each by async_rm."""
     path = getattr(args, "custom_rm_path", None)
     if path:
-        rewards = await maybe_await(load_function(path, "--custom-rm-path")(args, list(samples), **kwargs))
+        rewards = await maybe_await(_load_for_flag(path, "--custom-rm-path")(args, list(samples), **kwargs))
         return list(rewards)
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(async_rm(args, s, **kwargs)) for s in samples]
