@@ -154,3 +154,11 @@ def test_tensor_payload_round_trip_and_restricted_unpickler() -> None:
         decode_named_tensors(base64.b64encode(pickle.dumps([1, 2])).decode())
     with pytest.raises(PayloadRejected, match="base64"):
         decode_named_tensors("not base64!")
+
+
+def test_json_schema_must_be_json_text_and_the_refusal_names_it() -> None:
+    from tether.rollout.cpu_engine.sampling import parse_sampling_params
+
+    assert parse_sampling_params({"json_schema": '{"type": "array"}'}).json_schema == '{"type": "array"}'
+    with pytest.raises(ValueError, match=r"sampling_params\.json_schema='\{not json': not JSON"):
+        parse_sampling_params({"json_schema": "{not json"})

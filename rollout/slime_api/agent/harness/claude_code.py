@@ -20,32 +20,16 @@ from pathlib import Path
 from typing import ClassVar
 
 from tether.rollout.slime_api.agent.harness.common import (
-    BaseHarness,
+    CliHarness,
     HarnessContext,
+    extra_envs,
     install_npm_cli,
-    run_agent,
+    with_extra_args,
 )
 from tether.rollout.slime_api.agent.sandbox import Sandbox
 
 
-def extra_envs(env_name: str) -> dict[str, str]:
-    """The JSON object of extra environment variables in `env_name` ({} when unset)."""
-    raw = os.environ.get(env_name, "").strip()
-    if not raw:
-        return {}
-    value = json.loads(raw)
-    if not isinstance(value, dict):
-        raise ValueError(f"{env_name} must be a JSON object of environment variables, not {raw[:80]!r}")
-    return {str(k): str(v) for k, v in value.items()}
-
-
-def with_extra_args(cmd: str, env_name: str) -> str:
-    """`cmd` with the extra command-line arguments in `env_name` appended, as written."""
-    extra = os.environ.get(env_name, "").strip()
-    return f"{cmd} {extra}" if extra else cmd
-
-
-class ClaudeCodeHarness(BaseHarness):
+class ClaudeCodeHarness(CliHarness):
     """Claude Code (`claude -p`) against the Anthropic adapter."""
 
     name = "claude_code"
@@ -107,14 +91,3 @@ class ClaudeCodeHarness(BaseHarness):
         }
         env.update(extra_envs(self.extra_envs_env))
         return env
-
-    async def launch_and_wait(
-        self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int
-    ) -> int:
-        return await run_agent(
-            sb,
-            workdir=ctx.workdir,
-            start_cmd=self.command(prompt),
-            env=self.environment(ctx),
-            time_budget_sec=time_budget_sec,
-        )

@@ -18,17 +18,17 @@ import os
 import shlex
 from pathlib import Path
 
-from tether.rollout.slime_api.agent.harness.claude_code import extra_envs, with_extra_args
 from tether.rollout.slime_api.agent.harness.common import (
-    BaseHarness,
+    CliHarness,
     HarnessContext,
+    extra_envs,
     install_npm_cli,
-    run_agent,
+    with_extra_args,
 )
 from tether.rollout.slime_api.agent.sandbox import Sandbox
 
 
-class CodexHarness(BaseHarness):
+class CodexHarness(CliHarness):
     """Codex (`codex exec`) against the OpenAI adapter."""
 
     name = "codex"
@@ -85,14 +85,3 @@ class CodexHarness(BaseHarness):
         env = {"OPENAI_API_KEY": ctx.session_id, "OPENAI_BASE_URL": f"{ctx.adapter_url}/v1"}
         env.update(extra_envs(self.extra_envs_env))
         return env
-
-    async def launch_and_wait(
-        self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int
-    ) -> int:
-        return await run_agent(
-            sb,
-            workdir=ctx.workdir,
-            start_cmd=self.command(prompt),
-            env=self.environment(ctx),
-            time_budget_sec=time_budget_sec,
-        )

@@ -13,6 +13,7 @@ is made. They hold no task state; the workspace and the prompt are the caller's.
 from __future__ import annotations
 
 import asyncio
+import json
 import lzma
 import os
 import shutil
@@ -164,3 +165,43 @@ async def install_node22(sb: Sandbox, host_tarball: Path) -> None:
         timeout=NODE_INSTALL_TIMEOUT_SEC,
         check=True,
     )
+
+
+def extra_envs(env_name: str) -> dict[str, str]:
+    """The JSON object of extra environment variables in `env_name` ({} when unset)."""
+    raw = os.environ.get(env_name, "").strip()
+    if not raw:
+        return {}
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"{env_name} must be a JSON object of environment variables, not {raw[:80]!r}")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def with_extra_args(cmd: str, env_name: str) -> str:
+    """`cmd` with the extra command-line arguments in `env_name` appended, as written."""
+    extra = os.environ.get(env_name, "").strip()
+    return f"{cmd} {extra}" if extra else cmd
+
+
+class CliHarness(BaseHarness):
+    """A harness whose agent is one non-interactive command run to completion by `run_agent`."""
+
+    @abstractmethod
+    def command(self, prompt: str) -> str:
+        """The shell command that runs the CLI on `prompt`."""
+
+    @abstractmethod
+    def environment(self, ctx: HarnessContext) -> dict[str, str]:
+        """The CLI's environment (the adapter's URL, the session id as its key)."""
+
+    async def launch_and_wait(
+        self, sb: Sandbox, ctx: HarnessContext, prompt: str, time_budget_sec: int
+    ) -> int:
+        return await run_agent(
+            sb,
+            workdir=ctx.workdir,
+            start_cmd=self.command(prompt),
+            env=self.environment(ctx),
+            time_budget_sec=time_budget_sec,
+        )
