@@ -25,6 +25,9 @@ Probability = Annotated[float, Meta(gt=0, le=1)]
 RoutingPolicy = Literal["round_robin", "least_in_flight", "consistent_hash"]
 LossMaskType = Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"]
 
+AGENT_ENTRY = "tether.rollout.agents.generate"
+"""The --custom-generate-function-path of tether's agent entry (tether.rollout.agents)."""
+
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Prompt data, batch sizes, epochs and evaluation data."""
@@ -443,6 +446,40 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     fully_async_requeue_stale_groups: Annotated[
         bool, Meta(description="Fully-async: regenerate stale groups' prompts instead of dropping them.")
     ] = False
+    agent_function_path: Annotated[
+        str | None,
+        Meta(
+            description=f"Agent entry (--custom-generate-function-path {AGENT_ENTRY}): the agent, "
+            "`async agent(run)` given a tether.rollout.agents.AgentRun (adapter URL, session key, prompt); "
+            "what it returns is its output, scored as the response."
+        ),
+    ] = None
+    agent_command: Annotated[
+        str | None,
+        Meta(
+            description="Agent entry: the agent as a shell command, run per sample with OPENAI_BASE_URL / "
+            "ANTHROPIC_BASE_URL, the session key as OPENAI_API_KEY / ANTHROPIC_API_KEY and the prompt on "
+            "stdin; its stdout is its output."
+        ),
+    ] = None
+    agent_api: Annotated[
+        Literal["openai", "anthropic"] | None,
+        Meta(
+            description="Agent entry: the API the agent speaks, OpenAI Chat Completions or Anthropic Messages (default openai)."
+        ),
+    ] = None
+    agent_time_budget_sec: Annotated[
+        PositiveInt | None,
+        Meta(
+            description="Agent entry: seconds an agent run may take before it is stopped and its sample fails (default 1800)."
+        ),
+    ] = None
+    agent_max_turns: Annotated[
+        PositiveInt | None,
+        Meta(
+            description="Agent entry: model turns one agent run may take; the next is refused with 429 (default: no cap)."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.rollout_top_k == 0:
@@ -475,6 +512,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         ):
             if value is not None and "." not in value and ":" not in value:
                 raise ConfigError(path_flag, value, "must be `package.module.function` or `file.py:function`")
+        self._check_agent_flags()
         if self.log_correct_samples and self.rollout_max_response_len is None:
             raise ConfigError(
                 "--log-correct-samples",
@@ -488,6 +526,34 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
                     self.rollout_max_response_len,
                     f"leaves no room for a prompt within --rollout-max-context-len={self.rollout_max_context_len}",
                 )
+
+    def _check_agent_flags(self) -> None:
+        """The agent flags apply to the agent entry only, which runs exactly one agent."""
+        flags = {
+            "--agent-function-path": self.agent_function_path,
+            "--agent-command": self.agent_command,
+            "--agent-api": self.agent_api,
+            "--agent-time-budget-sec": self.agent_time_budget_sec,
+            "--agent-max-turns": self.agent_max_turns,
+        }
+        if self.custom_generate_function_path != AGENT_ENTRY:
+            for flag, value in flags.items():
+                if value is not None:
+                    raise ConfigError(
+                        flag, value, f"only applies with --custom-generate-function-path {AGENT_ENTRY}"
+                    )
+            return
+        if (self.agent_function_path is None) == (self.agent_command is None):
+            raise ConfigError(
+                "--agent-function-path",
+                self.agent_function_path,
+                f"{AGENT_ENTRY} runs one agent: set exactly one of --agent-function-path and --agent-command"
+                + (f" (--agent-command is {self.agent_command!r})" if self.agent_command else ""),
+            )
+        if self.group_rm:
+            raise ConfigError(
+                "--group-rm", True, f"{AGENT_ENTRY} scores each agent run by itself; drop --group-rm"
+            )
 
 
 def check_rm_type(flag: str, rm_type: str) -> None:

@@ -173,7 +173,8 @@ class RewardModel:
         return self.configured or sample_rm_type(sample) is not None
 
     async def score_group(self, samples: Sequence[Sample]) -> None:
-        """Set `reward` on every sample of a group (samples that already hold one are kept)."""
+        """Set `reward` on every sample of a group; outside --group-rm a sample that already holds one
+        keeps it (slime: a reward computed during generation stands)."""
         if not self.configured:
             missing = [s.index for s in samples if s.reward is None and not self._scores(s)]
             if missing:
@@ -199,7 +200,19 @@ class RewardModel:
                 sample.reward = _check_reward(self._path, reward)
         else:
             for sample in samples:
-                sample.reward = _check_reward(self._path, await self.score(sample))
+                if sample.reward is None:  # slime keeps a reward the generate step already gave
+                    sample.reward = _check_reward(self._path, await self.score(sample))
+
+    async def reward_of(self, sample: Sample) -> Reward:
+        """One sample's reward as the configured model gives it (the sample is not changed)."""
+        if not self.configured:
+            if not self._scores(sample):
+                raise HookError(
+                    "--rm-type/--custom-rm-path",
+                    f"no reward function is configured for sample {sample.index}",
+                )
+            return _check_reward(f"rm_type {sample_rm_type(sample)}", await self._builtin(sample))
+        return _check_reward(self._path, await self.score(sample))
 
     @property
     def _path(self) -> str:

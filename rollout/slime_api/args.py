@@ -2,7 +2,8 @@
 
 Hooks read `args` as slime's flat argparse namespace. tether's `FlatArgs` already answers every
 flag both share (`args.rollout_temperature`, `args.n_samples_per_prompt`, ...); `slime_args` adds
-the rest: the keys of --custom-config-path's YAML that name no flag, the address of the HTTP
+the rest: the keys of --custom-config-path's YAML that name no flag, the --sglang-* flags passed
+through to the engines (as `sglang_<flag>`), the address of the HTTP
 endpoint that routes to tether's engines
 (`sglang_router_ip` / `sglang_router_port`, tether's router front), values slime resolves at
 start that tether leaves unset (`over_sampling_batch_size`, `global_batch_size`), and slime's
@@ -74,6 +75,7 @@ def slime_args(config: Any, *, router_ip: str | None, router_port: int | None) -
     if resolved is not None:
         extra["global_batch_size"] = resolved
     extra["eval_function_path"] = rollout.rollout_function_path
+    extra.update(sglang_flag_values(getattr(config, "sglang_args", None) or []))
     extra.update(custom_config_extras(config))
     return extra
 
@@ -85,3 +87,36 @@ def custom_config_extras(config: Any) -> dict[str, Any]:
     own = {field for part in slices for field in getattr(part, "__struct_fields__", ())}
     algorithm = getattr(config, "algorithm", None)
     return hook_extras(getattr(algorithm, "custom_config_path", None), own)
+
+
+def sglang_flag_values(sglang_args: list[str]) -> dict[str, Any]:
+    """The --sglang-* flags passed through to the engines under slime's names for them
+    (`--sglang-tool-call-parser qwen25` is `args.sglang_tool_call_parser == "qwen25"`): one value
+    as its number or string, several as a list, none as True."""
+    out: dict[str, Any] = {}
+    name: str | None = None
+    values: list[str] = []
+
+    def close() -> None:
+        if name is not None:
+            typed = [_scalar(v) for v in values]
+            out["sglang_" + name] = True if not typed else typed[0] if len(typed) == 1 else typed
+
+    for item in sglang_args:
+        if item.startswith("--"):
+            close()
+            flag, eq, value = item[2:].partition("=")
+            name, values = flag.replace("-", "_"), [value] if eq else []
+        else:
+            values.append(item)
+    close()
+    return out
+
+
+def _scalar(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -5,34 +5,19 @@ hand), never copied into this tree. Starts `git` only (well under a second)."""
 from __future__ import annotations
 
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 from support.loss_cases import loaded_hooks, t, two_samples
+from support.slime_source import slime_file
 
 from tether.config import resolve
-
-SLIME_GIT = Path("/work/.mirror/THUDM+slime/repo")
-
-
-def _slime_file(path: str, dest: Path) -> Path:
-    if not SLIME_GIT.is_dir():
-        pytest.skip(f"slime's source is not at {SLIME_GIT}")
-    text = subprocess.run(
-        ["git", "--git-dir", str(SLIME_GIT), "show", f"HEAD:{path}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    dest.write_text(text)
-    return dest
 
 
 def test_slimes_mis_py_runs_unchanged_as_the_tis_hook(tmp_path: Path) -> None:
     # slime's examples/train_infer_mismatch_helper/{mis.py,mis.yaml} as slime ships them (read, not copied).
-    mis = _slime_file("examples/train_infer_mismatch_helper/mis.py", tmp_path / "mis.py")
-    yaml_file = _slime_file("examples/train_infer_mismatch_helper/mis.yaml", tmp_path / "mis.yaml")
+    mis = slime_file("examples/train_infer_mismatch_helper/mis.py", tmp_path / "mis.py")
+    yaml_file = slime_file("examples/train_infer_mismatch_helper/mis.yaml", tmp_path / "mis.yaml")
     cfg = resolve(
         [
             "--custom-config-path",

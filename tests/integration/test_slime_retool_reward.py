@@ -6,32 +6,17 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.slime_source import slime_file
 
 from tether.rollout.hooks.calls import load_function
 from tether.rollout.slime_api import finder
 from tether.rollout.slime_api.utils.types import Sample
-
-SLIME_GIT = Path("/work/.mirror/THUDM+slime/repo")
-
-
-def _slime_file(path: str, dest: Path) -> Path:
-    if not SLIME_GIT.is_dir():
-        pytest.skip(f"slime's source is not at {SLIME_GIT}")
-    text = subprocess.run(
-        ["git", "--git-dir", str(SLIME_GIT), "show", f"HEAD:{path}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    dest.write_text(text)
-    return dest
 
 
 @pytest.fixture
@@ -39,8 +24,8 @@ def retool_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[A
     """`reward_func` of slime's retool example, loaded as tether loads a --custom-rm-path hook."""
     pytest.importorskip("jinja2")
     pytest.importorskip("psutil")
-    hook = _slime_file("examples/retool/generate_with_retool.py", tmp_path / "generate_with_retool.py")
-    _slime_file("examples/retool/tool_sandbox.py", tmp_path / "tool_sandbox.py")
+    hook = slime_file("examples/retool/generate_with_retool.py", tmp_path / "generate_with_retool.py")
+    slime_file("examples/retool/tool_sandbox.py", tmp_path / "tool_sandbox.py")
     monkeypatch.syspath_prepend(str(tmp_path))  # the example imports its sibling tool_sandbox
     yield load_function(f"{hook}:reward_func", "--custom-rm-path")
     sys.modules.pop("tool_sandbox", None)

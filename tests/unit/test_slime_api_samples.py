@@ -200,11 +200,15 @@ def test_rewards_in_slime_api_single_and_group(tmp_path: Path) -> None:
         "async def group_reward(args, samples, **kwargs):\n"
         "    return [float(i) for i, _ in enumerate(samples)]\n",
     )
-    samples = [_tether_sample(), _tether_sample()]
+    samples = [_tether_sample(), _tether_sample(), _tether_sample()]
+    samples[0].reward = samples[1].reward = None
     samples[1].label = "abc"
+    samples[2].reward = 0.5  # given during generation: it stands, as in slime's generate_and_rm
     model = RewardModel(make_config(rollout={"custom_rm_path": f"{hook}:reward_func"}).rollout)
     asyncio.run(model.score_group(samples))
-    assert [s.reward for s in samples] == [0.0, 1.0] and all(s.metadata["seen"] for s in samples)
+    assert [s.reward for s in samples] == [0.0, 1.0, 0.5]
+    assert samples[0].metadata["seen"] and samples[1].metadata["seen"] and "seen" not in samples[2].metadata
+    samples = samples[:2]
     assert samples[0].metadata[SLIME_ATTRS] == {"tool_calls": 1}
     group = RewardModel(
         make_config(rollout={"custom_rm_path": f"{hook}:group_reward", "group_rm": True}).rollout

@@ -261,7 +261,7 @@ class TrajectoryManager:
         sid: str,
         *,
         base_sample: Sample,
-        reward: float = 0.0,
+        reward: float | dict[str, Any] = 0.0,
         extra_metadata: dict[str, Any] | None = None,
         max_sample_tokens: int = 0,
     ) -> list[Sample]:

@@ -195,8 +195,12 @@ class BaseAdapter:
         fork_threshold_tokens: int | None = None,
         debug_callback: Callable[..., None] | None = None,
         engine_api_key: str | None = None,
+        require_open_sessions: bool = False,
     ) -> None:
         check_parsers(tool_parser, reasoning_parser)
+        self.require_open_sessions = require_open_sessions
+        """tether's: a turn whose session id names no session `open_session` started is refused
+        (401), so the id is a credential; slime's adapters start a session on first use."""
         self.tokenizer = tokenizer
         self.sglang_url = sglang_url.rstrip("/") if isinstance(sglang_url, str) else sglang_url
         self.tool_parser = tool_parser
@@ -291,7 +295,7 @@ class BaseAdapter:
         sid: str,
         *,
         base_sample: Any,
-        reward: float = 0.0,
+        reward: float | dict[str, Any] = 0.0,
         extra_metadata: dict[str, Any] | None = None,
         wait_timeout: float = 5.0,
     ) -> list[Any]:
@@ -379,6 +383,11 @@ class BaseAdapter:
         sid = self._session_id(request, body)
         if sid in self.closed:
             return web.Response(status=503, text="session closed")
+        if self.require_open_sessions and sid not in self.store:
+            return web.json_response(
+                {"error": {"type": "authentication_error", "message": "the API key names no open session"}},
+                status=401,
+            )
         capped = self._check_turn_cap(sid)
         if capped is not None:
             return capped
