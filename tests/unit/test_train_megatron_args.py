@@ -7,8 +7,8 @@ flag, the value and what is missing. The last test walks every flag of the Megat
 from __future__ import annotations
 
 import dataclasses
-import json
 import inspect
+import json
 import os
 import warnings
 from pathlib import Path
