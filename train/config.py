@@ -678,6 +678,7 @@ def check_layer_spec(spec: list[str]) -> None:
 # where set, checked against the HF config by the model builder (see `MegatronConfig.architecture`).
 ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "spec",
+    "model_name",
     "num_layers",
     "mtp_num_layers",
     "hidden_size",
@@ -1000,6 +1001,14 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     post_mlp_layernorm: Annotated[
         bool, Meta(description="Normalize the MLP's output before the residual add (GLM-4's sandwich norm).")
     ] = False
+    model_name: Annotated[
+        str | None,
+        Meta(
+            description="slime's name of the model family its Megatron-to-HF conversion follows "
+            "(minimax_m2, qwen3, deepseekv3, ...); tether converts by --hf-checkpoint's model_type, so a "
+            "name of another family is refused."
+        ),
+    ] = None
     spec: Annotated[
         list[str] | None,
         Meta(

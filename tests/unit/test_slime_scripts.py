@@ -658,7 +658,7 @@ def _minimax_argv(tmp: Path, model_args: list[str]) -> list[str]:
         [
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
             *model_args,
-            "--hf-checkpoint", "/root/MiniMax-M2.5", "--prompt-data", "/root/dapo.jsonl",
+            "--hf-checkpoint", "/root/MiniMax-M2.5", "--model-name", "minimax_m2", "--prompt-data", "/root/dapo.jsonl",
             "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rm-type", "deepscaler",
             "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
             "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
@@ -672,14 +672,22 @@ def _minimax_argv(tmp: Path, model_args: list[str]) -> list[str]:
 def test_minimax_m2_model_args_plan_against_its_config(tmp_path: Path) -> None:
     cfg, plan = plan_for(_minimax_argv(tmp_path, MINIMAX_M2_MODEL_ARGS))
     assert cfg.megatron.spec == ["slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"]
+    assert cfg.megatron.model_name == "minimax_m2"
     assert plan.train_group("actor") is not None
     # A flag that disagrees with the checkpoint is refused, naming it.
     wrong = [*MINIMAX_M2_MODEL_ARGS]
     wrong[wrong.index("--rotary-percent") + 1] = "1.0"
     with pytest.raises(ConfigError, match="--rotary-percent"):
         plan_for(_minimax_argv(tmp_path / "wrong", wrong))
+    # --model-name picks slime's converter: a name of another family is refused.
+    named = _minimax_argv(tmp_path / "named", MINIMAX_M2_MODEL_ARGS)
+    named[named.index("--model-name") + 1] = "qwen3"
+    with pytest.raises(ConfigError, match="--model-name"):
+        plan_for(named)
     # Its spec names MiniMax-M2's layers: refused for any other checkpoint.
     argv = _minimax_argv(tmp_path / "qwen", MINIMAX_M2_MODEL_ARGS)
+    at = argv.index("--model-name")
+    del argv[at : at + 2]
     hf = Path(argv[argv.index("--hf-checkpoint") + 1])
     (hf / "config.json").write_text(json.dumps({**HF_CONFIGS["minimax-m2.5"], "model_type": "mixtral"}))
     with pytest.raises(ConfigError, match="--spec"):

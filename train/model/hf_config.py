@@ -548,6 +548,7 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         expected["moe_router_num_groups"] = 1 if flags.get("moe_router_num_groups") == 1 else None
         expected["moe_router_group_topk"] = 1 if flags.get("moe_router_group_topk") == 1 else None
     check_mtp_layers(arch, flags.get("mtp_num_layers"))
+    check_model_name(arch, flags.get("model_name"))
     spec = flags.get("spec")
     if isinstance(spec, list) and spec and spec[0] == MINIMAX_M2_SPEC and arch.model_type != "minimax_m2":
         raise ConfigError(
@@ -583,6 +584,32 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         if not same:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(flag, value, f"the Hugging Face config ({arch.model_type}) has {want!r}")
+
+
+_CONVERTER_ALIASES: dict[str, tuple[str, ...]] = {
+    # slime converts these families with DeepSeek-V3's converter (megatron_to_hf/__init__.py)
+    "deepseekv3": ("kimi", "deepseekv32", "glm4moelite", "glmmoedsa"),
+    "mimo": ("qwen2",),
+}
+
+
+def _squashed(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def check_model_name(arch: ModelArch, model_name: object) -> None:
+    """--model-name (slime picks its Megatron-to-HF converter by it) must name the family of the
+    Hugging Face config, which is what tether converts by: as slime matches it, by substring."""
+    if not isinstance(model_name, str):
+        return
+    name, family = _squashed(model_name), _squashed(arch.model_type)
+    if family in name or any(alias in name for alias in _CONVERTER_ALIASES.get(family, ())):
+        return
+    raise ConfigError(
+        "--model-name",
+        model_name,
+        f"names another family than the Hugging Face config ({arch.model_type}), by which tether converts",
+    )
 
 
 def check_mtp_layers(arch: ModelArch, mtp_num_layers: object) -> None:
