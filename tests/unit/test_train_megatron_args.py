@@ -819,7 +819,9 @@ def test_micro_batch_size_plans_the_micro_batches() -> None:
 
 # --- every flag of the Megatron section -----------------------------------------------------
 
-Outcome = str  # "consumed": a built config differs from the baseline's; "refused": a ConfigError names it
+# "consumed": a built config differs from the baseline's; "refused": a ConfigError names it;
+# "checked": builds the same, a value the HF config contradicts refused.
+Outcome = str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1092,7 +1094,12 @@ PROBES: dict[str, list[Probe]] = {
     # What it changes (the MTP loss in training steps, MTP weights trained) is no config field:
     # tests/unit/test_train_mtp.py and tests/integration/test_train_model.py (mimo_mtp) show it.
     "--enable-mtp-training": [flag("--enable-mtp-training", expect="refused")],
+    # Builds nothing (slime picks its converter by it; tether converts by the HF config): checked
+    # against the config's family, a name of another family refused.
+    "--model-name": [flag("--model-name", "llama-3.1-8b", expect="checked")],
 }
+# Flags checked against the HF config only: a value the probe's config must refuse.
+MISMATCHED = {"--model-name": ("model_name", "qwen3-4b")}
 
 
 def produced(cfg: Config, arch: ModelArch) -> dict[str, Any]:
@@ -1127,6 +1134,13 @@ def outcome(probe: Probe, name: str) -> tuple[Outcome, str]:
             check_architecture_flags(probe.arch, {field: False})
         return "asserted", str(err.value)
     base = attempt(probe.base)
+    if probe.expect == "checked":
+        field, wrong = MISMATCHED[name]
+        check_architecture_flags(probe.arch, {field: probe.argv[-1]})
+        with pytest.raises(ConfigError) as err:
+            check_architecture_flags(probe.arch, {field: wrong})
+        assert err.value.key == name, err.value
+        return ("checked" if got == base else "consumed"), str(err.value)
     return ("consumed" if got != base else "ignored"), ""
 
 
