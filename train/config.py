@@ -647,12 +647,13 @@ def stage_layers(
 BUILT_LAYER_SPECS: dict[tuple[str, str], str] = {
     # The GPT layer with the post-sublayer norms its own flags ask for, which tether builds for any family.
     ("slime_plugins.models.glm4", "get_glm_spec"): "GLM-4's layers",
+    # Full QK norms; the Hugging Face config must be MiniMax-M2's (hf_config.check_architecture_flags).
+    ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): "MiniMax-M2's layers",
 }
 UNBUILT_LAYER_SPECS: dict[str, str] = {
     "slime_plugins.models.qwen3_5": "Qwen3.5's gated delta-net (linear attention) layers are not built",
     "slime_plugins.models.qwen3_next": "Qwen3-Next's gated delta-net (linear attention) layers are not built",
     "slime_plugins.models.glm5.glm5": "GLM-5's DeepSeek sparse attention (indexer) layers are not built",
-    "slime_plugins.models.minimax_m2": "MiniMax-M2's layers are not built",
 }
 
 
@@ -676,6 +677,8 @@ def check_layer_spec(spec: list[str]) -> None:
 # The Megatron flags a slime launch script passes that describe the model. They are accepted here and,
 # where set, checked against the HF config by the model builder (see `MegatronConfig.architecture`).
 ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "spec",
+    "model_name",
     "num_layers",
     "mtp_num_layers",
     "hidden_size",
@@ -998,13 +1001,23 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     post_mlp_layernorm: Annotated[
         bool, Meta(description="Normalize the MLP's output before the residual add (GLM-4's sandwich norm).")
     ] = False
+    model_name: Annotated[
+        str | None,
+        Meta(
+            description="slime's name of the model family its Megatron-to-HF conversion follows "
+            "(minimax_m2, qwen3, deepseekv3, ...); tether converts by --hf-checkpoint's model_type, so a "
+            "name of another family is refused."
+        ),
+    ] = None
     spec: Annotated[
         list[str] | None,
         Meta(
             description="Megatron-LM's layer-spec module and function. tether builds each family's layers "
             "itself; slime's GLM-4 spec (slime_plugins.models.glm4 get_glm_spec: the GPT layer with the "
-            "--post-self-attn-layernorm/--post-mlp-layernorm norms) is what it builds and is accepted; "
-            "other specs are refused naming the module."
+            "--post-self-attn-layernorm/--post-mlp-layernorm norms) and MiniMax-M2 spec "
+            "(slime_plugins.models.minimax_m2 get_minimax_m2_layer_spec, for a minimax_m2 checkpoint: "
+            "QK norms over all heads) are what it builds and are accepted; other specs are refused "
+            "naming the module."
         ),
     ] = None
     untie_embeddings_and_output_weights: Annotated[

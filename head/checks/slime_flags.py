@@ -42,7 +42,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "--megatron-deepgemm-moe-forward-layers": "no DeepGEMM FP8 forward",
     "--megatron-deepgemm-moe-forward-modules": "no DeepGEMM FP8 forward",
     "--qwen-gdn-backend": "Qwen linear-attention (GDN) layers are not built",
-    "--model-name": "the HF architecture comes from --hf-checkpoint's config.json",
     # data and rollout plumbing slime has around Ray
     "--rollout-data-transport": "Samples move over tether's ZeroMQ RPC; no Ray/NIXL transport",
     "--rollout-buffer-url": "slime's external rollout buffer is not supported",

@@ -1,8 +1,10 @@
-"""`tether run` end to end on CPU with Mixture-of-Experts models: a tiny qwen3_moe and a tiny
-deepseek_v3-style model (multi-latent attention + MoE with shared experts and grouped routing),
+"""`tether run` end to end on CPU with Mixture-of-Experts models: a tiny qwen3_moe, a tiny
+deepseek_v3-style model (multi-latent attention + MoE with shared experts and grouped routing)
+and a tiny minimax_m2 (QK norms over all heads, partial RoPE, biased sigmoid routing),
 trained through Megatron with distributed weight sync to the CPU engine. At every step the
 engine's log-probs of the sampled tokens equal the trainer's (check_run), so the engine serves
-exactly the MoE weights the trainer exported — every expert, router and MLA projection.
+exactly the MoE weights the trainer exported — every expert, router, correction bias, QK norm
+and MLA projection.
 Routing replay through a whole run: tests/integration/test_e2e_routing_replay.py.
 """
 
@@ -16,7 +18,7 @@ from support.e2e import STEPS, check_run, jsonl, make_workspace, tether
 from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "minimax_m2"])
 def test_moe_model_trains_with_distributed_sync(tmp_path: Path, run_dir: Path, arch: str) -> None:
     ws = make_workspace(tmp_path / "ws", TinyModelSpec(arch=arch, bpe_merges=0))  # type: ignore[arg-type]
     flags = ["--num-rollout", str(STEPS), "--update-weight-transport", "nccl"]

@@ -1107,6 +1107,9 @@ SGLANG_CPU_CANNOT = {
     "deepseek_yarn rope and grouped routing are all candidates)",
     "mimo": "SGLang 0.5.23 reads config.json with transformers' AutoConfig, which has no 'mimo' "
     "(MiMo's hub checkpoints ship remote code through auto_map; the tiny model has none)",
+    "minimax_m2": "SGLang 0.5.23's MiniMax-M2 attention computes its all-head QK norm with a "
+    "CUDA kernel (models/minimax_m2.py rms_sumsq_serial asserts x.is_cuda): its CPU build cannot "
+    "run the model's first forward",
     "qwen2_moe": "SGLang 0.5.23 gates Qwen2-MoE's shared expert with a Triton kernel "
     "(fused_gate_sigmoid_mul_add), which finds no driver on CPU",
 }
@@ -1172,7 +1175,7 @@ def _family_engine(
     return start_supervised(kind, model_dir, run_dir, sglang_python=python, sglang_args=list(flags))
 
 
-WEIGHT_SYNC_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral"]
+WEIGHT_SYNC_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral", "minimax_m2"]
 # Real SGLang starts in tens of seconds on CPU: a family whose weight-sync case below already
 # compares its greedy tokens and log-probs with transformers is not started a second time for it.
 GREEDY_CASES = [("cpu", arch) for arch in [*FAMILIES, *FAMILY_VARIANTS]] + [

@@ -1,12 +1,13 @@
 """Megatron model from HF checkpoints on CPU, built and converted through mbridge: conversion round
 trips and logits parity for every family tether builds.
 
-One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x seventeen model variants (Llama;
+One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x eighteen model variants (Llama;
 Qwen2 with qkv bias; Qwen3 with qk-norm, untied and tied; GLM-4 dense with norms after attention and
 the MLP, a fused gate_up_proj, qkv bias and interleaved partial RoPE (at TP=2 with sequence
 parallelism); Qwen2-MoE with a gated shared expert and
 unnormalized top-k; Qwen3-MoE; Mixtral; GLM-4.5 MoE with partial RoPE, attention bias, a dense
-first layer and sigmoid routing with a correction bias; DeepSeek-V3 with multi-latent attention,
+first layer and sigmoid routing with a correction bias; MiniMax-M2 with QK norms over all heads,
+partial RoPE and biased sigmoid routing; DeepSeek-V3 with multi-latent attention,
 grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE; MiMo
 (Qwen2 with MTP layers) and DeepSeek-V3 with an MTP layer, built without it, and built with it by
 --mtp-num-layers 1 (MiMo trained with and without --enable-mtp-training; DeepSeek-V3 and GLM-4.5
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 from support.train_checks.launcher import results, torchrun, value
 
-# One launch builds 13 families x 3 layouts (3 more at CP=2) and trains six of them.
+# One launch builds 14 families x 3 layouts (3 more at CP=2) and trains six of them.
 pytestmark = pytest.mark.timeout(1500)
 
 LAYOUTS = ["dp2", "tp2", "pp2"]
@@ -33,6 +34,7 @@ MOE_FAMILIES = [
     "qwen3_moe",
     "mixtral",
     "glm4_moe",
+    "minimax_m2",
     "deepseek_v3",
     "deepseek_v3_yarn",
     "deepseek_v3_mtp",
@@ -49,6 +51,7 @@ FAMILIES = [
     "qwen3_moe",
     "mixtral",
     "glm4_moe",
+    "minimax_m2",
     "deepseek_v3",
     "deepseek_v3_yarn",
     # Checkpoints carrying multi-token-prediction layers, built without them (no --mtp-num-layers),
@@ -103,7 +106,7 @@ def test_save_hf_writes_the_source_checkpoint_back(
 
 @pytest.mark.parametrize(
     ("layout", "family"),
-    [(lay, fam) for lay in ("tp2", "pp2", "ep2") for fam in ("qwen3_moe", "deepseek_v3")]
+    [(lay, fam) for lay in ("tp2", "pp2", "ep2") for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2")]
     + [("ep2ag", "qwen3_moe")],  # Megatron's allgather dispatcher at EP=2: micro-batches padded alike
 )
 def test_moe_training_steps_equal_across_layouts(
@@ -111,7 +114,8 @@ def test_moe_training_steps_equal_across_layouts(
 ) -> None:
     # Two SFT steps: the loss (on the last stage) and the global grad norm at TP=2 (MoE there trains
     # with sequence parallelism) and PP=2 equal DP=2's: every expert's TP shard and every replicated
-    # weight counted once, the gradient of MLA's shared RoPE key summed over the TP ranks.
+    # weight counted once, the gradient of MLA's shared RoPE key summed over the TP ranks, and
+    # MiniMax-M2's all-head QK norms' gradient (whole on every TP rank) not summed again.
     for rank_results in checked:
         want = value(rank_results, f"dp2/{family}/train")
         got = value(rank_results, f"{layout}/{family}/train")

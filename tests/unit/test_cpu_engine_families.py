@@ -320,6 +320,9 @@ def _config(path: Path) -> dict[str, Any]:
         ("mixtral", {"sliding_window": 4096}, "sliding_window=4096"),
         ("glm4_moe", {"n_group": 3}, "n_group=3"),
         ("glm4", {"model_type": "glm"}, "model_type='glm'"),
+        ("minimax_m2", {"use_routing_bias": False}, "use_routing_bias=False"),
+        ("minimax_m2", {"qk_norm_type": "per_head"}, "qk_norm_type='per_head'"),
+        ("minimax_m2", {"attn_type_list": [0, 1]}, "attn_type_list"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(
@@ -333,7 +336,7 @@ def test_unsupported_configs_are_refused_by_name(
     assert str(tmp_path / "config.json") in str(err.value)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "glm4", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "glm4", "qwen2_moe", "minimax_m2"])
 def test_weight_updates_take_the_families_names(family: Callable[..., Path], arch: str) -> None:
     """A full load of another seed's checkpoint (the disk path), a partial update of a few
     experts, routers and MLA/sandwich-norm tensors through the tensor payload (the tensor and

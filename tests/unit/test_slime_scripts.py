@@ -609,3 +609,86 @@ def test_the_sft_script_counts_its_epochs_at_start(tmp_path: Path) -> None:
     kwargs = megatron_args.scheduler_kwargs(counted.megatron, counted.algorithm)
     assert kwargs["lr_decay_steps"] == 21 and kwargs["lr_warmup_steps"] == pytest.approx(2.1)
     assert (kwargs["lr_decay_style"], kwargs["min_lr"], kwargs["max_lr"]) == ("cosine", 1e-6, 1e-5)
+
+
+# slime: scripts/run-minimax-m2.sh (MODEL_ARGS: scripts/models/minimax-m2.sh), MiniMax-M2.5 as its
+# model flags describe it (the config.json MiniMax publishes: rotary_dim, sigmoid routing with a
+# correction bias, QK norms over all heads).
+HF_CONFIGS["minimax-m2.5"] = {
+    "model_type": "minimax_m2",
+    "vocab_size": 200064,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 5000000,
+    "rotary_dim": 64,
+    "num_hidden_layers": 62,
+    "hidden_size": 3072,
+    "intermediate_size": 1536,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_local_experts": 256,
+    "num_experts_per_tok": 8,
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 196608,
+}
+MINIMAX_M2_MODEL_ARGS = [
+    "--spec", "slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec", "--disable-bias-linear",
+    "--num-layers", "62", "--hidden-size", "3072", "--ffn-hidden-size", "1536",
+    "--num-attention-heads", "48", "--kv-channels", "128", "--num-query-groups", "8",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--norm-epsilon", "1e-6",
+    "--swiglu", "--untie-embeddings-and-output-weights", "--vocab-size", "200064",
+    "--group-query-attention", "--rotary-percent", "0.5", "--rotary-base", "5000000",
+    "--qk-layernorm", "--no-rope-fusion", "--attention-softmax-in-fp32",
+    "--num-experts", "256", "--moe-ffn-hidden-size", "1536", "--moe-router-topk", "8",
+    "--moe-layer-freq", "[1]*62", "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type", "none",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
+    "--moe-grouped-gemm", "--moe-permute-fusion",
+]  # fmt: skip
+
+
+def _minimax_argv(tmp: Path, model_args: list[str]) -> list[str]:
+    """MiniMax-M2's MODEL_ARGS on one 8-GPU node. Its script's own layout is refused today: expert
+    TP 1 under TP 2 and engines of 16 GPUs across nodes (issue #34), and PP 2 under --colocate."""
+    return with_local_paths(
+        [
+            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+            *model_args,
+            "--hf-checkpoint", "/root/MiniMax-M2.5", "--model-name", "minimax_m2", "--prompt-data", "/root/dapo.jsonl",
+            "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rm-type", "deepscaler",
+            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+            "--rollout-num-gpus-per-engine", "8",
+        ],
+        "minimax-m2.5",
+        tmp,
+    )  # fmt: skip
+
+
+def test_minimax_m2_model_args_plan_against_its_config(tmp_path: Path) -> None:
+    cfg, plan = plan_for(_minimax_argv(tmp_path, MINIMAX_M2_MODEL_ARGS))
+    assert cfg.megatron.spec == ["slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"]
+    assert cfg.megatron.model_name == "minimax_m2"
+    assert plan.train_group("actor") is not None
+    # A flag that disagrees with the checkpoint is refused, naming it.
+    wrong = [*MINIMAX_M2_MODEL_ARGS]
+    wrong[wrong.index("--rotary-percent") + 1] = "1.0"
+    with pytest.raises(ConfigError, match="--rotary-percent"):
+        plan_for(_minimax_argv(tmp_path / "wrong", wrong))
+    # --model-name picks slime's converter: a name of another family is refused.
+    named = _minimax_argv(tmp_path / "named", MINIMAX_M2_MODEL_ARGS)
+    named[named.index("--model-name") + 1] = "qwen3"
+    with pytest.raises(ConfigError, match="--model-name"):
+        plan_for(named)
+    # Its spec names MiniMax-M2's layers: refused for any other checkpoint.
+    argv = _minimax_argv(tmp_path / "qwen", MINIMAX_M2_MODEL_ARGS)
+    at = argv.index("--model-name")
+    del argv[at : at + 2]
+    hf = Path(argv[argv.index("--hf-checkpoint") + 1])
+    (hf / "config.json").write_text(json.dumps({**HF_CONFIGS["minimax-m2.5"], "model_type": "mixtral"}))
+    with pytest.raises(ConfigError, match="--spec"):
+        plan_for(argv)

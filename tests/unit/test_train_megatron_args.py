@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -817,7 +819,9 @@ def test_micro_batch_size_plans_the_micro_batches() -> None:
 
 # --- every flag of the Megatron section -----------------------------------------------------
 
-Outcome = str  # "consumed": a built config differs from the baseline's; "refused": a ConfigError names it
+# "consumed": a built config differs from the baseline's; "refused": a ConfigError names it;
+# "checked": builds the same, a value the HF config contradicts refused.
+Outcome = str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1090,7 +1094,12 @@ PROBES: dict[str, list[Probe]] = {
     # What it changes (the MTP loss in training steps, MTP weights trained) is no config field:
     # tests/unit/test_train_mtp.py and tests/integration/test_train_model.py (mimo_mtp) show it.
     "--enable-mtp-training": [flag("--enable-mtp-training", expect="refused")],
+    # Builds nothing (slime picks its converter by it; tether converts by the HF config): checked
+    # against the config's family, a name of another family refused.
+    "--model-name": [flag("--model-name", "llama-3.1-8b", expect="checked")],
 }
+# Flags checked against the HF config only: a value the probe's config must refuse.
+MISMATCHED = {"--model-name": ("model_name", "qwen3-4b")}
 
 
 def produced(cfg: Config, arch: ModelArch) -> dict[str, Any]:
@@ -1125,6 +1134,13 @@ def outcome(probe: Probe, name: str) -> tuple[Outcome, str]:
             check_architecture_flags(probe.arch, {field: False})
         return "asserted", str(err.value)
     base = attempt(probe.base)
+    if probe.expect == "checked":
+        field, wrong = MISMATCHED[name]
+        check_architecture_flags(probe.arch, {field: probe.argv[-1]})
+        with pytest.raises(ConfigError) as err:
+            check_architecture_flags(probe.arch, {field: wrong})
+        assert err.value.key == name, err.value
+        return ("checked" if got == base else "consumed"), str(err.value)
     return ("consumed" if got != base else "ignored"), ""
 
 
@@ -1360,3 +1376,45 @@ def test_slime_moe_model_args_agree_with_their_hf_config(
     assert kwargs["moe_grouped_gemm"] and kwargs["moe_permute_fusion"]
     assert kwargs["moe_token_dispatcher_type"] == "alltoall" and kwargs["moe_router_dtype"] == "fp32"
     assert arch.is_moe and arch.num_experts == m.num_experts
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"use_routing_bias": False}, "use_routing_bias"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"use_qk_norm": False}, "use_qk_norm"),
+        ({"qk_norm_type": "per_head"}, "qk_norm_type"),
+        ({"attn_type_list": [0, 1]}, "attn_type_list"),
+    ],
+)
+def test_a_minimax_m2_config_that_is_not_what_transformers_builds_is_refused(
+    tmp_path: Path, change: dict[str, object], key: str
+) -> None:
+    from tether.train.model.hf_config import load_arch
+
+    base = {
+        "model_type": "minimax_m2",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rotary_dim": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    arch = load_arch(tmp_path)
+    assert (arch.qk_norm_full, arch.rotary_percent, arch.moe_router_score_function) == (True, 0.5, "sigmoid")
+    assert arch.moe_router_enable_expert_bias and arch.qk_layernorm
+    (tmp_path / "config.json").write_text(json.dumps({**base, **change}))
+    with pytest.raises(ConfigError) as err:
+        load_arch(tmp_path)
+    assert err.value.key.endswith(f"config.json:{key}")

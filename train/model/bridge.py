@@ -39,6 +39,7 @@ from tether.train.model.glm4 import glm4_bridge_class, with_post_sublayer_norms
 from tether.train.model.hf_config import ModelArch, transformer_shape
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
+from tether.train.model.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
@@ -103,6 +104,7 @@ def _mbridge_registry() -> dict[str, Any]:
     registry = dict(_MODEL_REGISTRY)
     # mbridge 0.15.1 has no glm4 (dense) bridge: tether's joins this copy, not mbridge's registry.
     registry.setdefault("glm4", glm4_bridge_class())
+    registry.setdefault("minimax_m2", minimax_m2_bridge_class())
     return registry
 
 
@@ -317,10 +319,16 @@ def _fix_mla_without_te() -> None:
         multi_latent_attention.HAVE_TE = False  # type: ignore[attr-defined]
 
 
-def layer_spec(config: Any, transformer_engine: bool, pp_rank: int, post_sublayer_norms: bool = False) -> Any:
+def layer_spec(
+    config: Any,
+    transformer_engine: bool,
+    pp_rank: int,
+    post_sublayer_norms: bool = False,
+    full_qk_norms: bool = False,
+) -> Any:
     """Pipeline stage `pp_rank`'s block spec: per layer dense or MoE (moe_layer_freq), MLA or not,
-    qk-norm, and GLM-4's norms of attention's and the MLP's outputs (`post_sublayer_norms`, under
-    either spec: `glm4`)."""
+    qk-norm, GLM-4's norms of attention's and the MLP's outputs (`post_sublayer_norms`, under
+    either spec: `glm4`) and MiniMax-M2's QK norms over all heads (`full_qk_norms`: `minimax_m2`)."""
     with quiet_megatron_imports():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -337,6 +345,8 @@ def layer_spec(config: Any, transformer_engine: bool, pp_rank: int, post_sublaye
     )
     if post_sublayer_norms:
         spec = with_post_sublayer_norms(spec)
+    if full_qk_norms:
+        spec = with_full_qk_norms(spec)
     if transformer_engine:
         return spec
     return local_spec(

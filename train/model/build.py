@@ -85,7 +85,11 @@ def build_chunk(
     if transformer_engine is None:
         transformer_engine = Capabilities.detect().transformer_engine
     spec = bridge.layer_spec(
-        config, transformer_engine, topo.pp_rank, post_sublayer_norms=arch.post_sublayer_norms
+        config,
+        transformer_engine,
+        topo.pp_rank,
+        post_sublayer_norms=arch.post_sublayer_norms,
+        full_qk_norms=arch.qk_norm_full,
     )
     model = GPTModel(
         config=config,

@@ -19,11 +19,14 @@ from tether.train.config import stage_layers
 
 # mimo: Qwen2 plus multi-token-prediction layers (built with --mtp-num-layers: tether.train.model.mtp).
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo")
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # Families whose checkpoints carry multi-token-prediction layers (num_nextn_predict_layers):
 # MiMo's under model.mtp_layers.{i}, DeepSeek-V3's and GLM-4.5's as model.layers.{L + i}.
 MTP_MODEL_TYPES = ("mimo", "deepseek_v3", "glm4_moe")
+
+MINIMAX_M2_SPEC = "slime_plugins.models.minimax_m2"
+"""slime's layer-spec module for MiniMax-M2 (full QK norms): accepted for that family only."""
 
 # Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
 # (GLM-4 dense was here until its sandwich norms were built: tether.train.model.glm4.)
@@ -67,6 +70,9 @@ class ModelArch:
     """Share of the head dim that RoPE rotates (GLM's partial_rotary_factor)."""
     rotary_interleaved: bool = False
     """RoPE rotates adjacent pairs (GLM-4 dense: Megatron's --rotary-interleaved), not the two halves."""
+    qk_norm_full: bool = False
+    """The q and k norms span all heads (MiniMax-M2's q_norm/k_norm), not one head:
+    tether.train.model.minimax_m2."""
     post_sublayer_norms: bool = False
     """GLM-4 dense's sandwich norms: attention's and the MLP's outputs are normalized again before
     the residual add (HF post_self_attn_layernorm / post_mlp_layernorm; Megatron's
@@ -157,6 +163,31 @@ def _yarn(cfg: dict[str, Any]) -> tuple[tuple[str, float], ...] | None:
     return tuple((field, float(params[key])) for key, field in _YARN_KEYS.items() if key in params)
 
 
+MINIMAX_M2_FIXED: dict[str, object] = {
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+}
+"""MiniMax-M2's config.json keys for what transformers' MiniMaxM2 always does (sigmoid routing with
+a correction bias, QK norms over all heads); a checkpoint that says otherwise is not that model."""
+
+
+def check_minimax_m2_keys(cfg: dict[str, Any], path: str | Path) -> None:
+    for key, want in MINIMAX_M2_FIXED.items():
+        if key in cfg and cfg[key] != want:
+            raise ConfigError(
+                f"{path}:{key}",
+                cfg[key],
+                f"MiniMax-M2 as transformers builds it has {want!r}; nothing else is built",
+            )
+    attn_types = cfg.get("attn_type_list")
+    if isinstance(attn_types, list) and any(t != 1 for t in attn_types):
+        raise ConfigError(
+            f"{path}:attn_type_list", attn_types, "only full attention (1) in every layer is built"
+        )
+
+
 def check_model_type(model_type: object, path: str | Path) -> str:
     """The family, or a refusal naming why it cannot be built (at plan time and on the ranks)."""
     if model_type in REFUSED_MODEL_TYPES:
@@ -185,6 +216,16 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -
         "moe_router_topk": topk,
         "moe_layer_freq": _moe_layer_freq(cfg, model_type, layers),
     }
+    if model_type == "minimax_m2":
+        # Sigmoid scores, a correction bias for the choice, renormalized top-k weights, no groups.
+        out.update(
+            num_experts=int(_first(cfg, path, "num_local_experts", "num_experts")),
+            moe_ffn_hidden_size=int(_field(cfg, "intermediate_size", path)),
+            moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=True,
+            moe_router_enable_expert_bias=True,
+        )
+        return out
     if model_type == "mixtral":
         # Mixtral renormalizes the top-k softmax probabilities: top-k on logits, then softmax.
         out.update(num_experts=int(_first(cfg, path, "num_local_experts", "num_experts")))
@@ -271,11 +312,17 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
     params = cfg.get("rope_parameters") or {}
     # transformers' Glm4Config rotates half the head dim when the config names no factor.
     default_rotary = 0.5 if model_type == "glm4" else 1.0
+    if model_type == "minimax_m2" and cfg.get("rotary_dim"):
+        # MiniMax-M2's own config.json names the rotated dims (transformers derives the factor)
+        default_rotary = int(cfg["rotary_dim"]) / head_dim
     extra: dict[str, Any] = {
         "rotary_percent": float(
             params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_rotary))
         )
     }
+    if model_type == "minimax_m2":
+        check_minimax_m2_keys(cfg, path)
+        extra["qk_norm_full"] = True
     if model_type == "glm4":
         # Glm4DecoderLayer's extra norms; Glm4's apply_rotary_pos_emb rotates interleaved pairs.
         extra.update(post_sublayer_norms=True, rotary_interleaved=True)
@@ -296,7 +343,7 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         )
         head_dim = extra["qk_head_dim"] + extra["qk_pos_emb_head_dim"]
     # DeepSeek's MLA normalizes its compressed q and kv (Megatron's --qk-layernorm with MLA).
-    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "deepseek_v3") or (
+    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "deepseek_v3", "minimax_m2") or (
         model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))
     )
     return ModelArch(
@@ -501,6 +548,14 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         expected["moe_router_num_groups"] = 1 if flags.get("moe_router_num_groups") == 1 else None
         expected["moe_router_group_topk"] = 1 if flags.get("moe_router_group_topk") == 1 else None
     check_mtp_layers(arch, flags.get("mtp_num_layers"))
+    check_model_name(arch, flags.get("model_name"))
+    spec = flags.get("spec")
+    if isinstance(spec, list) and spec and spec[0] == MINIMAX_M2_SPEC and arch.model_type != "minimax_m2":
+        raise ConfigError(
+            "--spec",
+            " ".join(spec),
+            f"builds MiniMax-M2's layers; the Hugging Face config is {arch.model_type}",
+        )
     seq_length = flags.get("seq_length")
     if isinstance(seq_length, int) and seq_length > arch.max_position_embeddings:
         raise ConfigError(
@@ -529,6 +584,32 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         if not same:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(flag, value, f"the Hugging Face config ({arch.model_type}) has {want!r}")
+
+
+_CONVERTER_ALIASES: dict[str, tuple[str, ...]] = {
+    # slime converts these families with DeepSeek-V3's converter (megatron_to_hf/__init__.py)
+    "deepseekv3": ("kimi", "deepseekv32", "glm4moelite", "glmmoedsa"),
+    "mimo": ("qwen2",),
+}
+
+
+def _squashed(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def check_model_name(arch: ModelArch, model_name: object) -> None:
+    """--model-name (slime picks its Megatron-to-HF converter by it) must name the family of the
+    Hugging Face config, which is what tether converts by: as slime matches it, by substring."""
+    if not isinstance(model_name, str):
+        return
+    name, family = _squashed(model_name), _squashed(arch.model_type)
+    if family in name or any(alias in name for alias in _CONVERTER_ALIASES.get(family, ())):
+        return
+    raise ConfigError(
+        "--model-name",
+        model_name,
+        f"names another family than the Hugging Face config ({arch.model_type}), by which tether converts",
+    )
 
 
 def check_mtp_layers(arch: ModelArch, mtp_num_layers: object) -> None:

@@ -40,6 +40,7 @@ SUPPORTED_TYPES = (
     "deepseek_v3",
     "glm4_moe",
     "mimo",
+    "minimax_m2",
 )
 # Families whose checkpoints may carry multi-token-prediction (MTP) layers. Plain decoding does
 # not use them (transformers drops them too), so their tensors are accepted and left out.
@@ -71,6 +72,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tie_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    qk_norm_full: bool = False  # the q and k norms span all heads (MiniMax-M2), not one head
     eos_token_ids: tuple[int, ...]
     rotary_dim: int = 0  # how many leading dims of each head RoPE rotates (0: the head dim)
     rope_pairs: bool = False  # rotate adjacent pairs (GLM-4, DeepSeek's rope_interleave)
@@ -158,7 +160,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             max_position=max_position,
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias and mla is None,
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(raw.get("use_qk_norm", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "minimax_m2") or bool(raw.get("use_qk_norm", False)),
+            qk_norm_full=model_type == "minimax_m2",
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim,
             rope_pairs=model_type == "glm4" or (mla is not None and bool(raw.get("rope_interleave", True))),
@@ -248,14 +251,31 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 }
             if self.qk_norm:
                 shapes |= {
-                    p + "self_attn.q_norm.weight": (self.head_dim,),
-                    p + "self_attn.k_norm.weight": (self.head_dim,),
+                    p + "self_attn.q_norm.weight": (q if self.qk_norm_full else self.head_dim,),
+                    p + "self_attn.k_norm.weight": (kv if self.qk_norm_full else self.head_dim,),
                 }
         return shapes
 
 
+_MINIMAX_M2_FIXED = {
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+}
+"""What MiniMax-M2's config.json says where transformers' model always does it (routing, QK norms)."""
+
+
 def _refuse_unsupported(cfg_path: Path, model_type: str, raw: dict[str, Any]) -> None:
     """ModelConfigError naming a config key whose behaviour this forward does not implement."""
+    if model_type == "minimax_m2":
+        for key, want in _MINIMAX_M2_FIXED.items():
+            if key in raw and raw[key] != want:
+                raise ModelConfigError(
+                    f"{cfg_path}: {key}={raw[key]!r} is not supported (MiniMax-M2 has {want!r})"
+                )
+        if any(t != 1 for t in raw.get("attn_type_list") or []):
+            raise ModelConfigError(f"{cfg_path}: attn_type_list with linear attention (0) is not supported")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"{cfg_path}: hidden_act={act!r} is not supported (only 'silu')")
@@ -542,10 +562,13 @@ class TinyLM:
         q = F.linear(h, p[pre + "q_proj.weight"], p.get(pre + "q_proj.bias"))
         k = F.linear(h, p[pre + "k_proj.weight"], p.get(pre + "k_proj.bias"))
         v = F.linear(h, p[pre + "v_proj.weight"], p.get(pre + "v_proj.bias"))
+        if c.qk_norm_full:  # one norm over all heads' queries (keys): MiniMax-M2
+            q = _rms_norm(q, p[pre + "q_norm.weight"], c.eps)
+            k = _rms_norm(k, p[pre + "k_norm.weight"], c.eps)
         q = q.view(b, t, c.heads, c.head_dim)
         k = k.view(b, t, c.kv_heads, c.head_dim)
         v = v.view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        if c.qk_norm:
+        if c.qk_norm and not c.qk_norm_full:
             q = _rms_norm(q, p[pre + "q_norm.weight"], c.eps)
             k = _rms_norm(k, p[pre + "k_norm.weight"], c.eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)

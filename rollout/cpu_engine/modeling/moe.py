@@ -1,10 +1,11 @@
 """Mixture-of-Experts feed-forward blocks for the CPU engine (Qwen2-MoE, Qwen3-MoE, Mixtral,
-DeepSeek-V3, GLM-4-MoE), over parameters under their Hugging Face names.
+DeepSeek-V3, GLM-4-MoE, MiniMax-M2), over parameters under their Hugging Face names.
 
 Routing follows each family's router in transformers: softmax over the router logits and a
 top-k (Qwen, Mixtral), or sigmoid scores, a score-correction bias that only steers the choice,
 expert groups of which the best `topk_group` stay eligible, and a scaling of the chosen
-weights (DeepSeek-V3 and GLM-4-MoE: `noaux_tc`). The block returns, beside its output, the
+weights (DeepSeek-V3 and GLM-4-MoE: `noaux_tc`; MiniMax-M2 the same without groups or scaling,
+under Mixtral's names). The block returns, beside its output, the
 experts each token was routed to (what `return_routed_experts` reports).
 """
 
@@ -38,6 +39,7 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP (False)
     block: str  # the block's name under model.layers.{i}: "mlp" or "block_sparse_moe"
     expert_names: tuple[str, str, str]  # gate, up, down projections of one expert
+    bias_name: str = "gate.e_score_correction_bias"  # the correction bias, under the block
 
     @classmethod
     def from_raw(cls, model_type: str, raw: dict[str, Any], layers: int) -> MoEConfig | None:
@@ -89,6 +91,24 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
                 block="block_sparse_moe",
                 expert_names=("w1", "w3", "w2"),
             )
+        if model_type == "minimax_m2":
+            return cls(
+                experts=int(need("num_local_experts", "num_experts")),
+                top_k=int(need("num_experts_per_tok")),
+                expert_ffn=int(need("intermediate_size")),
+                scoring="sigmoid",
+                norm_topk=True,
+                scaling=1.0,
+                groups=1,
+                topk_groups=1,
+                correction_bias=True,
+                shared_ffn=0,
+                shared_gate=False,
+                sparse_layers=(True,) * layers,
+                block="block_sparse_moe",
+                expert_names=("w1", "w3", "w2"),
+                bias_name="e_score_correction_bias",
+            )
         if model_type in ("deepseek_v3", "glm4_moe"):
             for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
                 if raw.get(key) not in (None, want):
@@ -130,7 +150,7 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
         g, u, d = self.expert_names
         shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (self.experts, hidden)}
         if self.correction_bias:
-            shapes[p + "gate.e_score_correction_bias"] = (self.experts,)
+            shapes[p + self.bias_name] = (self.experts,)
         for e in range(self.experts):
             shapes |= {
                 f"{p}experts.{e}.{g}.weight": (self.expert_ffn, hidden),
@@ -165,7 +185,7 @@ def route(
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights * cfg.scaling if cfg.scaling != 1.0 else weights
     scores = logits.sigmoid()
-    choice = scores + params[prefix + "gate.e_score_correction_bias"] if cfg.correction_bias else scores
+    choice = scores + params[prefix + cfg.bias_name] if cfg.correction_bias else scores
     if cfg.groups > 1:
         per_group = cfg.experts // cfg.groups
         # A group's score is the sum of its two best experts (DeepSeek-V3's rule).

@@ -9,8 +9,10 @@ Defaults (chosen so the CPU demo and the tests are fast): Llama, hidden 64, 2 la
 attention heads and 2 KV heads (head dim 16, GQA), FFN 128, vocabulary padded to 320,
 context 2048, RoPE theta 10000, untied embeddings, float32 safetensors.
 
-Mixture-of-Experts families (qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe) get 4
-routed experts, top-2, each expert's FFN a quarter of --intermediate; deepseek_v3 and glm4_moe
+Mixture-of-Experts families (qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, minimax_m2)
+get 4 routed experts, top-2, each expert's FFN a quarter of --intermediate; minimax_m2 rotates
+half of each head (rotary_dim) and its config.json carries the keys MiniMax's own does
+(scoring_func, use_routing_bias, use_qk_norm, qk_norm_type); deepseek_v3 and glm4_moe
 keep their first layer dense (first_k_dense_replace=1) and add one shared expert; qwen2_moe
 adds its gated shared expert (FFN half of --intermediate). deepseek_v3 uses multi-latent
 attention sized from the head dim d = hidden/heads: q_lora_rank hidden/2, kv_lora_rank
@@ -41,10 +43,20 @@ from tether.runtime.errors import ConfigError
 from tether.runtime.files.atomic_file import fsync_path
 
 Arch = Literal[
-    "llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4", "glm4_moe", "mimo"
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "glm4",
+    "glm4_moe",
+    "mimo",
+    "minimax_m2",
 ]
 ARCHES: tuple[str, ...] = Arch.__args__  # type: ignore[attr-defined]
-MOE_ARCHES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"})
+MOE_ARCHES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2"})
 # Families whose first layer stays dense (first_k_dense_replace=1): they need a second layer.
 _DENSE_FIRST = frozenset({"deepseek_v3", "glm4_moe"})
 # Families whose checkpoints carry multi-token-prediction layers (--mtp-layers); MiMo always has.
@@ -245,6 +257,11 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
     if arch == "mixtral":
         common["intermediate_size"] = expert_ffn
         return transformers.MixtralConfig(**common, **moe, num_local_experts=TINY_EXPERTS)
+    if arch == "minimax_m2":
+        # sigmoid routing with a correction bias, QK norms over all heads, half the head rotary
+        common["intermediate_size"] = expert_ffn
+        rotary: dict[str, Any] = {"rotary_dim": head_dim // 2}  # MiniMax's key; the config derives the factor
+        return transformers.MiniMaxM2Config(**common, **moe, **rotary, num_local_experts=TINY_EXPERTS)
     if arch == "glm4_moe":
         return transformers.Glm4MoeConfig(
             **common,
@@ -279,6 +296,22 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         v_head_dim=head_dim,
         num_mtp_layers=spec.num_mtp_layers,
     )
+
+
+MINIMAX_M2_CONFIG_KEYS: dict[str, Any] = {
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+    "num_mtp_modules": 0,
+}
+"""Keys MiniMax-M2's published config.json carries that transformers' config does not write (SGLang
+reads them; transformers' model always routes and normalizes this way)."""
+
+
+def _add_config_keys(staging: Path, keys: dict[str, Any]) -> None:
+    path = staging / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **keys}, indent=2, sort_keys=True) + "\n")
 
 
 def _spread_routing(model: Any, seed: int) -> None:
@@ -385,6 +418,8 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        if spec.arch == "minimax_m2":
+            _add_config_keys(staging, MINIMAX_M2_CONFIG_KEYS)
         if mtp:
             _add_mtp_layers(spec, staging)
         tokenizer.save_pretrained(staging)  # type: ignore[attr-defined]

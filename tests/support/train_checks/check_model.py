@@ -3,7 +3,7 @@ through mbridge, logits parity.
 
 For each layout (DP=2, TP=2, PP=2; EP=2 for the MoE families) and family (`FAMILIES`: dense Llama, Qwen2 with qkv bias, Qwen3
 with qk-norm, tied and untied, GLM-4 with sandwich norms, fused gate_up_proj and interleaved partial
-RoPE; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5; DeepSeek-V3 with MLA + MoE): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
+RoPE; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2; DeepSeek-V3 with MLA + MoE): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
 logits with transformers, and at PP=2 write an HF directory with save_hf and compare it with the
 source. Results go to WORK_DIR/results/rank{N}.json.
 """
@@ -48,7 +48,7 @@ LAYOUTS_4 = {
 ALLGATHER_EP = ("qwen3_moe",)
 # Dense attention, MLA + MoE, and a trained MTP layer (its labels rolled across the CP ranks).
 CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp")
-MOE_ARCHES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+MOE_ARCHES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "minimax_m2")
 # Family name -> TinyModelSpec fields (tether init-model's families).
 FAMILIES: dict[str, dict[str, object]] = {
     "llama": {"arch": "llama"},
@@ -72,6 +72,9 @@ FAMILIES: dict[str, dict[str, object]] = {
     "mimo_mtp_frozen": {"arch": "mimo"},
     "deepseek_v3_mtp_built": {"arch": "deepseek_v3", "mtp_layers": 1},
     "glm4_moe_mtp_built": {"arch": "glm4_moe", "mtp_layers": 1},
+    # New families go last: a model's seed is its index here (common.make_models), and the
+    # MTP families' CP=2 checks compare numbers that are only close.
+    "minimax_m2": {"arch": "minimax_m2"},
 }
 # Families built with MTP layers: their MegatronConfig flags.
 MTP_FLAGS: dict[str, dict[str, object]] = {
@@ -122,7 +125,7 @@ CONFIG_CHANGES: dict[str, dict[str, object]] = {
 # Families also trained for two SFT steps per layout: loss and grad norm at TP=2 (with sequence
 # parallelism) and PP=2 must equal DP=2's (experts' TP shards counted once, MLA's shared RoPE key
 # summed over TP, GLM-4's sequence-parallel output norms' gradients summed over TP).
-TRAINED = ("qwen3_moe", "deepseek_v3", "glm4", "mimo_mtp", "mimo_mtp_frozen", "qwen3")
+TRAINED = ("qwen3_moe", "deepseek_v3", "glm4", "mimo_mtp", "mimo_mtp_frozen", "qwen3", "minimax_m2")
 # Families built with --sequence-parallel at TP=2: MoE (Megatron requires it) and GLM-4 (slime's
 # GLM-4-9B script runs with it).
 SEQUENCE_PARALLEL = ("glm4",)
