@@ -28,12 +28,13 @@ from msgspec import Meta
 from tether.checks.critic import check_critic
 from tether.checks.slime_flags import refusal
 from tether.placement.config import ClusterConfig
-from tether.rollout.config import DataConfig, RolloutConfig
+from tether.rollout.config import BUFFER_ROLLOUT, DataConfig, RolloutConfig, check_buffer_rollout
 from tether.rollout.data.custom_source import (
     check_data_source_class,
     check_global_dataset_flags,
     is_custom_source,
 )
+from tether.run.ci_checks import check_grad_norm_template
 from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.custom_config import read_custom_config
 from tether.runtime.errors import ConfigError
@@ -47,7 +48,9 @@ from tether.train.config import (
     check_layer_spec,
     check_routing_replay,
 )
+from tether.train.megatron_roles import role_slices
 from tether.train.model.capabilities import Capabilities, check_capabilities
+from tether.train.profiling.config import ProfileConfig, check_profile_against_run
 
 
 class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -64,6 +67,21 @@ class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ] = None
     load_debug_rollout_data: Annotated[
         str | None, Meta(description="Path template of saved rollouts to train on, with {rollout_id}.")
+    ] = None
+    load_debug_rollout_data_subsample: Annotated[
+        float | None,
+        Meta(
+            description="Train on this fraction of each saved rollout's samples (slime's rows: the first and "
+            "last halves of round(n x ratio), each sample staying in its group)."
+        ),
+    ] = None
+    load_forge_rollout_data: Annotated[
+        str | None,
+        Meta(
+            description="Saved rollouts (a file, or a template with {rollout_id}: a missing rollout reuses 0's) "
+            "that slime.rollout.forge_load.generate_rollout returns instead of generating, with the engines, "
+            "weight updates and offloading all running (slime's memory-measurement mode)."
+        ),
     ] = None
     save_debug_train_data: Annotated[
         str | None,
@@ -91,7 +109,73 @@ class DebugConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         ),
     ] = False
 
+    ci_test: Annotated[
+        bool,
+        Meta(
+            description="slime's CI checks as run-time assertions (tether.run.ci_checks): the run stops, naming "
+            "the check, when the first rollout's actor and reference log-probs differ, a rollout's mean "
+            "log-prob leaves (-1, 0) or its entropy (0, 1), a step's train/rollout log-prob difference exceeds "
+            "--ci-train-rollout-logprob-abs-diff-threshold, the KL checks fail, or an engine misses a version."
+        ),
+    ] = False
+    ci_disable_kl_checker: Annotated[
+        bool,
+        Meta(
+            description="With --ci-test: skip its KL checks (first-step ppo_kl and kl_loss, rollout 0's actor vs ref)."
+        ),
+    ] = False
+    ci_train_rollout_logprob_abs_diff_threshold: Annotated[
+        float | None,
+        Meta(
+            description="With --ci-test: the largest train/train_rollout_logprob_abs_diff a step may log (slime's 0.1)."
+        ),
+    ] = None
+    ci_save_grad_norm: Annotated[
+        str | None,
+        Meta(
+            description="Save each step's grad norm (torch.save of a float, as slime) to this path template with "
+            "{role}, {rollout_id}, {step_id}."
+        ),
+    ] = None
+    ci_load_grad_norm: Annotated[
+        str | None,
+        Meta(
+            description="Compare each step's grad norm with the one saved at this path template ({role}, "
+            "{rollout_id}, {step_id}); the run stops when they differ by more than 1 percent (and 0.01)."
+        ),
+    ] = None
+
     def __post_init__(self) -> None:
+        if not self.ci_test:  # slime reads these only under --ci-test; here they would do nothing
+            if self.ci_disable_kl_checker:
+                raise ConfigError("--ci-disable-kl-checker", True, "has no effect without --ci-test")
+            if self.ci_train_rollout_logprob_abs_diff_threshold is not None:
+                raise ConfigError(
+                    "--ci-train-rollout-logprob-abs-diff-threshold",
+                    self.ci_train_rollout_logprob_abs_diff_threshold,
+                    "has no effect without --ci-test",
+                )
+        ratio = self.load_debug_rollout_data_subsample
+        if ratio is not None:
+            if self.load_debug_rollout_data is None:
+                raise ConfigError(
+                    "--load-debug-rollout-data-subsample",
+                    ratio,
+                    "subsamples --load-debug-rollout-data, not given",
+                )
+            if not 0.0 < ratio <= 1.0:
+                raise ConfigError("--load-debug-rollout-data-subsample", ratio, "must be in (0, 1]")
+        if self.ci_save_grad_norm is not None and self.ci_load_grad_norm is not None:
+            # slime saves and skips the comparison when both are given.
+            raise ConfigError(
+                "--ci-load-grad-norm", self.ci_load_grad_norm, "contradicts --ci-save-grad-norm; give one"
+            )
+        for flag, template in (
+            ("--ci-save-grad-norm", self.ci_save_grad_norm),
+            ("--ci-load-grad-norm", self.ci_load_grad_norm),
+        ):
+            if template is not None:
+                check_grad_norm_template(flag, template)
         if self.dump_details is not None:  # slime's defaults under the details directory
             base = self.dump_details.rstrip("/")
             if self.save_debug_rollout_data is None:
@@ -236,6 +320,7 @@ SLICES: dict[str, type[msgspec.Struct]] = {
     "weight_sync": WeightSyncConfig,
     "fault_tolerance": FaultToleranceConfig,
     "debug": DebugConfig,
+    "profile": ProfileConfig,
     "run": RunConfig,
 }
 
@@ -251,6 +336,7 @@ class Config(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     fault_tolerance: FaultToleranceConfig = msgspec.field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = msgspec.field(default_factory=DebugConfig)
+    profile: ProfileConfig = msgspec.field(default_factory=ProfileConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     sglang_args: list[str] = msgspec.field(default_factory=list)
     """Flags passed through to SGLang: each `--sglang-<flag> [values]` becomes `--<flag> [values]`."""
@@ -264,6 +350,31 @@ class Config(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     @classmethod
     def from_json(cls, data: bytes | str) -> Config:
         return msgspec.json.decode(data, type=cls)
+
+
+def check_forge_rollout(cfg: Config) -> None:
+    """slime's forge mode: its rollout function and --load-forge-rollout-data go together (tether's
+    default rollout would generate and leave the flag unread)."""
+    from tether.rollout.slime_api.rollout.forge_load import ROLLOUT_FUNCTION
+
+    path, dumps = cfg.rollout.rollout_function_path, cfg.debug.load_forge_rollout_data
+    default = RolloutConfig.__struct_defaults__[
+        RolloutConfig.__struct_fields__.index("rollout_function_path")
+    ]
+    if dumps is not None and path == default:
+        raise ConfigError(
+            "--load-forge-rollout-data",
+            dumps,
+            f"is read by --rollout-function-path {ROLLOUT_FUNCTION}, not given",
+        )
+    if path == ROLLOUT_FUNCTION and dumps is None:
+        raise ConfigError("--load-forge-rollout-data", None, f"is needed by --rollout-function-path {path}")
+    if dumps is not None and cfg.debug.load_debug_rollout_data is not None:
+        raise ConfigError(
+            "--load-forge-rollout-data",
+            dumps,
+            "contradicts --load-debug-rollout-data (which starts no engines)",
+        )
 
 
 def check_contradictions(cfg: Config) -> None:
@@ -283,12 +394,24 @@ def check_contradictions(cfg: Config) -> None:
             "starts no engines: train on saved rollouts (--load-debug-rollout-data) or give a "
             "--rollout-function-path that generates nothing (slime.rollout.sft_rollout.generate_rollout)",
         )
+    check_forge_rollout(cfg)
     cfg.weight_sync.check_colocate(cfg.cluster.colocate)
+    check_buffer_rollout(
+        cfg.rollout,
+        loop=cfg.run.loop,
+        use_rollout_logprobs=cfg.algorithm.use_rollout_logprobs,
+        use_tis=cfg.algorithm.use_tis,
+    )
     check_algorithm_against_megatron(cfg.algorithm, cfg.megatron)
     check_routing_replay(cfg.algorithm, cfg.megatron, cfg.rollout.hf_checkpoint)
     check_checkpoint_flags(cfg.algorithm, auto_resume=cfg.run.auto_resume)
     check_megatron_against_run(cfg)
+    check_profile_against_run(
+        cfg.profile, cpu_devices=cfg.cluster.cpu_devices is not None, trains=not cfg.debug.debug_rollout_only
+    )
     check_critic(cfg.algorithm, cfg.cluster)
+    for role in ("actor", "critic"):  # --megatron-config-path: each role's overrides read and checked now
+        role_slices(cfg.algorithm, cfg.megatron, role)
     if cfg.algorithm.log_probs_max_tokens_per_gpu is not None and not cfg.data.use_dynamic_batch_size:
         raise ConfigError(
             "--log-probs-max-tokens-per-gpu",
@@ -691,6 +814,20 @@ def _slime_fully_async(values: dict[tuple[str, str], Any]) -> dict[tuple[str, st
     return out
 
 
+SLIME_BUFFER_EXAMPLE = "slime_plugins.rollout_buffer.rollout_buffer_example.generate_rollout"
+"""slime's rollout-buffer example: in tether, its own client of the same protocol (BUFFER_ROLLOUT)."""
+
+
+def _slime_buffer_example(values: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """slime's rollout-buffer scripts name the example's rollout function; tether runs its own client
+    of the same buffer protocol, which numbers samples as its Sample contract wants (the example
+    gives a group's samples one index) and builds the same tokens, masks and rewards."""
+    key = ("rollout", "rollout_function_path")
+    if values.get(key) != SLIME_BUFFER_EXAMPLE:
+        return values
+    return {**values, key: BUFFER_ROLLOUT}
+
+
 def resolve(argv: Sequence[str]) -> Config:
     """The Config from a command line (and the YAML file it names); raises ConfigError."""
     specs = flag_specs()
@@ -765,7 +902,7 @@ def build_config(
 ) -> Config:
     """A Config from (slice, field) → value, converting strings and checking every slice."""
     origin = origin or {}
-    values = _slime_fully_async(values)
+    values = _slime_buffer_example(_slime_fully_async(values))
     per_slice: dict[str, dict[str, Any]] = {name: {} for name in SLICES}
     for (slice_name, field), value in values.items():
         per_slice[slice_name][field] = value

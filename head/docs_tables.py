@@ -102,6 +102,16 @@ HOOK_NOTES: dict[str, str] = {
     "--rollout-data-postprocess-path": "per data-parallel shard, after the log-prob passes and advantages",
     "--custom-tis-function-path": "on the trainer ranks, in place of the built-in TIS",
     "--custom-pg-loss-reducer-function-path": "on the trainer ranks: reduces the pg term",
+    "--custom-model-provider-path": "on the trainer ranks, builds each model chunk (actor, critic, reference, "
+    "teacher) in place of tether's GPTModel; the HF weights still load through the bridge by Megatron "
+    "parameter name, so it must name and shape parameters as GPTModel does; a function naming `config` "
+    "also gets tether's TransformerConfig (there is no Megatron-LM `get_args()`)",
+    "--custom-megatron-init-path": "on every trainer rank once its process groups are up, before any model "
+    "is built",
+    "--custom-megatron-before-log-prob-hook-path": "before every log-prob pass, the chunks in eval mode; "
+    "`store_prefix` `''` (actor, critic values), `'ref_'`, `'teacher_'`",
+    "--custom-megatron-before-train-step-hook-path": "after the gradients are zeroed, before each train "
+    "step's forward; `step_id` counts from 0 within the rollout",
 }
 """When tether calls each hook; the calls themselves come from the hook checks."""
 
@@ -124,7 +134,7 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
 
 def hook_calls() -> list[tuple[str, str]]:
     """(flag, call) of every hook whose call `tether plan` checks, in the checks' order."""
-    from tether.checks import loss_hooks
+    from tether.checks import loss_hooks, megatron_hooks
     from tether.rollout.hooks import checks
     from tether.run import train_data_hooks
 
@@ -135,6 +145,7 @@ def hook_calls() -> list[tuple[str, str]]:
         if isinstance(v, checks.HookCall)
     ]
     found += [(c.flag, c.call) for c in loss_hooks.hook_calls()]
+    found += [(v.flag, v.call) for v in vars(megatron_hooks).values() if isinstance(v, checks.HookCall)]
     found.append(("--data-source-path", DATA_SOURCE_CALL))
     return found
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from tether.rollout.http_proxy import check_proxy_url
 from tether.rollout.rewards.types import BASE_TYPES, missing_requirement, split_rm_type
 from tether.runtime.errors import ConfigError
 from tether.runtime.rpc.secret import read_key_file
@@ -27,6 +28,9 @@ LossMaskType = Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"]
 
 AGENT_ENTRY = "tether.rollout.agents.generate"
 """The --custom-generate-function-path of tether's agent entry (tether.rollout.agents)."""
+
+BUFFER_ROLLOUT = "tether.rollout.hooks.rollout_buffer.generate_rollout"
+"""The --rollout-function-path that takes trajectories from slime's external rollout buffer."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -81,6 +85,15 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         Meta(
             description="Split each step's samples over the data-parallel ranks so their token counts "
             "balance (default: round-robin, sample i to rank i mod DP)."
+        ),
+    ] = False
+    balance_by_flops: Annotated[
+        bool,
+        Meta(
+            description="Form each step's micro-batches by estimated training FLOPs (coeff x L + L², from "
+            "the model's shape) with Karmarkar-Karp instead of packing tokens, then deal them to the "
+            "data-parallel ranks balancing FLOPs. A micro-batch may exceed --max-tokens-per-gpu (and "
+            "run out of memory). Implies --balance-data; needs --use-dynamic-batch-size."
         ),
     ] = False
     rollout_shuffle: Annotated[bool, Meta(description="Shuffle the prompts each epoch.")] = False
@@ -178,6 +191,15 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
             )
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ConfigError("--max-tokens-per-gpu", None, "must be set when --use-dynamic-batch-size is on")
+        if self.balance_by_flops:
+            if not self.use_dynamic_batch_size:
+                raise ConfigError(
+                    "--balance-by-flops",
+                    True,
+                    "needs --use-dynamic-batch-size (its micro-batch count comes from "
+                    "--max-tokens-per-gpu; slime's rule)",
+                )
+            msgspec.structs.force_setattr(self, "balance_data", True)  # slime: the flag implies it
         if len(self.eval_prompt_data) > 1 and len(self.eval_prompt_data) % 2:
             raise ConfigError(
                 "--eval-prompt-data", self.eval_prompt_data, "must be one path or name/path pairs"
@@ -325,6 +347,13 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     rm_url: Annotated[str | None, Meta(description="Reward-model service URL for --rm-type remote_rm.")] = (
         None
     )
+    http_proxy: Annotated[
+        str | None,
+        Meta(
+            description="Proxy for calls to hosts outside this machine: --rm-url's reward model, the "
+            "rollout buffer, hooks' slime `post` (loopback - engines, router - is always reached directly)."
+        ),
+    ] = None
     group_rm: Annotated[bool, Meta(description="Compute rewards over a whole group at once.")] = False
     reward_key: Annotated[str | None, Meta(description="Key selecting the reward from a dict reward.")] = None
     log_passrate: Annotated[
@@ -446,6 +475,39 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     fully_async_requeue_stale_groups: Annotated[
         bool, Meta(description="Fully-async: regenerate stale groups' prompts instead of dropping them.")
     ] = False
+    rollout_buffer_url: Annotated[
+        str | None,
+        Meta(
+            description=f"URL of slime's external rollout buffer (slime_plugins/rollout_buffer/buffer.py): "
+            f"--rollout-function-path {BUFFER_ROLLOUT} starts it and takes each rollout's trajectories "
+            "from it (`args.rollout_buffer_url` for a rollout function of your own)."
+        ),
+    ] = None
+    fetch_trajectory_retry_times: Annotated[
+        int,
+        Meta(
+            ge=-1,
+            description="Failed requests to the rollout buffer one rollout tolerates before it gives up "
+            "(-1: retry without limit).",
+        ),
+    ] = -1
+    min_batch_collection_ratio: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1,
+            description="Fraction of --rollout-batch-size groups the rollout buffer must have delivered "
+            "before a rollout trains on a short batch when the buffer has nothing more at hand "
+            "(1: always the whole batch).",
+        ),
+    ] = 1.0
+    rollout_task_type: Annotated[
+        str,
+        Meta(
+            description="Task type the rollout buffer generates trajectories for (its generator's TASK_TYPE), "
+            "sent when the buffer is started."
+        ),
+    ] = "math"
     agent_function_path: Annotated[
         str | None,
         Meta(
@@ -494,6 +556,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             raise ConfigError(
                 "--mask-offpolicy-in-partial-rollout", True, "only applies with --partial-rollout"
             )
+        if self.http_proxy is not None:
+            check_proxy_url(self.http_proxy)
         if self.rm_url is not None and not self.rm_url.startswith(("http://", "https://")):
             raise ConfigError("--rm-url", self.rm_url, "must be an http:// or https:// URL")
         for path_flag, value in (
@@ -513,6 +577,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             if value is not None and "." not in value and ":" not in value:
                 raise ConfigError(path_flag, value, "must be `package.module.function` or `file.py:function`")
         self._check_agent_flags()
+        self._check_rollout_buffer_flags()
         if self.log_correct_samples and self.rollout_max_response_len is None:
             raise ConfigError(
                 "--log-correct-samples",
@@ -525,6 +590,47 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
                     "--rollout-max-response-len",
                     self.rollout_max_response_len,
                     f"leaves no room for a prompt within --rollout-max-context-len={self.rollout_max_context_len}",
+                )
+
+    def _check_rollout_buffer_flags(self) -> None:
+        """slime's rollout-buffer flags act through a rollout function that reads them: tether's
+        BUFFER_ROLLOUT (which needs the URL), or one of the user's (as `args.<name>`); the default
+        rollout reads none of them, so there they are refused rather than ignored."""
+        if self.fetch_trajectory_retry_times == 0:
+            raise ConfigError(
+                "--fetch-trajectory-retry-times", 0, "must be -1 (retry without limit) or at least 1"
+            )
+        url = self.rollout_buffer_url
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ConfigError("--rollout-buffer-url", url, "must be an http:// or https:// URL")
+        if self.rollout_function_path == BUFFER_ROLLOUT:
+            if url is None:
+                raise ConfigError(
+                    "--rollout-buffer-url", None, f"must be set for --rollout-function-path {BUFFER_ROLLOUT}"
+                )
+            if self.hf_checkpoint is None:
+                raise ConfigError(
+                    "--hf-checkpoint",
+                    None,
+                    f"must be set for --rollout-function-path {BUFFER_ROLLOUT}: its tokenizer turns the "
+                    "buffer's chat messages into tokens",
+                )
+        defaults = {f.name: f.default for f in msgspec.structs.fields(self)}
+        if self.rollout_function_path != defaults["rollout_function_path"]:
+            return
+        for name in (
+            "rollout_buffer_url",
+            "fetch_trajectory_retry_times",
+            "min_batch_collection_ratio",
+            "rollout_task_type",
+        ):
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(
+                    "--" + name.replace("_", "-"),
+                    getattr(self, name),
+                    "is read by a rollout function that talks to slime's rollout buffer, and the default "
+                    f"rollout does not: use --rollout-function-path {BUFFER_ROLLOUT}, or one of your own "
+                    f"that reads args.{name}",
                 )
 
     def _check_agent_flags(self) -> None:
@@ -553,6 +659,30 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         if self.group_rm:
             raise ConfigError(
                 "--group-rm", True, f"{AGENT_ENTRY} scores each agent run by itself; drop --group-rm"
+            )
+
+
+def check_buffer_rollout(
+    rollout: RolloutConfig, *, loop: str, use_rollout_logprobs: bool, use_tis: bool
+) -> None:
+    """BUFFER_ROLLOUT against the other slices: it is a rollout function (the fully-async loop
+    calls none), and the buffer's trajectories are chat messages, with no engine log-probs."""
+    if rollout.rollout_function_path != BUFFER_ROLLOUT:
+        return
+    if loop == "fully-async":
+        raise ConfigError(
+            "--loop",
+            loop,
+            f"generates with tether's fully-async worker and calls no --rollout-function-path, so "
+            f"{BUFFER_ROLLOUT} would never run; use --loop sync or async",
+        )
+    for flag, value in (("--use-rollout-logprobs", use_rollout_logprobs), ("--use-tis", use_tis)):
+        if value:
+            raise ConfigError(
+                flag,
+                True,
+                f"needs the engine's log-probs, and the trajectories {BUFFER_ROLLOUT} takes from the "
+                "rollout buffer carry none (slime's buffer sends chat messages)",
             )
 
 

@@ -53,6 +53,18 @@ def save_rollout(
     return path
 
 
+def subsample(groups: list[list[Sample]], ratio: float) -> list[list[Sample]]:
+    """slime's --load-debug-rollout-data-subsample: of the rollout's n samples (in order), keep the
+    first k // 2 and the last -(-k // 2) with k = int(n x ratio), as slime slices its flat list;
+    each kept sample stays in its group (a group may come out smaller), empty groups dropped."""
+    flat = [(g, s) for g, group in enumerate(groups) for s in range(len(group))]
+    k = int(len(flat) * ratio)
+    # slime's slices exactly: with k = 0 its `data[-0:]` is the whole list, so all is kept.
+    kept = set(flat[: k // 2] + flat[-k // 2 :])
+    out = [[s for i, s in enumerate(group) if (g, i) in kept] for g, group in enumerate(groups)]
+    return [group for group in out if group]
+
+
 def load_rollout(template: str | os.PathLike[str], rollout_id: int) -> RolloutDump:
     """Read a dump back; the error names the file and what is wrong with it."""
     path = dump_path(template, rollout_id)

@@ -33,6 +33,7 @@ _OPTIONAL_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "keep_last_checkpoints": (1, True, None),
     "keep_every_checkpoints": (1, True, None),
     "expert_tensor_parallel_size": (1, True, None),
+    "data_pad_size_multiplier": (1, True, None),
     "lr_decay_iters": (1, True, None),
     "ref_update_interval": (1, True, None),
     "train_iters": (1, True, None),
@@ -143,6 +144,19 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     eps_clip_c: Annotated[
         float | None, Meta(description="Dual-clip PPO bound for negative advantages; must be > 1.")
     ] = None
+    use_opsm: Annotated[
+        bool,
+        Meta(
+            description="Off-policy sequence masking (slime's OPSM): a sequence with a negative advantage "
+            "whose masked mean of (old - new) log-prob exceeds --opsm-delta gets no policy-gradient loss."
+        ),
+    ] = False
+    opsm_delta: Annotated[
+        float | None,
+        Meta(
+            description="OPSM's threshold on a sequence's mean (old - new) log-prob (slime's default 1e-4)."
+        ),
+    ] = None
     use_kl_loss: Annotated[bool, Meta(description="Add a KL(policy || reference) term to the loss.")] = False
     kl_loss_coef: Annotated[float, Meta(ge=0.0, description="Weight of the KL loss term.")] = 0.0
     kl_loss_type: Annotated[
@@ -218,6 +232,14 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             "memory of the vocabulary-wide intermediates (-1: all tokens of a micro-batch at once)."
         ),
     ] = -1
+    recompute_loss_function: Annotated[
+        bool,
+        Meta(
+            description="Recompute the training loss from the logits in the backward pass "
+            "(torch.utils.checkpoint, as slime does) instead of keeping its vocabulary-wide "
+            "intermediates between forward and backward: less memory, the same gradients."
+        ),
+    ] = False
     log_probs_max_tokens_per_gpu: Annotated[
         int | None,
         Meta(
@@ -418,6 +440,42 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         int | None,
         Meta(description="Load the teacher from iter_<step> of --opd-teacher-load instead of its latest."),
     ] = None
+    custom_model_provider_path: Annotated[
+        str | None,
+        Meta(
+            description="Build each model chunk with `fn(pre_process=, post_process=[, vp_stage=None][, config=])` "
+            "instead of tether's GPTModel, as slime calls it (`config`: tether's TransformerConfig, when the "
+            "function takes it); HF weights still load through the bridge, by Megatron parameter name."
+        ),
+    ] = None
+    custom_megatron_init_path: Annotated[
+        str | None,
+        Meta(
+            description="Call `fn(args)` on every trainer rank once Megatron is initialised, before models are "
+            "built."
+        ),
+    ] = None
+    custom_megatron_before_log_prob_hook_path: Annotated[
+        str | None,
+        Meta(
+            description="Call `fn(args, model, store_prefix)` before every forward-only pass (log-probs: "
+            "'' actor, 'ref_' reference, 'teacher_' teacher; the critic's values: '')."
+        ),
+    ] = None
+    custom_megatron_before_train_step_hook_path: Annotated[
+        str | None,
+        Meta(
+            description="Call `fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)` before every "
+            "optimizer step's forward/backward, after the gradients are zeroed."
+        ),
+    ] = None
+    megatron_config_path: Annotated[
+        str | None,
+        Meta(
+            description="slime's per-role YAML: `megatron: [{name, role: actor|critic, overrides: {key: value}}]`; "
+            "each role's overrides (Megatron and optimizer flags, by argparse name) apply over the command line."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         _check_optional_ranges(self)
@@ -442,6 +500,11 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
                     )
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ConfigError("--eps-clip-c", self.eps_clip_c, "the dual-clip bound must be greater than 1")
+        if self.opsm_delta is not None and not self.use_opsm:
+            raise ConfigError("--opsm-delta", self.opsm_delta, "has no effect without --use-opsm")
+        if self.use_opsm and self.loss_type != "policy_loss":
+            # slime masks only its policy loss; another loss would take the flag and do nothing.
+            raise ConfigError("--use-opsm", True, f"masks the policy loss; --loss-type is {self.loss_type}")
         if self.disable_compute_advantages_and_returns and self.loss_type == "policy_loss":
             raise ConfigError(
                 "--disable-compute-advantages-and-returns",
@@ -538,6 +601,11 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     def clip_high(self) -> float:
         """The upper PPO clip range, resolved (slime: --eps-clip-high defaults to --eps-clip)."""
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def opsm_threshold(self) -> float:
+        """OPSM's threshold, resolved (slime's default 1e-4)."""
+        return 1e-4 if self.opsm_delta is None else self.opsm_delta
 
     @property
     def needs_ref_log_probs(self) -> bool:
@@ -772,6 +840,15 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "TP > 1 need it)."
         ),
     ] = False
+    data_pad_size_multiplier: Annotated[
+        int | None,
+        Meta(
+            description="Micro-batches are padded to a multiple of TP x this many positions (x CP: each "
+            "context-parallel rank's share is; slime's pad_size, to reduce memory fragmentation). Unset: "
+            "tether's own padding (to the longest sample) - slime's default 128 pads one packed stream, "
+            "where tether would pad every row of its micro-batch grid.",
+        ),
+    ] = None
     use_distributed_optimizer: Annotated[
         bool, Meta(description="Shard optimizer state across data-parallel ranks.")
     ] = False
@@ -786,6 +863,14 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         ),
     ] = False
     optimizer: Annotated[Literal["adam", "sgd"], Meta(description="Optimizer.")] = "adam"
+    use_stateless_adam: Annotated[
+        bool,
+        Meta(
+            description="Adam that keeps no moments: every step is Adam's first from zero exp_avg and "
+            "exp_avg_sq (the same weights as --reset-optimizer-states before each step), so no optimizer "
+            "state is held; needs --optimizer adam and, with --save, --no-save-optim (slime's)."
+        ),
+    ] = False
     weight_decay: Annotated[float, Meta(ge=0.0, description="Weight decay.")] = 0.01
     adam_beta1: Annotated[float, Meta(ge=0.0, lt=1.0, description="Adam beta1.")] = 0.9
     adam_beta2: Annotated[float, Meta(ge=0.0, lt=1.0, description="Adam beta2.")] = 0.999
@@ -1189,6 +1274,15 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                     True,
                     f"supports --optimizer adam only, not {self.optimizer}",
                 )
+        if self.use_stateless_adam and self.optimizer != "adam":
+            raise ConfigError("--use-stateless-adam", True, f"is Adam; --optimizer is {self.optimizer}")
+        if self.use_stateless_adam and self.use_precision_aware_optimizer:
+            # TE's FusedAdam then keeps the master weights and moments itself (slime refuses it too).
+            raise ConfigError(
+                "--use-stateless-adam",
+                True,
+                "contradicts --use-precision-aware-optimizer, whose Adam keeps state",
+            )
         if self.optimizer_cpu_offload and not self.use_precision_aware_optimizer:
             raise ConfigError(
                 "--optimizer-cpu-offload",
@@ -1403,6 +1497,19 @@ def check_algorithm_against_megatron(algorithm: AlgorithmConfig, megatron: Megat
     if megatron.lr_warmup_init > algorithm.lr:
         raise ConfigError(
             "--lr-warmup-init", megatron.lr_warmup_init, f"exceeds the peak --lr={algorithm.lr}"
+        )
+    if megatron.use_stateless_adam and algorithm.save is not None and not algorithm.no_save_optim:
+        raise ConfigError(
+            "--use-stateless-adam",
+            True,
+            "keeps no Adam moments for --save's checkpoints to hold: add --no-save-optim (as slime requires)",
+        )
+    if algorithm.custom_model_provider_path is not None and megatron.spec is not None:
+        raise ConfigError(
+            "--spec",
+            megatron.spec,
+            f"--custom-model-provider-path={algorithm.custom_model_provider_path!r} builds the model; "
+            "a layer spec would not be used",
         )
     if megatron.calculate_per_token_loss and algorithm.per_rollout_loss_mean:
         raise ConfigError(

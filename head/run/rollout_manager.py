@@ -23,7 +23,7 @@ from tether.rollout.data.custom_source import (
     is_custom_source,
 )
 from tether.rollout.data.source import DataSource, DataSourceState, load_tokenizer
-from tether.rollout.debug_dump import load_rollout, save_rollout
+from tether.rollout.debug_dump import load_rollout, save_rollout, subsample
 from tether.rollout.evaluation import run_evaluation, should_evaluate
 from tether.rollout.fully_async import FullyAsyncWorker
 from tether.rollout.hooks.calls import flat_args, load_function, maybe_await, slime_samples
@@ -171,6 +171,8 @@ class RolloutManager:
         if debug.load_debug_rollout_data is not None:
             dump = load_rollout(debug.load_debug_rollout_data, rollout_id)
             groups = dump.groups
+            if debug.load_debug_rollout_data_subsample is not None:
+                groups = subsample(groups, debug.load_debug_rollout_data_subsample)
             self.metrics = dict(dump.metrics)
         else:
             assert self.ctx is not None and self.data is not None

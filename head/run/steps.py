@@ -24,7 +24,7 @@ from tether.rollout.engine_api.memory import GENERATION, WEIGHTS
 from tether.run.engine_pool import EnginePool
 from tether.run.loops import Groups
 from tether.run.rollout_manager import RolloutManager, version_lags
-from tether.run.trainer_pool import TrainerPool
+from tether.run.trainer_pool import TrainerPool, ci_checks
 from tether.runtime.errors import RemoteError
 from tether.runtime.process.sdnotify import Notifier
 from tether.runtime.process.signals import StopRequest, StopRequested
@@ -73,6 +73,7 @@ class Steps:
         self._step_started = time.monotonic()
         self._stop_after_checkpoint = False
         self.total = cfg.data.num_rollout or 0
+        self.checks = ci_checks(cfg)
 
     async def train(self, rollout_id: int, groups: Groups) -> None:
         self.step_metrics = dict(self.rollouts.metrics)
@@ -140,6 +141,8 @@ class Steps:
         self.progress.phase(f"sync v{self.version + 1}")
         started = time.monotonic()
         entry = await self._publish(self.version + 1, engines_restarted=engines_restarted)
+        if self.checks is not None:  # --ci-test: every engine serves what was published
+            self.checks.weights(entry.version, entry.engine_versions)
         self.version = entry.version
         self.engines.served_version = self.version
         self.step_metrics.update(

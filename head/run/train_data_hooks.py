@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tether.checks.loss_hooks import check_loss_hooks
+from tether.checks.megatron_hooks import check_megatron_hooks
 from tether.config import Config
 from tether.rollout.hooks.calls import FlatArgs, keep_slime_changes, load_function, slime_samples
 from tether.rollout.hooks.checks import HookCall, check_hook
@@ -46,6 +47,7 @@ def check_train_data_hooks(algorithm: AlgorithmConfig) -> None:
         if path is not None:
             check_hook(path, spec)
     check_loss_hooks(algorithm)  # the trainer ranks' hooks too (--custom-tis-function-path, ...)
+    check_megatron_hooks(algorithm)  # and slime's Megatron hooks (--custom-megatron-init-path, ...)
 
 
 def load_train_data_hooks(config: Config) -> TrainDataHooks | None:

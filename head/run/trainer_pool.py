@@ -34,6 +34,7 @@ from tether.placement.plan import Plan, TorchrunNode
 from tether.records.run_dir import RunDir
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
 from tether.rollout.sample import Sample
+from tether.run.ci_checks import THRESHOLD_DEFAULT, CiChecks, CiOptions
 from tether.run.process_threads import one_torch_thread
 from tether.run.train_data_hooks import load_train_data_hooks
 from tether.run.train_dump import save_train_data
@@ -43,6 +44,7 @@ from tether.runtime.process.supervisor import LOCAL, ManagedProcess, Supervisor
 from tether.runtime.rpc.actors import connect
 from tether.sync.ledger import LedgerEntry
 from tether.train.checkpoint.layout import critic_checkpoint_dir
+from tether.train.megatron_roles import role_config
 from tether.train.rank.protocol import (
     ExportRequest,
     InitRequest,
@@ -133,7 +135,7 @@ class TrainerPool:
         self.engine_key = engine_key
         self.sup = sup
         self.plan = plan
-        self.cfg = cfg
+        self.cfg = role_config(cfg, role)  # --megatron-config-path: this role's trainer flags
         self.run_dir = run_dir
         self.secret = secret
         self.address_dir = run_dir.path / ("trainer" if role == "actor" else role)
@@ -143,7 +145,8 @@ class TrainerPool:
         self.world_size = 0
         self.steps_done = 0
         # slime's train-data hooks (custom reward post-processing, advantages): loaded once, run here
-        self._train_data_hooks = load_train_data_hooks(cfg)
+        self._train_data_hooks = load_train_data_hooks(self.cfg)
+        self.checks = ci_checks(cfg)
 
     # ----- start and stop -----
     def _spec(self, node: TorchrunNode) -> ProcessSpec:
@@ -252,6 +255,8 @@ class TrainerPool:
                 offload_train=(self.plan.offload_train or self._critic_shares_devices)
                 and cfg.cluster.cpu_devices is None,
                 role=self.role,
+                profile=cfg.profile,  # traces and default memory snapshots: the run directory's profile/
+                profile_dir=str(self.run_dir.path / "profile"),
             )
             infos = await self._all(lambda rank: rank.init(init))
         except BaseException:
@@ -390,6 +395,7 @@ class TrainerPool:
                     per_token_loss=self.cfg.megatron.calculate_per_token_loss,
                     correct_samples_max_len=correct_len,
                 ),
+                checks=self.checks,
             )
         )
         if self.cfg.debug.save_debug_train_data is not None:  # what the ranks trained on, now in the weights
@@ -412,6 +418,7 @@ class TrainerPool:
                 self._work_options(),
                 dp_size=self.dp_size,
                 hooks=self._train_data_hooks,
+                checks=self.checks,
             )
         )
         assert trained.values is not None
@@ -420,7 +427,13 @@ class TrainerPool:
     def _work_options(self) -> WorkOptions:
         from tether.train.rank.work import WorkOptions
 
-        return WorkOptions.from_config(self.cfg.data, self.cfg.rollout.reward_key)
+        arch = None
+        if self.cfg.data.balance_by_flops:  # the FLOPs estimate needs the model's shape
+            from tether.train.model.hf_config import load_arch
+
+            assert self.cfg.rollout.hf_checkpoint is not None  # refused before the ranks start
+            arch = load_arch(self.cfg.rollout.hf_checkpoint)
+        return WorkOptions.from_config(self.cfg.data, self.cfg.rollout.reward_key, arch)
 
     async def _dispatch(self, calls: Calls) -> Trained:
         """Run a rollout's calls (train/rank/rollout_calls.py) on the ranks, one collective call
@@ -534,6 +547,26 @@ class TrainerPool:
     async def export_hf(self, out_dir: str) -> None:
         request = ExportRequest(out_dir=out_dir)
         await self._all(lambda rank: rank.export_hf(request))
+
+
+def ci_checks(cfg: Config) -> CiChecks | None:
+    """The run's --ci-test / grad-norm checks, or None when no such flag is set."""
+    debug = cfg.debug
+    checks = CiChecks(
+        CiOptions(
+            ci_test=debug.ci_test,
+            kl_checker=not debug.ci_disable_kl_checker,
+            logprob_abs_diff_threshold=(
+                THRESHOLD_DEFAULT
+                if debug.ci_train_rollout_logprob_abs_diff_threshold is None
+                else debug.ci_train_rollout_logprob_abs_diff_threshold
+            ),
+            save_grad_norm=debug.ci_save_grad_norm,
+            load_grad_norm=debug.ci_load_grad_norm,
+            rollout_routing_replay=cfg.algorithm.use_rollout_routing_replay,
+        )
+    )
+    return checks if checks.options.any else None
 
 
 async def _log_probs(rank: RankClient, request: LogProbsRequest) -> LogProbsResult:

@@ -22,6 +22,7 @@ from tether.rollout.hooks.calls import (
     maybe_await,
     slime_samples,
 )
+from tether.rollout.http_proxy import proxy_for
 from tether.rollout.rewards.rules import boxed_content, rule_reward
 from tether.rollout.rewards.types import BASE_TYPES, RULE_TYPES, split_rm_type
 from tether.rollout.sample import Reward, Sample
@@ -265,7 +266,10 @@ class RewardModel:
             )
         url = self._cfg.rm_url
         body = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
-        async with self._session.post(url, data=msgspec.json.encode(body), headers=_JSON) as resp:
+        proxy = proxy_for(url, self._cfg.http_proxy)
+        async with self._session.post(
+            url, data=msgspec.json.encode(body), headers=_JSON, proxy=proxy
+        ) as resp:
             payload = await resp.read()
             if resp.status >= 400:
                 raise HookError("--rm-url", f"{url} answered HTTP {resp.status}: {payload[:200]!r}")

@@ -52,7 +52,6 @@ FEATURES_OFF: dict[str, Any] = {
     "custom_rollout_log_function_path": None,
     "custom_eval_rollout_log_function_path": None,
     "data_source_path": None,
-    "rollout_buffer_url": None,
     "dump_details": None,
 }
 """slime flags for features tether does not run, at the value that means "off"."""
@@ -75,6 +74,9 @@ def slime_args(config: Any, *, router_ip: str | None, router_port: int | None) -
     if resolved is not None:
         extra["global_batch_size"] = resolved
     extra["eval_function_path"] = rollout.rollout_function_path
+    algorithm = getattr(config, "algorithm", None)
+    if algorithm is not None:
+        extra["opsm_delta"] = algorithm.opsm_threshold  # slime resolves its default into args
     extra.update(sglang_flag_values(getattr(config, "sglang_args", None) or []))
     extra.update(custom_config_extras(config))
     return extra

@@ -42,6 +42,7 @@ MIRRORED: tuple[str, ...] = (
     "slime.rollout.base_types",
     "slime.rollout.sglang_rollout",
     "slime.rollout.sft_rollout",
+    "slime.rollout.forge_load",
     "slime.rollout.data_source",
     "slime.rollout.rm_hub",
     "slime.rollout.rm_hub.math_utils",

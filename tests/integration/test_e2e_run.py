@@ -126,7 +126,7 @@ def test_colocated_tensor_handles_tp2(ws: Workspace, run_dir: Path) -> None:
     assert all(m["rollout/version_lag_max"] == 0 for m in metrics)
 
 
-def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Path) -> None:
+def test_debug_rollout_only_then_train_only_ci_checks_and_plot(ws: Workspace, tmp_path: Path) -> None:
     dumps = str(tmp_path / "dump_{rollout_id}.msgpack")
     gen = tmp_path / "gen"
     tether(
@@ -143,6 +143,8 @@ def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Pa
         *ws.flags(train, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", dumps),
         "--dump-details",
         str(details),
+        "--ci-save-grad-norm",
+        str(tmp_path / "grad_norm" / "{role}_{rollout_id}_{step_id}.pt"),
     )
     assert not (train / "logs" / "engine0.log").exists()  # no engine was started
     # --dump-details: slime's layout; the train data is every DP rank's shard of what was trained on
@@ -172,6 +174,23 @@ def test_debug_rollout_only_then_train_only_and_plot(ws: Workspace, tmp_path: Pa
     for name in ("curves.png", "reward.png"):
         png = train / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in done.stdout
+    # slime's CI checks: the same training again compares its grad norms with the saved ones
+    # (slime's files: torch.save of each step's float); --ci-test stops a run whose checks fail,
+    # here rollout 0's mean log-prob (the tiny model's is far below slime's -1 bound), before training:
+    # no step is recorded as trained.
+    saved = sorted(p.name for p in (tmp_path / "grad_norm").iterdir())
+    assert saved == ["actor_0_0.pt", "actor_1_0.pt"]
+    template = str(tmp_path / "grad_norm" / "{role}_{rollout_id}_{step_id}.pt")
+    replay = ("--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", dumps)
+    tether("run", *ws.flags(tmp_path / "again", *replay, "--ci-load-grad-norm", template))
+    # KL reward shaping runs the actor's and the reference's log-prob passes (as slime's: no on-policy
+    # shortcut with --kl-coef); at rollout 0 they are equal, as the check before the bound wants.
+    kl = ("--kl-coef", "0.01")
+    failed = tether("run", *ws.flags(tmp_path / "ci", *replay, *kl, "--ci-test"), check=False)
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert "--ci-test check failed: rollout 0: rollout/log_probs=" in failed.stderr
+    assert "is outside (-1, 0)" in failed.stderr
+    assert not (tmp_path / "ci" / "samples.jsonl").exists() or not jsonl(tmp_path / "ci" / "samples.jsonl")
 
 
 @pytest.mark.sglang

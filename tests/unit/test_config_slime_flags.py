@@ -18,9 +18,9 @@ def test_no_refused_flag_is_also_a_tether_flag() -> None:
 @pytest.mark.parametrize(
     ("argv", "key", "value", "reason"),
     [
-        (["--use-opsm"], "--use-opsm", True, "off-policy sequence masking"),
-        (["--opsm-delta", "0.5"], "--opsm-delta", "0.5", "off-policy sequence masking"),
-        (["--rollout-buffer-url=http://x"], "--rollout-buffer-url", "http://x", "external rollout buffer"),
+        (["--use-distributed-post"], "--use-distributed-post", True, "needs Ray"),
+        (["--train-backend", "fsdp"], "--train-backend", "fsdp", "Megatron only"),
+        (["--use-distributed-post"], "--use-distributed-post", True, "needs Ray"),
         (["--use-gated-attention"], "--use-gated-attention", True, "gated attention"),
     ],
 )

@@ -47,6 +47,7 @@ def pool_of(*flags: str) -> tuple[TrainerPool, list[str]]:
     pool.ranks = [FakeRank(calls)]  # type: ignore[list-item]
     pool.infos = [WorkerInfo(rank=0, world_size=1, initialized=True)]
     pool._train_data_hooks = load_train_data_hooks(cfg)
+    pool.checks = None
     return pool, calls
 
 

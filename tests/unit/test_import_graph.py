@@ -19,6 +19,7 @@ SUBCOMPONENTS = {
     "tether.rollout.sample": "contract",  # the Sample contract train and sync may use
     "tether.rollout.config": "contract",
     "tether.rollout.rewards.types": "contract",
+    "tether.rollout.http_proxy": "contract",  # --http-proxy, checked with the rollout config
     # the eval datasets file --eval-config names, checked at parse
     "tether.rollout.data.eval_config": "contract",
     # The `import slime` finder (stdlib only): trainer ranks install it too, for slime-written loss hooks.

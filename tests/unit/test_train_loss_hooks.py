@@ -180,8 +180,8 @@ def test_custom_config_keys_set_flags_and_reach_every_hooks_args(tmp_path: Path)
     assert trainer_args.tis_mode == "truncate" and trainer_args.tis_upper_bound == 2.0
     assert trainer_args.use_tis is True and trainer_args.eps_clip_high == pytest.approx(0.3)
     # A key naming a slime flag tether refuses is refused by name; a bad value names the key.
-    config.write_text("use_opsm: true\n")
-    with pytest.raises(ConfigError, match="use_opsm"):
+    config.write_text("use_distributed_post: true\n")
+    with pytest.raises(ConfigError, match="use_distributed_post"):
         resolve(["--custom-config-path", str(config)])
     config.write_text("sglang_mem_fraction_static: 0.5\n")
     with pytest.raises(ConfigError, match="--sglang-mem-fraction-static"):

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tether.rollout.sample import Sample
+from tether.runtime.errors import ConfigError
 from tether.train.algorithms import losses
 from tether.train.config import AlgorithmConfig
 from tether.train.rank.batching import (
@@ -147,6 +148,45 @@ def test_policy_loss_gradient_is_minus_advantage_on_policy() -> None:
     res.loss.backward()
     assert lp.grad is not None
     assert lp.grad.tolist() == pytest.approx([-0.4, 0.3, 0.0])
+
+
+def test_opsm_drops_negative_advantage_sequences_that_moved_past_delta() -> None:
+    # Three sequences of two tokens. Mean (old - new) per sequence: 0.3, 0.3, 0.0 (the third's
+    # second token is loss-masked, so its 0.9 does not count). Sequence 1 (A < 0, moved 0.3 > 0.2) is
+    # masked; sequence 0 has A > 0, sequence 2 has not moved: both keep their loss.
+    lp = t(-1.0, -1.0, -1.0, -1.0, -1.0, -1.9).requires_grad_()
+    old = t(-0.7, -0.7, -0.7, -0.7, -1.0, -1.0)
+    adv = t(1.0, 1.0, -1.0, -1.0, -1.0, -1.0)
+    mask = t(1, 1, 1, 1, 1, 0)
+    w = t(0.2, 0.2, 0.2, 0.2, 0.2, 0.0)
+
+    def run(**flags: object) -> losses.LossOutput:
+        lp.grad = None
+        cfg = AlgorithmConfig(eps_clip=10.0, **flags)  # type: ignore[arg-type]
+        kw = dict(token_weight=w, loss_mask=mask, response_lengths=[2, 2, 2], advantages=adv)
+        out = losses.policy_loss(cfg, log_probs=lp, old_log_probs=old, **kw)  # type: ignore[arg-type]
+        out.loss.backward()
+        return out
+
+    plain = run()
+    plain_grad = lp.grad.clone()  # type: ignore[union-attr]
+    masked = run(use_opsm=True, opsm_delta=0.2)
+    assert masked.metrics["opsm_clipfrac"].item() == pytest.approx(0.4)  # 2 of the 5 weighted tokens
+    assert lp.grad[2:4].tolist() == [0.0, 0.0]  # type: ignore[index]
+    assert lp.grad[[0, 1, 4]].tolist() == pytest.approx(plain_grad[[0, 1, 4]].tolist())  # type: ignore[index]
+    assert plain_grad[2:4].abs().min() > 0
+    # A delta above the sequence's move masks nothing; slime's default 1e-4 masks sequence 1 too.
+    assert run(use_opsm=True, opsm_delta=0.5).metrics["opsm_clipfrac"].item() == 0.0
+    assert run(use_opsm=True).metrics["opsm_clipfrac"].item() == pytest.approx(0.4)
+    assert "opsm_clipfrac" not in plain.metrics
+
+
+def test_opsm_flags_are_refused_where_they_would_do_nothing() -> None:
+    with pytest.raises(ConfigError, match="without --use-opsm") as err:
+        AlgorithmConfig(opsm_delta=0.1)
+    assert (err.value.key, err.value.value) == ("--opsm-delta", 0.1)
+    with pytest.raises(ConfigError, match="masks the policy loss; --loss-type is sft_loss"):
+        AlgorithmConfig(use_opsm=True, loss_type="sft_loss")
 
 
 def test_sft_loss_is_weighted_nll() -> None:

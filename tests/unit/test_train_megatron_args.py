@@ -188,6 +188,42 @@ def test_sequence_parallel_reaches_the_config_at_tp2_and_is_off_at_tp1() -> None
     assert micro(transformer(parse("--tensor-model-parallel-size", "2"))) == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "multiple"),
+    [
+        ([], 1),  # unset: padding only to the longest sample (slime's 128 would pad every row)
+        (["--data-pad-size-multiplier", "128"], 128),  # slime's default, given
+        (["--data-pad-size-multiplier", "4", "--tensor-model-parallel-size", "2"], 8),  # TP x 4, SP or not
+        # CP 2: each rank's half a multiple of 3, and 2 x CP chunks: lcm(4, 2 x 3)
+        (["--data-pad-size-multiplier", "3", "--context-parallel-size", "2"], 12),
+        # CP 2, TP 2 + SP: the CP chunks split over TP (8) already hold CP x TP x 1
+        (
+            [
+                *("--data-pad-size-multiplier", "1", "--context-parallel-size", "2"),
+                *("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+            ],
+            8,
+        ),
+    ],
+)
+def test_data_pad_size_multiplier_pads_the_micro_batches(argv: list[str], multiple: int) -> None:
+    # slime pads each micro-batch's packed tokens (per CP rank) to a multiple of TP x the multiplier
+    # (backends/megatron_utils/data.py get_batch); tether pads the sequence dimension the same way.
+    from support.train_checks.launcher import make_batch
+
+    from tether.train.rank.step import build_micro_batches
+
+    tc = transformer(parse(*argv))
+    assert megatron_args.micro_batch_multiple(tc) == multiple
+    shard = make_batch(4, seed=3)
+    longest = [int(shard.total_lengths[[0, 1]].max()), int(shard.total_lengths[[2, 3]].max())]
+    mbs = build_micro_batches(shard, [[0, 1], [2, 3]], config=tc)
+    padded = [-(-n // multiple) * multiple for n in longest]
+    assert [mb.tokens.shape[1] for mb in mbs] == padded
+    assert sum(mb.num_tokens for mb in mbs) == shard.num_tokens  # the padding holds no token
+    refused(["--data-pad-size-multiplier", "0"], "--data-pad-size-multiplier")
+
+
 def test_sequence_parallel_runs_without_transformer_engine() -> None:
     # The local spec's norms accept sequence parallelism (tether.train.model.spec), so CPU plans
     # and GPU ranks without TE run it as TE's spec does.
@@ -851,6 +887,8 @@ ALWAYS_TRUE = {
 }
 
 PROBES: dict[str, list[Probe]] = {
+    # The micro-batches' padding (test_data_pad_size_multiplier_pads_the_micro_batches shows it).
+    "--data-pad-size-multiplier": [flag("--data-pad-size-multiplier", "4")],
     "--tensor-model-parallel-size": [flag("--tensor-model-parallel-size", "2")],
     "--pipeline-model-parallel-size": [flag("--pipeline-model-parallel-size", "2")],
     "--decoder-first-pipeline-num-layers": [flag("--decoder-first-pipeline-num-layers", "1", base=PP2)],
@@ -939,6 +977,11 @@ PROBES: dict[str, list[Probe]] = {
         flag("--overlap-param-gather", expect="refused"),
     ],
     "--optimizer": [flag("--optimizer", "sgd")],
+    # What it changes (the Adam Megatron steps) is no config field: tests/unit/test_train_stateless_adam.py.
+    "--use-stateless-adam": [
+        flag("--use-stateless-adam", base=("--optimizer", "sgd"), expect="refused"),
+        flag("--use-stateless-adam", base=("--use-precision-aware-optimizer",), expect="refused"),
+    ],
     "--weight-decay": [flag("--weight-decay", "0.1")],
     "--adam-beta1": [
         flag("--adam-beta1", "0.8"),
@@ -1117,6 +1160,7 @@ def produced(cfg: Config, arch: ModelArch) -> dict[str, Any]:
         "optimizer": megatron_args.optimizer_config_kwargs(m, algo),
         "scheduler": megatron_args.scheduler_kwargs(m, algo),
         "init_distributed": megatron_args.init_distributed_kwargs(m, algo),
+        "data_pad_size": megatron_args.data_pad_size(m, tp),  # stamped on the TransformerConfig
     }
 
 

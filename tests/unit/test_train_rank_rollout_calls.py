@@ -4,6 +4,8 @@ with one result per DP rank. Driven here with answers built by the test, no rank
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 from test_train_rank_work import groups
@@ -126,6 +128,57 @@ def test_the_critic_computes_values_first_then_steps_and_hands_back_the_values()
     assert trained.values is not None and trained.values.shape == (n_tokens,)
     assert np.all(trained.values == 0.5)
     assert trained.steps == 2 and "train/critic-loss" in trained.metrics
+
+
+class Recorder:
+    """A StepChecks that records where it was called from, and what with."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def rollout_data(self, rollout_id: int, metrics: Mapping[str, float]) -> None:
+        self.calls.append(("rollout_data", rollout_id, dict(metrics)))
+
+    def step(
+        self, role: str, rollout_id: int, step_id: int, steps_per_rollout: int, metrics: Mapping[str, float]
+    ) -> None:
+        self.calls.append(("step", role, rollout_id, step_id, steps_per_rollout, dict(metrics)))
+
+
+def test_checks_see_the_rollouts_log_probs_before_training_and_every_steps_metrics() -> None:
+    # The reference pass too (--use-kl-loss): the actor's pass answers -0.0 (no step yet), as does
+    # the reference's; both land in the checks and in the rollout's metrics, as slime logs them.
+    rec = Recorder()
+    seen, trained = drive(
+        actor_calls(
+            groups(4),
+            3,
+            AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1),
+            WorkOptions(global_batch_size=4),
+            dp_size=2,
+            checks=rec,
+        )
+    )
+    assert kinds(seen) == ["log_probs:actor", "log_probs:ref"] * 2 + ["TrainCall", "TrainCall"]
+    data = {"rollout/log_probs": 0.0, "rollout/ref_log_probs": 0.0}
+    assert rec.calls == [
+        ("rollout_data", 3, data),
+        ("step", "actor", 3, 0, 2, {"loss": 0.0}),
+        ("step", "actor", 3, 1, 2, {"loss": 1.0}),
+    ]
+    assert {k: trained.metrics[k] for k in data} == data
+    rec = Recorder()
+    drive(
+        critic_calls(
+            groups(4),
+            2,
+            AlgorithmConfig(advantage_estimator="ppo"),
+            WorkOptions(global_batch_size=4),
+            dp_size=1,
+            checks=rec,
+        )
+    )
+    assert [c[:5] for c in rec.calls] == [("step", "critic", 2, 0, 2), ("step", "critic", 2, 1, 2)]
 
 
 def test_an_answer_of_the_wrong_kind_is_refused_naming_the_call() -> None:

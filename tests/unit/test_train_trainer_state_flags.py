@@ -469,6 +469,7 @@ def test_the_pool_marks_the_first_and_last_step_of_a_rollout() -> None:
     pool.cfg = parse("--global-batch-size", "1", "--num-rollout", "1")
     pool.critic = None
     pool._train_data_hooks = None
+    pool.checks = None
     pool.ranks = [Rank()]  # type: ignore[list-item]
     pool.infos = [WorkerInfo(rank=0, world_size=1, initialized=True)]
     pool.steps_done = 0

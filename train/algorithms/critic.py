@@ -10,7 +10,7 @@ as position t's logits do, so values line up with log-probs.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,15 +29,23 @@ def _values_of(out: torch.Tensor, mb: MicroBatchTensors) -> torch.Tensor:
     return context_parallel.full_response(out.reshape(-1)[mb.response_index.to(out.device)], mb)
 
 
-def compute_values(critic: Any, shard: TrainBatch, plan: Sequence[Sequence[int]]) -> np.ndarray:
+def compute_values(
+    critic: Any,
+    shard: TrainBatch,
+    plan: Sequence[Sequence[int]],
+    before: Callable[[], None] | None = None,
+) -> np.ndarray:
     """float32 [sum(response_lengths)]: the critic's value of every response token of the shard,
-    in shard order; every rank of a DP group returns the same (broadcast from the last stage)."""
+    in shard order; every rank of a DP group returns the same (broadcast from the last stage).
+    `before`: called once the chunks are in eval mode (--custom-megatron-before-log-prob-hook-path)."""
 
     def keep(out: torch.Tensor, mb: MicroBatchTensors) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return out.new_zeros(()), {"values": _values_of(out, mb).detach().float().cpu()}
 
     for chunk in critic.chunks:
         chunk.eval()
+    if before is not None:
+        before()
     mbs = step.build_micro_batches(
         shard, plan, config=critic.config, max_length=step._max_length(critic.chunks)
     )
@@ -56,10 +64,15 @@ def compute_values(critic: Any, shard: TrainBatch, plan: Sequence[Sequence[int]]
 
 
 def value_train_step(
-    critic: Any, shard: TrainBatch, plan: Sequence[Sequence[int]], algo: AlgorithmConfig
+    critic: Any,
+    shard: TrainBatch,
+    plan: Sequence[Sequence[int]],
+    algo: AlgorithmConfig,
+    before: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """One critic optimizer step on the clipped value loss; metrics (value_loss, value_clipfrac,
-    grad_norm, lr, ...) the same on every rank, as `step.train_step` reports the actor's."""
+    grad_norm, lr, ...) the same on every rank, as `step.train_step` reports the actor's.
+    `before`: called once the gradients are zeroed (--custom-megatron-before-train-step-hook-path)."""
     if shard.values is None or shard.returns is None:
         raise ValueError("a critic step needs the shard's old values and returns")
     start = time.perf_counter()
@@ -67,6 +80,8 @@ def value_train_step(
         chunk.train()
         chunk.zero_grad_buffer()
     critic.optimizer.zero_grad()
+    if before is not None:
+        before()
     mbs = step.build_micro_batches(
         shard, plan, config=critic.config, max_length=step._max_length(critic.chunks)
     )
@@ -86,7 +101,9 @@ def value_train_step(
         metrics["trainable_tokens"] = mb.loss_mask.sum().detach()
         return loss, metrics
 
-    per_mb = step.run_schedule(critic.chunks, critic.config, mbs, loss_fn, forward_only=False)
+    # slime recomputes its value loss as well
+    run_loss = step.recomputed(loss_fn) if algo.recompute_loss_function else loss_fn
+    per_mb = step.run_schedule(critic.chunks, critic.config, mbs, run_loss, forward_only=False)
     ok, grad_norm, _ = critic.optimizer.step()
     lr = float(critic.optimizer.param_groups[0]["lr"])
     if ok:

@@ -30,11 +30,10 @@ from tether.train.rank.batching import (
     TrainBatch,
     balanced_partition,
     plan_micro_batches,
-    shard_for_data_parallel,
     split_steps,
 )
 from tether.train.rank.protocol import MicroBatchPlan, TrainRequest, ValuesRequest
-from tether.train.rank.work import WorkOptions, rollout_batch
+from tether.train.rank.work import WorkOptions, rollout_batch, shard_and_plan
 
 
 def critic_returns(batch: TrainBatch, algorithm: AlgorithmConfig) -> np.ndarray:
@@ -111,14 +110,20 @@ class CriticWork:
         self.algorithm = algorithm
         self.options = options
         self.dp_size = dp_size
-        self._groups = _dp_groups(batch, dp_size, options.balance_data)
-        size = max(len(g) for g in self._groups)
-        self._shards = [_shard(batch, g, size) for g in self._groups]
-        self._plans: list[MicroBatchPlan] = plan_micro_batches(
-            self._shards,
-            micro_batch_size=options.micro_batch_size,
-            max_tokens_per_gpu=options.max_tokens_per_gpu,
-        )
+        self._plans: list[MicroBatchPlan]
+        if options.flops is not None:  # --balance-by-flops: its own shards, without filler
+            groups, self._shards, self._plans = shard_and_plan(batch, dp_size, options)
+            assert groups is not None
+            self._groups = groups
+        else:
+            self._groups = _dp_groups(batch, dp_size, options.balance_data)
+            size = max(len(g) for g in self._groups)
+            self._shards = [_shard(batch, g, size) for g in self._groups]
+            self._plans = plan_micro_batches(
+                self._shards,
+                micro_batch_size=options.micro_batch_size,
+                max_tokens_per_gpu=options.max_tokens_per_gpu,
+            )
 
     @classmethod
     def build(
@@ -167,12 +172,7 @@ class CriticWork:
         steps = []
         per_rollout = self.algorithm.per_rollout_loss_mean
         for step_batch in split_steps(self.batch, num_steps, per_rollout_loss_mean=per_rollout):
-            shards = shard_for_data_parallel(step_batch, self.dp_size, balance=self.options.balance_data)
-            plans = plan_micro_batches(
-                shards,
-                micro_batch_size=self.options.micro_batch_size,
-                max_tokens_per_gpu=self.options.max_tokens_per_gpu,
-            )
+            _, shards, plans = shard_and_plan(step_batch, self.dp_size, self.options)
             steps.append(
                 [
                     TrainRequest(rollout_id=rollout_id, shard=s, plan=p)

@@ -56,6 +56,7 @@ def hook_args(algorithm: AlgorithmConfig, *, calculate_per_token_loss: bool) -> 
     other keys."""
     fields = {name: getattr(algorithm, name) for name in algorithm.__struct_fields__}
     fields["eps_clip_high"] = algorithm.clip_high  # slime resolves the default into args
+    fields["opsm_delta"] = algorithm.opsm_threshold
     fields["calculate_per_token_loss"] = calculate_per_token_loss
     fields.update(hook_extras(algorithm.custom_config_path, frozenset(fields)))
     return types.SimpleNamespace(**fields)

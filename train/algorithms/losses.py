@@ -287,6 +287,24 @@ def _reduce_pg(
     return value if hooks.calculate_per_token_loss else value / max(hooks.step_num_samples, 1)
 
 
+def off_policy_sequence_mask(
+    delta: float,
+    pg: torch.Tensor,
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    response_lengths: Sequence[int],
+    token_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """slime's OPSM: a token's pg loss is dropped where its advantage is negative and its sequence's
+    masked mean of (old - new) log-prob exceeds `delta` (the policy moved away from what sampled it).
+    Returns the masked pg and the share of the step's loss weight masked."""
+    seq_kl = sequence_mean_log_ratio(log_probs.detach(), old_log_probs.detach(), loss_mask, response_lengths)
+    masked = ((advantages < 0) & (seq_kl > delta)).to(pg.dtype)
+    return pg * (1.0 - masked), weighted_sum(masked, token_weight).detach()
+
+
 def policy_loss(
     cfg: AlgorithmConfig,
     *,
@@ -326,6 +344,10 @@ def policy_loss(
     else:
         pg, clipped = ppo_clip_loss(neg_log_ratio, advantages, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)
     metrics: dict[str, torch.Tensor] = {}
+    if cfg.use_opsm:
+        pg, metrics["opsm_clipfrac"] = off_policy_sequence_mask(
+            cfg.opsm_threshold, pg, log_probs, old, advantages, loss_mask, response_lengths, token_weight
+        )
     masks = list(torch.split(loss_mask, [int(n) for n in response_lengths]))
     kept_weight = token_weight  # the step weights of the tokens the loss terms still count
     if cfg.use_tis or cfg.get_mismatch_metrics:

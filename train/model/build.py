@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from tether.train.config import AlgorithmConfig, MegatronConfig
-from tether.train.model import bridge, megatron_args, mtp
+from tether.train.model import bridge, megatron_args, mtp, stateless_adam
 from tether.train.model.capabilities import Capabilities, check_capabilities, uses_transformer_engine_spec
+from tether.train.model.custom_provider import provide_chunk
 from tether.train.model.hf_config import ModelArch, load_arch
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
@@ -116,6 +117,17 @@ def build_chunk(
     return model
 
 
+def provided_chunk(path: str, config: Any, topo: Topology, *, train_mtp: bool = False) -> Any:
+    """This PP stage's chunk from --custom-model-provider-path (`tether.train.model.custom_provider`),
+    finished as `build_chunk` finishes its own: TP attributes, MTP post-processing, device."""
+    model = provide_chunk(path, config, pre_process=topo.is_first_stage, post_process=topo.is_last_stage)
+    mark_tensor_parallel_params(model)
+    mtp.install(model, train=train_mtp)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
 def mark_tensor_parallel_params(model: Any) -> int:
     """Give the weights of Megatron's own tensor-parallel layers their TP attributes
     (`tensor_model_parallel`, `partition_dim`, `partition_stride`) where the layer left them unset;
@@ -191,14 +203,18 @@ def _prepare(
     config = megatron_args.transformer_config(
         arch, megatron, caps, tp_size=topo.tp_size, pp_size=topo.pp_size, base=hf_bridge.config, mtp=mtp_block
     )
-    chunk = build_chunk(
-        arch,
-        config,
-        topo,
-        megatron_args.max_sequence_length(arch, megatron),
-        transformer_engine=uses_transformer_engine_spec(megatron, caps),
-        train_mtp=train_mtp,
-    )
+    provider = opts.algorithm.custom_model_provider_path
+    if provider is not None:  # slime's --custom-model-provider-path builds the chunk instead
+        chunk = provided_chunk(provider, config, topo, train_mtp=train_mtp)
+    else:
+        chunk = build_chunk(
+            arch,
+            config,
+            topo,
+            megatron_args.max_sequence_length(arch, megatron),
+            transformer_engine=uses_transformer_engine_spec(megatron, caps),
+            train_mtp=train_mtp,
+        )
     weights = bridge.WeightBridge(arch, hf_bridge, arch.padded_vocab_size(topo.tp_size), config)
     bridge.attach(chunk, weights)
     return arch, config, chunk, weights
@@ -258,6 +274,8 @@ def build_actor(
         config.grad_sync_func = ddp.start_grad_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(megatron_args.optimizer_config(megatron, opts.algorithm), [ddp])
+    if megatron.use_stateless_adam:
+        stateless_adam.install(optimizer)
     # Loss scaling (--fp16, --loss-scale) multiplies the loss before backward; 1 in float32.
     config.grad_scale_func = optimizer.scale_loss
     # Megatron's scheduler counts in samples/steps; tether steps it once per optimizer step.

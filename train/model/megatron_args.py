@@ -19,6 +19,7 @@ the Megatron objects. `tether.train.model.build` builds the actor and the refere
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -175,7 +176,11 @@ def transformer_config(
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=megatron.context_parallel_size,
     )
-    return bridge.build_config(arch, bridge.config_kwargs(base or {}, arch, overrides))
+    config = bridge.build_config(arch, bridge.config_kwargs(base or {}, arch, overrides))
+    # Not a Megatron field: how this model's micro-batches are padded (`micro_batch_multiple`),
+    # carried with the config that every micro-batch of the model is built against.
+    setattr(config, _DATA_PAD_SIZE, data_pad_size(megatron, tp_size))
+    return config
 
 
 def ddp_config_kwargs(megatron: MegatronConfig) -> dict[str, Any]:
@@ -306,6 +311,24 @@ def build_scheduler(optimizer: Any, megatron: MegatronConfig, algorithm: Algorit
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(optimizer, **scheduler_kwargs(megatron, algorithm))
+
+
+_DATA_PAD_SIZE = "_tether_data_pad_size"
+
+
+def data_pad_size(megatron: MegatronConfig, tp_size: int) -> int:
+    """slime's pad_size: TP x --data-pad-size-multiplier (1 when unset). A micro-batch's positions (each CP rank's
+    share of them) are padded to a multiple of it (`micro_batch_multiple`)."""
+    multiplier = megatron.data_pad_size_multiplier
+    return 1 if multiplier is None else tp_size * multiplier
+
+
+def micro_batch_multiple(config: Any) -> int:
+    """What a micro-batch's sequence length is padded to a multiple of: `sequence_multiple`, and CP x
+    `data_pad_size` so that each CP rank's share is a multiple of the pad size, as slime pads each
+    rank's packed tokens (1 for a config `transformer_config` did not build)."""
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    return math.lcm(sequence_multiple(config), cp * int(getattr(config, _DATA_PAD_SIZE, 1)))
 
 
 def sequence_multiple(config: Any) -> int:

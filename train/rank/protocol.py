@@ -31,6 +31,7 @@ from tether.runtime.rpc.actors import ActorHandle
 from tether.sync.config import WeightSyncConfig
 from tether.sync.ledger import LedgerEntry
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.profiling.config import ProfileConfig
 from tether.train.rank.batching import TrainBatch
 
 MicroBatchPlan = list[list[int]]
@@ -71,6 +72,9 @@ class InitRequest(msgspec.Struct, kw_only=True):
     with_reference: bool = False  # build the reference even when the algorithm needs none
     offload_train: bool = False  # --offload-train: device memory to host after each weight update
     role: TrainRole = "actor"  # "critic": the PPO critic (value head, value loss; no reference)
+    # The profiling slice, and where its traces (and, by default, memory snapshots) go.
+    profile: ProfileConfig = msgspec.field(default_factory=ProfileConfig)
+    profile_dir: str = ""
 
 
 class TrainRequest(msgspec.Struct, kw_only=True):
@@ -83,6 +87,7 @@ class TrainRequest(msgspec.Struct, kw_only=True):
     # before the first, --ref-update-interval may update the reference after the last.
     first_of_rollout: bool = True
     last_of_rollout: bool = True
+    step_id: int = 0  # the step's index in its rollout (slime's step_id, given to the train-step hook)
 
 
 class TrainResult(msgspec.Struct, kw_only=True):

@@ -20,8 +20,9 @@ rollout's bounds and the step metrics are decided here, so the head only dispatc
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -83,6 +84,17 @@ class Trained:
 Calls = Generator[RankCall, Results, Trained]
 
 
+class StepChecks(Protocol):
+    """Checks the head makes while a rollout trains (--ci-test and the grad-norm files:
+    tether.run.ci_checks); a failure raises and the rollout's calls stop."""
+
+    def rollout_data(self, rollout_id: int, metrics: Mapping[str, float]) -> None: ...
+
+    def step(
+        self, role: str, rollout_id: int, step_id: int, steps_per_rollout: int, metrics: Mapping[str, float]
+    ) -> None: ...
+
+
 @dataclass(frozen=True)
 class StepMetricOptions:
     """What the step metrics report beside the ranks' own (from the run's flags)."""
@@ -102,6 +114,7 @@ def actor_calls(
     hooks: TrainDataHooks | None = None,
     values: np.ndarray | None = None,
     metric_options: StepMetricOptions = StepMetricOptions(),
+    checks: StepChecks | None = None,
 ) -> Calls:
     """The actor's calls for one rollout: its log-prob passes and optimizer steps.
 
@@ -116,13 +129,24 @@ def actor_calls(
         for step in steps:
             yield from _log_probs(step)
     trained = Trained()
+    rollout_metrics: dict[str, float] = {}
     for i, step in enumerate(steps):
         if per_step_passes:
             yield from _log_probs(step)
+        if i == 0:
+            # The rollout's data as slime logs (and --ci-test checks) it before training: with R2's
+            # per-step passes, the first step's.
+            rollout_metrics = _rollout_log_prob_metrics(steps if not per_step_passes else steps[:1])
+            if checks is not None:
+                checks.rollout_data(rollout_id, {**rollout_metrics, **step.entropy_metrics()})
         requests = step.train_requests(rollout_id)
         _mark_rollout_bounds(requests, i, len(steps))
         results = yield TrainCall(requests)
-        trained.metrics = {f"train/{k}": float(v) for k, v in _train_results(results)[0].metrics.items()}
+        step_metrics = _train_results(results)[0].metrics
+        if checks is not None:
+            checks.step("actor", rollout_id, i, len(steps), step_metrics)
+        trained.metrics = {f"train/{k}": float(v) for k, v in step_metrics.items()}
+        trained.metrics.update(rollout_metrics)
         opd_metrics = step.opd_metrics(per_token_loss=metric_options.per_token_loss)
         trained.metrics.update({f"train/{k}": v for k, v in opd_metrics.items()})  # --use-opd
         trained.metrics.update(step.entropy_metrics())  # --use-rollout-entropy: rollout/entropy, ...
@@ -142,6 +166,7 @@ def critic_calls(
     *,
     dp_size: int,
     hooks: TrainDataHooks | None = None,
+    checks: StepChecks | None = None,
 ) -> Calls:
     """The critic's calls for one rollout: its values of every response token (its weights
     before the rollout), then its value-loss steps. `Trained.values` holds the values in sample
@@ -153,9 +178,10 @@ def critic_calls(
     for i, requests in enumerate(all_requests):
         _mark_rollout_bounds(requests, i, len(all_requests))
         step_results = yield TrainCall(requests)
-        trained.metrics = {
-            f"train/critic-{k}": float(v) for k, v in _train_results(step_results)[0].metrics.items()
-        }
+        step_metrics = _train_results(step_results)[0].metrics
+        if checks is not None:
+            checks.step("critic", rollout_id, i, len(all_requests), step_metrics)
+        trained.metrics = {f"train/critic-{k}": float(v) for k, v in step_metrics.items()}
         trained.shards.append([r.shard for r in requests])
         trained.steps += 1
     return trained
@@ -176,12 +202,26 @@ def _log_probs(step: StepWork) -> Generator[RankCall, Results, None]:
     step.with_log_probs(log_probs, entropy)
 
 
+def _rollout_log_prob_metrics(steps: Sequence[StepWork]) -> dict[str, float]:
+    """rollout/log_probs and rollout/ref_log_probs over the given steps (each step's mean, weighted
+    by its samples, as slime averages over the rollout's samples)."""
+    sums: dict[str, float] = {}
+    total = 0
+    for step in steps:
+        n = sum(s.num_samples for s in step.shards)
+        total += n
+        for key, value in step.log_prob_metrics().items():
+            sums[key] = sums.get(key, 0.0) + value * n
+    return {k: v / total for k, v in sums.items()} if total else {}
+
+
 def _mark_rollout_bounds(requests: Sequence[TrainRequest], step: int, steps: int) -> None:
     """Mark where the rollout's steps start and end: the ranks reset the optimizer
     (--reset-optimizer-states) before the first and update the reference (--ref-update-interval)
     after the last, once per rollout as slime does."""
     for request in requests:
         request.first_of_rollout, request.last_of_rollout = step == 0, step == steps - 1
+        request.step_id = step
 
 
 def _checked(results: Results, kind: type, call: str) -> list:  # type: ignore[type-arg]
@@ -207,6 +247,7 @@ __all__ = [
     "Calls",
     "LogProbsCall",
     "RankCall",
+    "StepChecks",
     "StepMetricOptions",
     "TrainCall",
     "Trained",

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from tether.runtime.errors import ConfigError
 from tether.train.algorithms import loss_hooks, losses
@@ -295,7 +296,20 @@ def rl_loss_fn(
         out.metrics["trainable_tokens"] = mbd.loss_mask.sum().detach()
         return out.loss, out.metrics
 
-    return loss_fn
+    return recomputed(loss_fn) if algo.recompute_loss_function else loss_fn
+
+
+def recomputed(loss_fn: LossFn) -> LossFn:
+    """--recompute-loss-function: the loss keeps only its inputs (the logits) for the backward pass
+    and runs again there, as slime wraps it, instead of holding its vocabulary-wide intermediates
+    (log-softmax, entropy) from forward to backward. Non-reentrant, as slime's: the metrics and
+    the micro-batch pass through, and the recomputation reruns the loss's TP/CP collectives on
+    every rank alike."""
+
+    def checkpointed(logits: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return checkpoint(loss_fn, logits, mb, use_reentrant=False)  # type: ignore[no-any-return]
+
+    return checkpointed
 
 
 def _broadcast_from_last_stage(obj: Any) -> Any:
@@ -330,8 +344,8 @@ def build_micro_batches(
 ) -> list[MicroBatchTensors]:
     """This rank's micro-batch tensors from its DP shard and its row of the plan.
 
-    `config` (the model's TransformerConfig): under sequence parallelism each micro-batch is padded
-    to a multiple of TP. `max_length` (--seq-length, default the model's max positions): a longer
+    `config` (the model's TransformerConfig): each micro-batch is padded to a multiple of TP x
+    --data-pad-size-multiplier (per CP rank; `megatron_args.micro_batch_multiple`). `max_length` (--seq-length, default the model's max positions): a longer
     sample is refused.
     """
     if max_length is not None and shard.num_samples:
@@ -343,7 +357,7 @@ def build_micro_batches(
                 f"a sample of {longest} tokens (prompt + response) is longer than the trainer accepts "
                 "(--seq-length, default: max_position_embeddings of the model)",
             )
-    multiple = 1 if config is None else megatron_args.sequence_multiple(config)
+    multiple = 1 if config is None else megatron_args.micro_batch_multiple(config)
     shapes = [(0, 0)] * len(plan)
     if config is not None and _gathers_equal_token_counts(config):
         shapes = _common_shapes(shard, plan)
@@ -432,18 +446,22 @@ def train_step(
     algo: AlgorithmConfig,
     opts: StepOptions = StepOptions(),
     routing: RoutingReplay | None = None,
+    before: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Forward/backward over the micro-batches, then one optimizer step; step metrics on every rank.
 
     Metrics: each loss term and statistic from the loss (step means), grad_norm, lr, whether the
     step was applied, trainable tokens, tokens/s over the whole job. `routing`: the actor's MoE
     routing replay (--use-routing-replay / --use-rollout-routing-replay), replayed in this step.
+    `before`: called once the gradients are zeroed (--custom-megatron-before-train-step-hook-path).
     """
     start = time.perf_counter()
     for chunk in actor.chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     actor.optimizer.zero_grad()
+    if before is not None:
+        before()
     mbs = build_micro_batches(shard, plan, config=actor.config, max_length=_max_length(actor.chunks))
     per_token = bool(actor.config.calculate_per_token_loss)
     hooks = None
@@ -517,12 +535,14 @@ def compute_log_probs(
     plan: Sequence[Sequence[int]],
     opts: StepOptions = StepOptions(),
     routing: RoutingReplay | None = None,
+    before: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-response-token log-probs (and entropy) of this DP shard, float32, in shard order.
 
     Every rank of a DP group returns the same arrays (broadcast from the last PP stage).
     `routing`: the actor's MoE routing replay: R3 replays the rollout's experts, R2 records the
-    routing for the training step that follows.
+    routing for the training step that follows. `before`: called once the chunks are in eval mode
+    (--custom-megatron-before-log-prob-hook-path).
     """
     with quiet_megatron_imports():
         from megatron.core import parallel_state as ps
@@ -549,6 +569,8 @@ def compute_log_probs(
 
     for chunk in chunks:
         chunk.eval()
+    if before is not None:
+        before()
     mbs = build_micro_batches(shard, plan, config=config, max_length=_max_length(chunks))
     with torch.no_grad(), _routing_pass(routing, mbs, log_probs=True):
         per_mb = run_schedule(chunks, config, mbs, keep, forward_only=True, routing=routing)

@@ -26,6 +26,7 @@ module itself: it hands a rollout over once to `tether.train.rank.rollout_calls`
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
@@ -41,6 +42,7 @@ from tether.train.algorithms.shard_whitening import AllReduce, whiten_across_sha
 from tether.train.config import AlgorithmConfig
 from tether.train.data.hooks import TrainDataHooks, custom_advantages, post_process_rewards
 from tether.train.data.slime_train_data import postprocess_step, train_batch_from_train_data
+from tether.train.model.hf_config import ModelArch
 from tether.train.rank.batching import (
     TrainBatch,
     build_train_batch,
@@ -48,6 +50,7 @@ from tether.train.rank.batching import (
     shard_for_data_parallel,
     split_steps,
 )
+from tether.train.rank.flops_balance import FlopsModel, flops_balanced_schedule, flops_model
 from tether.train.rank.protocol import LogProbModel, LogProbsRequest, MicroBatchPlan, TrainRequest
 
 
@@ -59,17 +62,55 @@ class WorkOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens_per_gpu: int | None = None  # dynamic micro-batches of at most this many tokens when set
     reward_key: str | None = None  # selects the reward from a dict reward
     balance_data: bool = False  # --balance-data: balance DP shards' token counts (else round-robin)
+    # --balance-by-flops: micro-batches and DP shards balanced on this FLOPs estimate
+    # (tether.train.rank.flops_balance); needs max_tokens_per_gpu
+    flops: FlopsModel | None = None
 
     @classmethod
-    def from_config(cls, data: DataConfig, reward_key: str | None) -> WorkOptions:
-        """The options the run's data flags (and --reward-key) ask for."""
+    def from_config(
+        cls, data: DataConfig, reward_key: str | None, arch: ModelArch | None = None
+    ) -> WorkOptions:
+        """The options the run's data flags (and --reward-key) ask for; `arch` (the model's shape,
+        from --hf-checkpoint) is needed with --balance-by-flops."""
+        flops = None
+        if data.balance_by_flops:
+            if arch is None:
+                raise ConfigError(
+                    "--balance-by-flops", True, "needs the model's shape (--hf-checkpoint's config.json)"
+                )
+            flops = flops_model(arch)
         return cls(
             global_batch_size=data.resolved_global_batch_size,
             micro_batch_size=data.micro_batch_size,
             max_tokens_per_gpu=data.max_tokens_per_gpu if data.use_dynamic_batch_size else None,
             reward_key=reward_key,
             balance_data=data.balance_data,
+            flops=flops,
         )
+
+
+def shard_and_plan(
+    batch: TrainBatch, dp_size: int, options: WorkOptions
+) -> tuple[list[list[int]] | None, list[TrainBatch], list[MicroBatchPlan]]:
+    """The DP shards of one step (or rollout) and each shard's micro-batch plan. With
+    --balance-by-flops also each shard's sample indices into `batch` (its shards have no filler);
+    otherwise None (`shard_for_data_parallel` chooses, filler included)."""
+    if options.flops is not None:
+        assert options.max_tokens_per_gpu is not None  # the flag needs --use-dynamic-batch-size
+        schedule = flops_balanced_schedule(
+            batch.total_lengths.tolist(), dp_size, options.max_tokens_per_gpu, options.flops
+        )
+        groups = [[i for mb in rank for i in mb] for rank in schedule]
+        plans: list[MicroBatchPlan] = []
+        for rank in schedule:
+            starts = np.cumsum([0, *(len(mb) for mb in rank)]).tolist()
+            plans.append([list(range(a, b)) for a, b in itertools.pairwise(starts)])
+        return groups, [batch.select(g) for g in groups], plans
+    shards = shard_for_data_parallel(batch, dp_size, balance=options.balance_data)
+    plans = plan_micro_batches(
+        shards, micro_batch_size=options.micro_batch_size, max_tokens_per_gpu=options.max_tokens_per_gpu
+    )
+    return None, shards, plans
 
 
 def rollout_batch(
@@ -293,6 +334,19 @@ class StepWork:
             for s, p in zip(self.shards, self.plans, strict=True)
         ]
 
+    def log_prob_metrics(self) -> dict[str, float]:
+        """slime's rollout/log_probs and rollout/ref_log_probs: the step mean of the actor's and the
+        reference's log-prob passes (weighted as the step's loss weighs tokens); nothing for a pass
+        that did not run."""
+        out = {}
+        for key, per_dp in (
+            ("rollout/log_probs", [s.old_log_probs for s in self.shards]),
+            ("rollout/ref_log_probs", [s.ref_log_probs for s in self.shards]),
+        ):
+            if self._attached and all(v is not None for v in per_dp):
+                out[key] = step_token_mean(self.shards, [v for v in per_dp if v is not None])
+        return out
+
     def entropy_metrics(self) -> dict[str, float]:
         """--use-rollout-entropy: slime's rollout/entropy (the actor's log-prob pass), rollout/ref_entropy
         (the reference's) and rollout/teacher_entropy; nothing for a pass that did not run."""
@@ -364,16 +418,16 @@ def rollout_steps(
         if rl and not shaped:
             # Over the whole step before sharding: whitening sees every token of the step.
             step_batch.advantages = batch_advantages(algorithm, step_batch, hooks, batch.raw_rewards)
-        shards = shard_for_data_parallel(step_batch, dp_size, balance=options.balance_data)
-        plans = plan_micro_batches(
-            shards, micro_batch_size=options.micro_batch_size, max_tokens_per_gpu=options.max_tokens_per_gpu
-        )
+        _, shards, plans = shard_and_plan(step_batch, dp_size, options)
         log_prob_plans = None
         budget = algorithm.log_probs_max_tokens_per_gpu
         if (
             models
             and options.max_tokens_per_gpu is not None
             and budget not in (None, options.max_tokens_per_gpu)
+            # --balance-by-flops: the log-prob passes run the training micro-batches, as slime's one
+            # schedule does (a FLOPs shard may hold too few samples for a token plan's count)
+            and options.flops is None
         ):
             log_prob_plans = plan_micro_batches(
                 shards, micro_batch_size=options.micro_batch_size, max_tokens_per_gpu=budget
@@ -393,4 +447,4 @@ def rollout_steps(
     return steps
 
 
-__all__ = ["StepWork", "WorkOptions", "batch_advantages", "rollout_batch", "rollout_steps"]
+__all__ = ["StepWork", "WorkOptions", "batch_advantages", "rollout_batch", "rollout_steps", "shard_and_plan"]

@@ -102,6 +102,8 @@ class TrainerWorker(RankApi):
         self._async_saver: Any = None  # its AsyncCheckpointer, made on the first --async-save
         self._old_actor: Any = None  # --keep-old-actor: the old actor's weights (train.old_actor.OldActor)
         self._role = "actor"  # or "critic" (InitRequest.role): which step `train` runs
+        self._profiler: Any = None  # the profiling slice's RankProfiler, when it asks for one
+        self._megatron_hooks: Any = None  # slime's --custom-megatron-*-path hooks (MegatronHooks), when named
 
     async def _run(self, fn: Callable[[], T], needs: Needs = "all") -> T:
         """Run torch/Megatron work on this rank's single worker thread, in call order; what it
@@ -160,6 +162,12 @@ class TrainerWorker(RankApi):
             arch = load_arch(hf_checkpoint)
             check_architecture_flags(arch, megatron.architecture())
             topo = parallel.init_distributed(**megatron_args.init_distributed_kwargs(megatron, algorithm))
+            self._start_profiler(request)
+            from tether.train.rank.megatron_hooks import MegatronHooks
+
+            self._megatron_hooks = MegatronHooks.load(algorithm, megatron, hf_checkpoint)
+            if self._megatron_hooks is not None:
+                self._megatron_hooks.after_init()  # slime: at the end of Megatron's initialisation
             opts = model_options(hf_checkpoint, algorithm, megatron)
             # The PPO critic: the actor's model with a value head; no routing replay, no reference.
             critic = request.role == "critic"
@@ -207,9 +215,27 @@ class TrainerWorker(RankApi):
                 from tether.train.state.old_actor import OldActor
 
                 self._old_actor = OldActor(self._actor.chunks)
+            if self._profiler is not None:
+                self._profiler.initialized()
             return self._info()
 
         return await self._run(work)
+
+    def _start_profiler(self, request: InitRequest) -> None:
+        """--use-pytorch-profiler / --record-memory-history: memory history starts now, once the
+        rank joined its process groups and before its models are built (worker thread)."""
+        from tether.train.profiling.rank_profiler import rank_profiler
+
+        rank = int(os.environ.get("RANK", "0"))
+        self._profiler = rank_profiler(request.profile, request.profile_dir, rank=rank, role=request.role)
+        if self._profiler is not None:
+            self._profiler.started()
+
+    def _profiled(
+        self, phase: Literal["train_actor", "train_log_probs"]
+    ) -> contextlib.AbstractContextManager[None]:
+        """The --profile-target phase `phase` around one of its steps (worker thread)."""
+        return self._profiler.phase(phase) if self._profiler is not None else contextlib.nullcontext()
 
     def _info(self) -> WorkerInfo:
         rank = int(os.environ.get("RANK", "0"))
@@ -248,10 +274,19 @@ class TrainerWorker(RankApi):
                 from tether.train.state.optimizer_reset import reset_optimizer_states
 
                 reset_optimizer_states(actor.optimizer)
+            hooks = self._megatron_hooks
+            before = (
+                None
+                if hooks is None
+                else hooks.train_step_call(
+                    request.rollout_id, request.step_id, actor.chunks, actor.optimizer, actor.scheduler
+                )
+            )
             if self._role == "critic":
                 from tether.train.algorithms.critic import value_train_step
 
-                metrics = value_train_step(actor, shard, plan, algorithm)
+                with self._profiled("train_actor"):
+                    metrics = value_train_step(actor, shard, plan, algorithm, before=before)
                 if self._offload_train:
                     # The critic never syncs weights: it leaves the device after each of its steps
                     # (the actor's turn on the devices it shares follows); `_run` brings it back.
@@ -260,22 +295,31 @@ class TrainerWorker(RankApi):
                     self._offloaded = offload_trainer(actor)
                 self._steps += 1
                 metrics["rollout_id"] = float(request.rollout_id)
+                self._rollout_profiled(request)
                 return TrainResult(metrics=metrics)
-            metrics = step.train_step(
-                actor,
-                shard,
-                plan,
-                algorithm,
-                step.StepOptions(temperature=self._temperature),
-                routing=self._routing,
-            )
+            with self._profiled("train_actor"):
+                metrics = step.train_step(
+                    actor,
+                    shard,
+                    plan,
+                    algorithm,
+                    step.StepOptions(temperature=self._temperature),
+                    routing=self._routing,
+                    before=before,
+                )
             self._steps += 1
             metrics["rollout_id"] = float(request.rollout_id)
             if request.last_of_rollout and self._ref is not None:
                 self._maybe_update_reference(request.rollout_id)
+            self._rollout_profiled(request)
             return TrainResult(metrics=metrics)
 
         return await self._run(work)
+
+    def _rollout_profiled(self, request: TrainRequest) -> None:
+        """After a rollout's last train step: train_overall's step, a due memory snapshot."""
+        if request.last_of_rollout and self._profiler is not None:
+            self._profiler.rollout_trained(request.rollout_id)
 
     def _maybe_update_reference(self, rollout_id: int) -> None:
         """--ref-update-interval: once rollout `rollout_id` has trained, the reference may take the
@@ -298,7 +342,9 @@ class TrainerWorker(RankApi):
         def work() -> ValuesResult:
             from tether.train.algorithms.critic import compute_values
 
-            return ValuesResult(values=compute_values(critic, request.shard, request.plan))
+            hooks = self._megatron_hooks
+            before = None if hooks is None else hooks.log_prob_call(critic.chunks, "")
+            return ValuesResult(values=compute_values(critic, request.shard, request.plan, before=before))
 
         return await self._run(work)
 
@@ -331,9 +377,13 @@ class TrainerWorker(RankApi):
             )
             # Only the actor's routers replay; the reference routes on its own (as in slime).
             routing = self._routing if model == "actor" else None
-            with self._old_actor_weights(model):
+            from tether.train.rank.megatron_hooks import STORE_PREFIX
+
+            hooks = self._megatron_hooks
+            before = None if hooks is None else hooks.log_prob_call(chunks, STORE_PREFIX[model])
+            with self._profiled("train_log_probs"), self._old_actor_weights(model):
                 lp, ent = step.compute_log_probs(
-                    chunks, config, actor.arch.vocab_size, shard, plan, opts, routing=routing
+                    chunks, config, actor.arch.vocab_size, shard, plan, opts, routing=routing, before=before
                 )
             return LogProbsResult(log_probs=lp, entropy=ent)
 
@@ -744,6 +794,9 @@ class TrainerWorker(RankApi):
             try:
                 if self._pending_save is not None:
                     await self._run(self._finalize_save)
+                profiler, self._profiler = self._profiler, None
+                if profiler is not None:  # an open trace window is written; a memray capture closed
+                    await self._run(profiler.close, needs="none")
             finally:
                 if transport is not None and hasattr(transport, "close"):
                     await transport.close()

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from tether.rollout.http_proxy import proxy_for
 from tether.rollout.rollout_fn import RolloutContext, current_context
 from tether.rollout.slime_api.finder import RayRequired
 
@@ -108,11 +109,13 @@ async def post(
     attempt = 0
     body = msgspec.json.encode(payload if payload is not None else {})
     hdrs = {"Content-Type": "application/json", **(headers or {})}
+    ctx = _context()
+    proxy = proxy_for(url, getattr(ctx.args, "http_proxy", None) if ctx is not None else None)
     async with _session() as session:
         while True:
             attempt += 1
             try:
-                async with session.post(url, data=body, headers=hdrs) as resp:
+                async with session.post(url, data=body, headers=hdrs, proxy=proxy) as resp:
                     raw = await resp.read()
                     if resp.status >= 400:
                         raise HTTPStatusError(url, resp.status, raw.decode("utf-8", errors="replace"))
