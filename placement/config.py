@@ -90,7 +90,10 @@ class ClusterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     ] = msgspec.field(default_factory=list)
     rollout_engines_may_span_nodes: Annotated[
         bool,
-        Meta(description="Allow one engine to span nodes (SGLang --nnodes/--node-rank/--dist-init-addr)."),
+        Meta(
+            description="Allow an engine that fits in a node to straddle two (SGLang --nnodes/--node-rank/"
+            "--dist-init-addr); an engine wider than a node spans nodes without it, as in slime."
+        ),
     ] = False
     node_port_first: Annotated[
         int, Meta(ge=1024, le=65535, description="First port tether may assign on each node.")

@@ -478,7 +478,10 @@ def _engine(
     on = list(by_node)
     if len(on) > 1:
         counts = ", ".join(f"{len(devs)} on {nodes[n].hostname}" for n, devs in by_node.items())
-        if not cluster.rollout_engines_may_span_nodes:
+        # slime's rule: an engine wider than a node spans nodes (SGLang's --nnodes); one that would fit
+        # in a node but straddles two only with the flag.
+        wider_than_a_node = size > max(len(nodes[n].devices) for n in on)
+        if not (wider_than_a_node or cluster.rollout_engines_may_span_nodes):
             raise ConfigError(
                 "--rollout-num-gpus-per-engine",
                 size,

@@ -1478,6 +1478,15 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 self.tensor_model_parallel_size,
                 f"TP x PP x CP = {self.model_parallel_size} must divide the {world_size} trainer ranks",
             )
+        # Megatron lays the experts out on their own grid: EP x ETP x PP must tile the ranks too.
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        expert_grid = self.expert_model_parallel_size * etp * self.pipeline_model_parallel_size
+        if world_size % expert_grid:
+            raise ConfigError(
+                "--expert-model-parallel-size",
+                self.expert_model_parallel_size,
+                f"EP x ETP x PP = {expert_grid} must divide the {world_size} trainer ranks",
+            )
         return world_size // self.model_parallel_size
 
     def architecture(self) -> dict[str, object]:

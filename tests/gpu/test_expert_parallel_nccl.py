@@ -36,19 +36,22 @@ def test_ranks_ran_over_nccl(run: list[dict[str, Any]]) -> None:
         assert value(rank_results, "ep2/backend") == "nccl"
 
 
-def test_ep2_alltoall_logits_equal_ep1(run: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("layout", ["ep2", "tp2etp1", "tp2ep2etp1"])
+def test_logits_equal_ep1(run: list[dict[str, Any]], layout: str) -> None:
     for rank_results in run:
         want = torch.tensor(value(rank_results, "ep1/logits"))
-        got = torch.tensor(value(rank_results, "ep2/logits"))
+        got = torch.tensor(value(rank_results, f"{layout}/logits"))
         assert got.shape == want.shape
         assert float((got - want).abs().max()) < 1e-5
 
 
-def test_ep2_alltoall_training_step_equals_ep1(run: list[dict[str, Any]]) -> None:
-    # Each rank holds half the experts at EP=2; the loss and the global grad norm (each expert's
-    # gradient counted once) equal EP=1's, where both ranks hold every expert.
+@pytest.mark.parametrize("layout", ["ep2", "tp2etp1", "tp2ep2etp1"])
+def test_training_steps_equal_ep1(run: list[dict[str, Any]], layout: str) -> None:
+    # Each rank holds half the experts at EP=2; at ETP=1 under TP=2 the experts are whole on both TP
+    # ranks (their gradients summed over the expert data-parallel group) or split by EP=2. The loss
+    # and the global grad norm (each expert's gradient counted once) equal EP=1's.
     for rank_results in run:
         want = value(rank_results, "ep1/train")
-        got = value(rank_results, "ep2/train")
+        got = value(rank_results, f"{layout}/train")
         assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)

@@ -1,7 +1,8 @@
 """`tether run` end to end on CPU with Mixture-of-Experts models: a tiny qwen3_moe, a tiny
 deepseek_v3-style model (multi-latent attention + MoE with shared experts and grouped routing)
 and a tiny minimax_m2 (QK norms over all heads, partial RoPE, biased sigmoid routing),
-trained through Megatron with distributed weight sync to the CPU engine. At every step the
+trained through Megatron with distributed weight sync to the CPU engine (qwen3_moe in slime's MoE
+layout: TP=2 with its experts at ETP=1, split by EP=2). At every step the
 engine's log-probs of the sampled tokens equal the trainer's (check_run), so the engine serves
 exactly the MoE weights the trainer exported — every expert, router, correction bias, QK norm
 and MLA projection.
@@ -17,11 +18,20 @@ from support.e2e import STEPS, check_run, jsonl, make_workspace, tether
 
 from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec
 
+# qwen3_moe in slime's MoE layout: TP=2 (sequence parallel) with the experts at ETP=1, split over
+# the two ranks by EP=2; the others at DP=2.
+ETP1 = (
+    *("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+    *("--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"),
+    *("--moe-token-dispatcher-type", "alltoall"),
+)
+LAYOUT = {"qwen3_moe": ETP1, "deepseek_v3": (), "minimax_m2": ()}
+
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "minimax_m2"])
 def test_moe_model_trains_with_distributed_sync(tmp_path: Path, run_dir: Path, arch: str) -> None:
     ws = make_workspace(tmp_path / "ws", TinyModelSpec(arch=arch, bpe_merges=0))  # type: ignore[arg-type]
-    flags = ["--num-rollout", str(STEPS), "--update-weight-transport", "nccl"]
+    flags = ["--num-rollout", str(STEPS), "--update-weight-transport", "nccl", *LAYOUT[arch]]
     tether("run", *ws.flags(run_dir, *flags), timeout=600)
     metrics = check_run(run_dir, transport="distributed")
     assert all(m["rollout/version_lag_max"] == 0 for m in metrics)

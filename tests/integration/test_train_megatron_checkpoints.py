@@ -137,8 +137,17 @@ def test_async_save_returns_first_and_completes_at_finalize(
         assert got["rollout_id"] == 4 and got["weights_at_save"] == [] and got["tmp_left"] is False
 
 
+def test_experts_at_etp1_under_tp2_resume_and_load_at_tp1(checked: tuple[Path, list[dict[str, Any]]]) -> None:
+    # slime's MoE layout (--expert-tensor-parallel-size 1 under TP=2): saved in torch_dist, it
+    # resumes at that layout with every weight and Adam's state, and reshards to TP=1 on load.
+    _, ranks = checked
+    for r in ranks:
+        assert value(r, "expert_layout/resume") == {"loaded": True, "weights": [], "adam": True, "etp": 1}
+        assert value(r, "expert_layout/tp1_weights") == []
+
+
 def test_every_check_ran(checked: tuple[Path, list[dict[str, Any]]]) -> None:
     for r in checked[1]:
-        for name in ("foreign", "tether_save", "te_names", "flags"):
+        for name in ("foreign", "tether_save", "te_names", "flags", "expert_layout"):
             assert value(r, f"{name}/done") is True
         assert value(r, "done") is True

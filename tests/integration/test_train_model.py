@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(1500)
 
 LAYOUTS = ["dp2", "tp2", "pp2"]
 MTP_FAMILIES = ["mimo_mtp", "mimo_mtp_frozen", "deepseek_v3_mtp_built", "glm4_moe_mtp_built"]
+ETP_FAMILIES = ["qwen3_moe", "deepseek_v3"]  # check_model.ETP_FAMILIES
 MOE_FAMILIES = [
     "qwen2_moe",
     "qwen3_moe",
@@ -107,7 +108,10 @@ def test_save_hf_writes_the_source_checkpoint_back(
 @pytest.mark.parametrize(
     ("layout", "family"),
     [(lay, fam) for lay in ("tp2", "pp2", "ep2") for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2")]
-    + [("ep2ag", "qwen3_moe")],  # Megatron's allgather dispatcher at EP=2: micro-batches padded alike
+    + [("ep2ag", "qwen3_moe")]  # Megatron's allgather dispatcher at EP=2: micro-batches padded alike
+    # Experts at ETP=1 under TP=2: whole on both TP ranks (their gradients summed over the expert
+    # data-parallel group, which holds them), or split over the two by EP=2.
+    + [(lay, fam) for lay in ("tp2etp1", "tp2ep2etp1") for fam in ETP_FAMILIES],
 )
 def test_moe_training_steps_equal_across_layouts(
     checked: list[dict[str, Any]], layout: str, family: str
@@ -164,6 +168,27 @@ def test_glm4_training_steps_equal_across_layouts(checked: list[dict[str, Any]],
         got = value(rank_results, f"{layout}/glm4/train")
         assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
+
+
+@pytest.mark.parametrize("layout", ["tp2etp1", "tp2ep2etp1"])
+@pytest.mark.parametrize("family", ETP_FAMILIES)
+def test_expert_tensor_parallel_apart_from_tp_builds_exports_and_matches(
+    checked: list[dict[str, Any]], layout: str, family: str
+) -> None:
+    # --expert-tensor-parallel-size 1 under --tensor-model-parallel-size 2: every HF tensor exported
+    # back bit-exact (the experts gathered over EP only, the dense layers over TP), the logits equal
+    # transformers', and the layout is what the flags asked for.
+    for rank_results in checked:
+        got = value(rank_results, f"{layout}/{family}/round_trip")
+        assert got["mismatched"] == [] and got["missing"] == [] and got["count"] > 0, got
+        assert value(rank_results, f"{layout}/{family}/logits") < 1e-5
+        assert value(rank_results, f"{layout}/{family}/layout")["etp"] == 1
+    if layout == "tp2ep2etp1":
+        assert value(checked[0], f"{layout}/{family}/save_hf") == {
+            "diff": [],
+            "names_equal": True,
+            "config": True,
+        }
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -125,19 +125,9 @@ def test_debug_modes() -> None:
         plan(cluster_of(1, 8), debug_rollout_only=True, debug_train_only=True)
 
 
-def test_spanning_engine_needs_permission_and_gets_nnodes() -> None:
-    with pytest.raises(
-        ConfigError,
-        match=r"--rollout-num-gpus-per-engine=16.*8 on n0, 8 on n1.*--rollout-engines-may-span-nodes",
-    ):
-        plan(cluster_of(2, 8), colocate=True, actor_num_nodes=2, rollout_num_gpus_per_engine=16)
-    p = plan(
-        cluster_of(2, 8),
-        colocate=True,
-        actor_num_nodes=2,
-        rollout_num_gpus_per_engine=16,
-        rollout_engines_may_span_nodes=True,
-    )
+def test_an_engine_wider_than_a_node_spans_nodes_as_in_slime() -> None:
+    # slime's rule: 16 GPUs per engine on 8-GPU nodes is an engine over two nodes, no flag needed.
+    p = plan(cluster_of(2, 8), colocate=True, actor_num_nodes=2, rollout_num_gpus_per_engine=16)
     (engine,) = p.engines
     assert engine.nnodes == 2 and [part.node_rank for part in engine.parts] == [0, 1]
     assert engine.dist_init_addr is not None and engine.dist_init_addr.startswith("10.0.0.1:")
@@ -145,6 +135,19 @@ def test_spanning_engine_needs_permission_and_gets_nnodes() -> None:
     # The same port numbers are bound on both nodes, so neither node hands them out again.
     actor = p.train_group("actor")
     assert actor is not None and actor.rdzv_endpoint.endswith(":20000") and engine.http_port == 20001
+    # An engine that fits in a node but would straddle two still needs the flag.
+    with pytest.raises(
+        ConfigError, match=r"would span nodes \(2 on n0, 2 on n1\).*--rollout-engines-may-span"
+    ):
+        plan(cluster_of(2, 8), actor_num_gpus_per_node=6, rollout_num_gpus=4, rollout_num_gpus_per_engine=4)
+    straddling = plan(
+        cluster_of(2, 8),
+        actor_num_gpus_per_node=6,
+        rollout_num_gpus=4,
+        rollout_num_gpus_per_engine=4,
+        rollout_engines_may_span_nodes=True,
+    )
+    assert straddling.engines[0].nnodes == 2
 
 
 def test_uneven_spanning_is_refused() -> None:

@@ -95,12 +95,13 @@ def test_devices_ports_and_ranks_are_consistent(
     for node, device in engine_devices + trainer_devices:
         assert device in plan.nodes[node].devices
 
-    # Every engine inside one node unless spanning was asked for; spanning parts have equal sizes.
+    # Every engine inside one node unless wider than a node or spanning was asked for; spanning
+    # parts have equal sizes.
     for engine in plan.engines:
         assert len(engine.parts) == engine.nnodes
         assert sum(len(p.devices) for p in engine.parts) == engine.tp_size
-        if not cluster.rollout_engines_may_span_nodes:
-            assert engine.nnodes == 1
+        if not cluster.rollout_engines_may_span_nodes and engine.nnodes > 1:  # slime's rule only
+            assert all(engine.tp_size > len(plan.nodes[p.node].devices) for p in engine.parts)
         assert len({len(p.devices) for p in engine.parts}) == 1
 
     # Ranks follow the sorted order: nodes ascending by address, devices ascending within a node.

@@ -477,7 +477,76 @@ QWEN3_4B_BASE_SFT = [
     "--attention-softmax-in-fp32", "--attention-backend", "flash",
 ]  # fmt: skip
 
+# slime: scripts/run-qwen3-30B-A3B.sh (MODEL_ARGS: scripts/models/qwen3-30B-A3B.sh): TP=4 with the
+# experts at ETP=1 over EP=8, slime's MoE layout.
+HF_CONFIGS["qwen3-30B-A3B"] = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+}
+QWEN3_30B_A3B = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "32",
+    "--num-query-groups", "4", "--kv-channels", "128", "--num-layers", "48", "--hidden-size", "2048",
+    "--ffn-hidden-size", "6144", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6", "--rotary-percent", "1.0", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "151936", "--rotary-base", "1000000",
+    "--moe-ffn-hidden-size", "768", "--moe-router-score-function", "softmax",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "8",
+    "--moe-layer-freq", "[" + ",".join(["1"] * 48) + "]", "--num-experts", "128", "--moe-grouped-gemm",
+    "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    "--moe-aux-loss-coeff", "0",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-30B-A3B", "--ref-load", "/root/Qwen3-30B-A3B_torch_dist",
+    "--load", "/root/Qwen3-30B-A3B_slime/", "--save", "/root/Qwen3-30B-A3B_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "1", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20480",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "8", *[str(n) for n in range(16, 257, 8)],
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
 SCRIPTS: dict[str, tuple[list[str], str]] = {
+    "scripts/run-qwen3-30B-A3B.sh": (QWEN3_30B_A3B, "qwen3-30B-A3B"),
     "scripts/run-mimo-7B-rl-eagle.sh": (MIMO_7B_EAGLE, "mimo-7B"),
     "scripts/run-qwen3-4B.sh": (QWEN3_4B, "qwen3-4B"),
     "scripts/run-qwen3-4B-base-sft.sh": (QWEN3_4B_BASE_SFT, "qwen3-4B"),
@@ -575,6 +644,92 @@ def test_slime_script_plans_unchanged(script: str, tmp_path: Path, search_hooks:
     assert msgspec.json.decode(plan.to_json())["mode"] == plan.mode
 
 
+# slime: scripts/run-qwen3-235B-A22B.sh (MODEL_ARGS: scripts/models/qwen3-235B-A22B.sh): 8 actor
+# nodes (TP=4, PP=4, CP=2, experts at ETP=1 over EP=16) and 64 rollout GPUs in engines of 32, each
+# engine over four 8-GPU nodes, as slime places them.
+HF_CONFIGS["qwen3-235B-A22B"] = {
+    **HF_CONFIGS["qwen3-30B-A3B"],
+    "num_hidden_layers": 94,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 1536,
+}
+QWEN3_235B_A22B = [
+    "--actor-num-nodes", "8", "--actor-num-gpus-per-node", "8", "--rollout-num-gpus", "64",
+    "--update-weight-buffer-size", str(4 * 1024**3),
+    # MODEL_ARGS
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "64",
+    "--num-query-groups", "4", "--kv-channels", "128", "--num-layers", "94", "--hidden-size", "4096",
+    "--ffn-hidden-size", "12288", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6", "--rotary-percent", "1.0", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "151936", "--rotary-base", "1000000",
+    "--moe-ffn-hidden-size", "1536", "--moe-router-score-function", "softmax",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "8",
+    "--moe-layer-freq", "[" + ",".join(["1"] * 94) + "]", "--num-experts", "128", "--moe-grouped-gemm",
+    "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    "--moe-aux-loss-coeff", "0",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-235B-A22B", "--ref-load", "/root/Qwen3-235B-A22B_torch_dist",
+    "--load", "/root/Qwen3-235B-A22B_slime/", "--save", "/root/Qwen3-235B-A22B_slime/",
+    "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "1", "--global-batch-size", "64",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "gspo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--entropy-coef", "0.00", "--eps-clip", "4e-4",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
+    "--context-parallel-size", "2", "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1",
+    "--decoder-last-pipeline-num-layers", "22",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+    # EVAL_ARGS
+    "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl", "--n-samples-per-eval-prompt", "16",
+    "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "32", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-enable-dp-attention", "--sglang-dp-size", "4", "--sglang-ep-size", "32",
+    "--sglang-enable-dp-lm-head", "--sglang-cuda-graph-bs", "1", "2", "4", "8",
+    *[str(n) for n in range(16, 257, 8)], "--sglang-moe-a2a-backend", "deepep", "--sglang-deepep-mode", "auto",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+
+def test_qwen3_235b_plans_with_its_engines_across_nodes(tmp_path: Path) -> None:
+    argv = with_local_paths(QWEN3_235B_A22B, "qwen3-235B-A22B", tmp_path)
+    cfg = resolve(argv)
+    check_hooks(cfg.rollout)
+    nodes = Inventory(
+        nodes=[
+            Node(hostname=f"n{i}", address=f"10.0.0.{i + 1}", gpus=[Gpu(index=g) for g in range(8)])
+            for i in range(16)
+        ]
+    )
+    plan = plan_from_config(cfg.cluster, False, False, nodes, lambda _: None)
+    actor = plan.train_group("actor")
+    assert actor is not None and actor.world_size == 64 and actor.nnodes == 8
+    assert cfg.megatron.data_parallel_size(64) == 2  # TP 4 x PP 4 x CP 2; experts EP 16 x ETP 1 x PP 4
+    assert len(plan.engines) == 2
+    for engine in plan.engines:  # slime's rule: an engine of 32 GPUs spans four 8-GPU nodes, no flag
+        assert engine.tp_size == 32 and engine.nnodes == 4
+        assert [part.node_rank for part in engine.parts] == [0, 1, 2, 3]
+        assert engine.launch_args(engine.parts[3])[-4:] == ["--nnodes", "4", "--node-rank", "3"]
+        assert engine.dist_init_addr is not None
+    assert not cfg.cluster.rollout_engines_may_span_nodes
+
+
 def test_six_scripts_are_kept() -> None:
     assert len(SCRIPTS) >= 6
 
@@ -652,8 +807,8 @@ MINIMAX_M2_MODEL_ARGS = [
 
 
 def _minimax_argv(tmp: Path, model_args: list[str]) -> list[str]:
-    """MiniMax-M2's MODEL_ARGS on one 8-GPU node. Its script's own layout is refused today: expert
-    TP 1 under TP 2 and engines of 16 GPUs across nodes (issue #34), and PP 2 under --colocate."""
+    """MiniMax-M2's MODEL_ARGS on one 8-GPU node. Its script's own layout is refused today: engines of
+    16 GPUs across nodes (issue #34), and PP 2 under --colocate."""
     return with_local_paths(
         [
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",

@@ -131,6 +131,18 @@ def test_a_slime_script_parses() -> None:
     assert meg.data_parallel_size(8) == 4
     with pytest.raises(ConfigError, match="must divide"):
         meg.data_parallel_size(3)
+    # The experts' own grid: EP x ETP x PP tiles the ranks as TP x PP x CP does (slime's EP=8, ETP=1
+    # under TP=2 needs a multiple of 8 ranks).
+    moe = MegatronConfig(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=8,
+        expert_tensor_parallel_size=1,
+    )
+    assert moe.data_parallel_size(16) == 8
+    with pytest.raises(ConfigError, match=r"EP x ETP x PP = 8 must divide the 4 trainer ranks") as err:
+        moe.data_parallel_size(4)
+    assert err.value.key == "--expert-model-parallel-size"
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.convert({"no_such_flag": 1}, MegatronConfig)
 

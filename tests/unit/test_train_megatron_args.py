@@ -697,6 +697,18 @@ def moe_transformer(cfg: Config, arch: ModelArch = MOE, caps: Capabilities = CPU
             "expert_tensor_parallel_size",
             2,
         ),
+        # slime's MoE recipes: experts unsplit (ETP=1) under TP=2
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--expert-tensor-parallel-size",
+                "1",
+            ],
+            "expert_tensor_parallel_size",
+            1,
+        ),
         # Shape flags that agree with the HF config are accepted; the config is the HF one.
         (["--num-experts", "4", "--moe-router-topk", "2"], "num_moe_experts", 4),
         (["--moe-ffn-hidden-size", "32"], "moe_ffn_hidden_size", 32),
@@ -751,10 +763,10 @@ def test_moe_flags_reach_the_transformer_config(argv: list[str], field: str, val
                 "2",
                 "--sequence-parallel",
                 "--expert-tensor-parallel-size",
-                "1",
+                "3",
             ],
             "--expert-tensor-parallel-size",
-            ("must equal --tensor-model-parallel-size=2",),
+            ("must divide the experts' moe_intermediate_size=32",),
         ),
         (
             ["--expert-model-parallel-size", "3", "--moe-token-dispatcher-type", "alltoall"],
@@ -906,7 +918,7 @@ PROBES: dict[str, list[Probe]] = {
     ],
     "--expert-tensor-parallel-size": [
         flag("--expert-tensor-parallel-size", "2", base=(*TP2_SP,), arch=MOE),
-        flag("--expert-tensor-parallel-size", "1", base=(*TP2_SP,), expect="refused", arch=MOE),
+        flag("--expert-tensor-parallel-size", "1", base=(*TP2_SP,), arch=MOE),  # slime's MoE layout
         flag("--expert-tensor-parallel-size", "2", expect="refused"),
     ],
     "--sequence-parallel": [

@@ -53,6 +53,8 @@ directory the user named (--load, --ref-load), as trusted input, never from one 
 
 from __future__ import annotations
 
+import re
+
 import json
 import logging
 import os
@@ -791,13 +793,17 @@ def _load_from(actor: Actor, path: Path, *, finetune: bool, load_optim: bool, lo
     return _load_foreign(actor, path, load_optim=load_optim)
 
 
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
 def _holds_optimizer(path: Path, common: Mapping[str, Any]) -> bool:
     """The checkpoint has optimizer state (not saved with --no-save-optim)."""
     from tether.train.checkpoint.megatron import tensor_keys
 
     args = common.get("args")
+    # Megatron chains one optimizer per parameter group kind (dense, experts): `chained_N.optimizer.`
     return not getattr(args, "no_save_optim", False) and any(
-        k.startswith("optimizer.") for k in tensor_keys(path)
+        _OPTIMIZER_KEY.match(k) for k in tensor_keys(path)
     )
 
 

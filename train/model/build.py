@@ -238,6 +238,21 @@ def load_hf_weights(
         (weights or bridge.weights_of(chunk)).load(chunk, source, layout)
 
 
+def reduce_experts_over_expert_data_parallel(chunk: Any, config: Any) -> None:
+    """Expert weights narrower in TP than the dense layers (--expert-tensor-parallel-size below
+    --tensor-model-parallel-size) are whole on several dense-TP ranks, each of which routes its own
+    tokens through them: their gradients must be summed over the expert data-parallel group, which
+    holds those ranks. Megatron marks them for that reduction (`allreduce=False`) only under
+    expert parallelism (EP > 1); at EP = 1 it would reduce them over the dense data-parallel group
+    alone, missing the other TP ranks' tokens."""
+    if config.expert_tensor_parallel_size == config.tensor_model_parallel_size:
+        return
+    for module in chunk.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
+
+
 def build_actor(
     opts: ModelOptions, topo: Topology, *, load_weights: bool = True, value_head: bool = False
 ) -> Actor:
@@ -264,6 +279,7 @@ def build_actor(
     apply_freeze(chunk, opts.algorithm, report=report, where=f" pp stage {topo.pp_rank}")
     if not train_mtp:
         mtp.freeze(chunk)  # slime: without --enable-mtp-training the MTP layers are not trained
+    reduce_experts_over_expert_data_parallel(chunk, config)
     ddp = DistributedDataParallel(config=config, ddp_config=megatron_args.ddp_config(megatron), module=chunk)
     # DDP copies params into its contiguous buffers; broadcast keeps DP replicas identical.
     ddp.broadcast_params()

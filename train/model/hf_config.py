@@ -412,17 +412,10 @@ def check_parallel(
             raise ConfigError(
                 "--expert-model-parallel-size", ep_size, f"must divide the {arch.num_experts} experts"
             )
+        # Experts may be split over fewer TP ranks than the dense layers (slime's MoE recipes run
+        # ETP=1 under TP>1): tether.train.model.build reduces their gradients over the expert
+        # data-parallel group that holds the other TP ranks.
         etp = etp_size if etp_size is not None else tp_size
-        if etp != tp_size:
-            # Measured on a tiny qwen3_moe at TP=2, ETP=1: the first step's loss matches, the grad
-            # norm and the following steps do not (the expert gradients' reduction over the
-            # separate expert groups is not right yet).
-            raise ConfigError(
-                "--expert-tensor-parallel-size",
-                etp,
-                f"tether trains MoE models with experts split like the dense layers: it must equal "
-                f"--tensor-model-parallel-size={tp_size}",
-            )
         if arch.moe_ffn_hidden_size % etp:
             flag = "--expert-tensor-parallel-size" if etp_size is not None else "--tensor-model-parallel-size"
             raise ConfigError(

@@ -1,5 +1,5 @@
-"""torchrun --nproc-per-node 2 check_expert_parallel.py WORK_DIR: a tiny Qwen3-MoE at EP=1 (DP=2)
-and at EP=2 with Megatron's alltoall token dispatcher, on whatever backend the ranks start with
+"""torchrun --nproc-per-node 2 check_expert_parallel.py WORK_DIR: a tiny Qwen3-MoE at EP=1 (DP=2),
+at EP=2 with Megatron's alltoall token dispatcher, and with experts at ETP=1 under TP=2, on whatever backend the ranks start with
 (NCCL on GPUs: tests/gpu/test_expert_parallel_nccl.py; gloo on CPU). For each layout: the logits of
 a fixed batch (moved to the host) and two SFT steps' loss and grad norm. Results go to
 WORK_DIR/results/rank{N}.json. The same build, dispatch and export code runs over gloo in
@@ -22,8 +22,14 @@ from tether.train.model import build as model
 from tether.train.parallel import topology as parallel
 from tether.train.rank import step
 
-# layout -> expert-parallel size (TP=PP=1; DP=2 at EP=1, each rank holding every expert).
-LAYOUTS = {"ep1": 1, "ep2": 2}
+# layout -> (TP, EP, ETP) (PP=1): DP=2 at EP=1, each rank holding every expert; EP=2; and slime's MoE
+# layout, experts at ETP=1 under TP=2 (sequence parallel), whole on both TP ranks or split by EP=2.
+LAYOUTS: dict[str, tuple[int, int, int | None]] = {
+    "ep1": (1, 1, None),
+    "ep2": (1, 2, None),
+    "tp2etp1": (2, 1, 1),
+    "tp2ep2etp1": (2, 2, 1),
+}
 FAMILY = "qwen3_moe"
 
 
@@ -46,8 +52,8 @@ def main() -> None:
     (work / "results").mkdir(parents=True, exist_ok=True)
     if rank == 0:
         check_model.make_models(work / "models", [FAMILY])
-    for layout, ep in LAYOUTS.items():
-        topo = check_model.reinit(1, 1, ep)
+    for layout, (tp, ep, etp) in LAYOUTS.items():
+        topo = check_model.reinit(tp, 1, ep, etp=etp)
         dist.barrier()
         hf_dir = check_model.make_models(work / "models", [FAMILY])[FAMILY]
         opts = model.ModelOptions(
@@ -57,7 +63,10 @@ def main() -> None:
                 weight_decay=0.0,
                 adam_beta2=0.98,
                 lr_decay_style="constant",
+                tensor_model_parallel_size=tp,
+                sequence_parallel=tp > 1,
                 expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp,
                 moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
             ),
         )

@@ -48,6 +48,7 @@ from tether.train.rank import step
 
 SFT = AlgorithmConfig(loss_type="sft_loss")
 FAMILY = "qwen2"  # qkv bias, untied embeddings
+MOE_FAMILY = "qwen3_moe"
 
 
 def options(hf_dir: Path) -> model.ModelOptions:
@@ -60,12 +61,12 @@ def options(hf_dir: Path) -> model.ModelOptions:
     )
 
 
-def reinit(tp: int, pp: int) -> parallel.Topology:
+def reinit(tp: int, pp: int, etp: int | None = None) -> parallel.Topology:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    topo = parallel.init_distributed(tp, pp, seed=1234)
+    topo = parallel.init_distributed(tp, pp, seed=1234, expert_tensor_parallel=etp)
     dist.barrier()
     return topo
 
@@ -515,11 +516,64 @@ def flags(work: Path, hf: Path, results: common.Results) -> None:
     )
 
 
+def moe_options(hf_dir: Path, tp: int, etp: int | None) -> model.ModelOptions:
+    return model.ModelOptions(
+        hf_checkpoint=str(hf_dir),
+        algorithm=AlgorithmConfig(lr=3e-3),
+        megatron=MegatronConfig(
+            weight_decay=0.0,
+            adam_beta2=0.98,
+            lr_decay_style="constant",
+            use_distributed_optimizer=True,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=tp > 1,
+            expert_tensor_parallel_size=etp,
+        ),
+    )
+
+
+def expert_layout(work: Path, hf: Path, results: common.Results) -> None:
+    """A MoE model trained and saved with experts at ETP=1 under TP=2 (slime's layout): it resumes at
+    that layout with its weights and Adam state, and its weights load at TP=1 (Megatron reshards)."""
+    families = {MOE_FAMILY: {"arch": MOE_FAMILY}}
+    if dist.get_rank() == 0:  # one writer; the others read it after the barrier
+        common.make_models(work / "models", families=families)
+    dist.barrier()
+    moe = common.make_models(work / "models", families=families)[MOE_FAMILY]
+    topo = reinit(2, 1, etp=1)
+    actor = model.build_actor(moe_options(moe, 2, 1), topo)
+    batch = common.make_batch(8, seed=5)
+    shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+    step.train_step(actor, shard, plan, SFT)
+    ckpt = work / "etp1"
+    checkpoint.save(
+        actor, ckpt, checkpoint.RunState(step=1, rollout_id=1, weight_version=1, data_position={})
+    )
+    want = hf_tensors(actor.chunks, actor.arch)
+    resumed = model.build_actor(moe_options(moe, 2, 1), topo, load_weights=False)
+    state = checkpoint.load(resumed, ckpt, named=True)
+    results.set(
+        "expert_layout/resume",
+        {
+            "loaded": state is not None,
+            "weights": same(hf_tensors(resumed.chunks, resumed.arch), want),
+            "adam": optimizer_equal(actor, resumed),
+            "etp": int(resumed.config.expert_tensor_parallel_size),
+        },
+    )
+    del actor, resumed
+    topo = reinit(1, 1)
+    ref = model.build_reference(moe_options(moe, 1, None), topo, load_weights=False)
+    checkpoint.load_weights_only(ref.chunks, ckpt)
+    results.set("expert_layout/tp1_weights", same(hf_tensors(ref.chunks, ref.arch), want))
+
+
 def main() -> None:
     work = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     (work / "results").mkdir(parents=True, exist_ok=True)
     results = common.Results(work / "results", rank)
+    only = set(filter(None, os.environ.get("CHECKS_ONLY", "").split(",")))  # to debug one check
     parallel.init_distributed(1, 1, seed=1234)
     if rank == 0:
         common.make_models(work / "models")
@@ -530,7 +584,10 @@ def main() -> None:
         ("tether_save", tether_save),
         ("te_names", te_names),
         ("flags", flags),
+        ("expert_layout", expert_layout),
     ):
+        if only and name not in only:
+            continue
         results.record(f"{name}/done", lambda f=fn: f(work, hf, results) or True)
         dist.barrier()
     results.set("done", True)

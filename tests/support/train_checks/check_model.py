@@ -37,7 +37,14 @@ LAYOUTS = {
     "ep2": (1, 1, 2, 1),
     "ep2ag": (1, 1, 2, 1),
     "cp2": (1, 1, 1, 2),
+    # Experts narrower in TP than the dense layers (ETP=1 under TP=2, slime's MoE layout): whole on
+    # both TP ranks (EP=1, their gradients summed over the expert data-parallel group), or split
+    # over them by EP=2; the ETP_FAMILIES only.
+    "tp2etp1": (2, 1, 1, 1),
+    "tp2ep2etp1": (2, 1, 2, 1),
 }
+EXPERT_TP = {"tp2etp1": 1, "tp2ep2etp1": 1}  # layout -> --expert-tensor-parallel-size
+ETP_FAMILIES = ("qwen3_moe", "deepseek_v3")
 # A 4-rank launch (`torchrun --nproc-per-node 4`) checks these instead: TP=2 with sequence
 # parallelism and CP=2 together (every family's activations split over the TP ranks' sequence
 # shards inside each CP rank's load-balanced chunks), against DP=4.
@@ -198,12 +205,14 @@ def make_models(root: Path, families: list[str]) -> dict[str, Path]:
     return common.make_models(root, families=chosen, config_changes=CONFIG_CHANGES)
 
 
-def reinit(tp: int, pp: int, ep: int, cp: int = 1) -> parallel.Topology:
+def reinit(tp: int, pp: int, ep: int, cp: int = 1, etp: int | None = None) -> parallel.Topology:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return parallel.init_distributed(tp, pp, seed=1234, expert_parallel=ep, context_parallel=cp)
+    return parallel.init_distributed(
+        tp, pp, seed=1234, expert_parallel=ep, context_parallel=cp, expert_tensor_parallel=etp
+    )
 
 
 def round_trip(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> dict[str, object]:
@@ -280,7 +289,8 @@ def main() -> None:
     topo = None
     layouts = LAYOUTS_4 if int(os.environ["WORLD_SIZE"]) == 4 else LAYOUTS
     for layout, (tp, pp, ep, cp) in layouts.items():
-        topo = reinit(tp, pp, ep, cp)
+        etp = EXPERT_TP.get(layout)
+        topo = reinit(tp, pp, ep, cp, etp)
         dist.barrier()
         models = make_models(work / "models", families)
         for family, hf_dir in models.items():
@@ -291,6 +301,7 @@ def main() -> None:
                 (ep > 1 and not moe)
                 or (cp > 1 and family not in CONTEXT_PARALLEL)
                 or (layout == "ep2ag" and family not in ALLGATHER_EP)
+                or (etp is not None and family not in ETP_FAMILIES)
             ):
                 continue
             opts = model.ModelOptions(
@@ -304,6 +315,7 @@ def main() -> None:
                     pipeline_model_parallel_size=pp,
                     sequence_parallel=sequence_parallel,
                     expert_model_parallel_size=ep,
+                    expert_tensor_parallel_size=etp,
                     context_parallel_size=cp,
                     moe_token_dispatcher_type="alltoall" if layout == "ep2" else "allgather",
                     **MTP_FLAGS.get(family, {}),  # type: ignore[arg-type]
@@ -317,6 +329,7 @@ def main() -> None:
                     "cp": t.cp_size,
                     "dp": t.dp_size,
                     "sequence_parallel": bool(a.config.sequence_parallel),
+                    "etp": int(a.config.expert_tensor_parallel_size or t.tp_size),
                 },
             )
             if family in MTP_FLAGS:
@@ -330,7 +343,7 @@ def main() -> None:
             results.record(
                 f"{layout}/{family}/logits", lambda a=actor, h=hf_dir, t=topo: logits_parity(a, h, t)
             )
-            if layout in ("pp2", "ep2") or (layout == "tp2" and family == "qwen3_tied"):
+            if layout in ("pp2", "ep2", "tp2ep2etp1") or (layout == "tp2" and family == "qwen3_tied"):
                 out = work / "export" / f"{layout}-{family}"
                 results.record(
                     f"{layout}/{family}/save_hf",
