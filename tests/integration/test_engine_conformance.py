@@ -1097,7 +1097,7 @@ def test_router_front_forwards_openai(engine: Engine) -> None:
 
 FAMILIES = list(ARCHES)
 # Four layers where the first stays dense (first_k_dense_replace=1), so both kinds are served.
-FAMILY_LAYERS = {"deepseek_v3": 4, "glm4_moe": 4}
+FAMILY_LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4}
 SGLANG_CPU_CANNOT = {
     "deepseek_v3": "SGLang 0.5.23's CPU rotary embedding (get_rope_cpu, used by its MLA attention) "
     "asserts that rope_scaling is set; DeepSeek-V3 checkpoints carry yarn, the tiny model has none",
@@ -1107,6 +1107,11 @@ SGLANG_CPU_CANNOT = {
     "deepseek_yarn rope and grouped routing are all candidates)",
     "mimo": "SGLang 0.5.23 reads config.json with transformers' AutoConfig, which has no 'mimo' "
     "(MiMo's hub checkpoints ship remote code through auto_map; the tiny model has none)",
+    "kimi_k2": "SGLang reads config.json with transformers' AutoConfig, which has no 'kimi_k2' "
+    "(Kimi-K2's hub checkpoints ship remote code through auto_map; the tiny model has none)",
+    "glm4_moe_lite": "not run against SGLang's CPU build: its multi-latent attention is the one "
+    "deepseek_v3's entry names (CPU rotary embedding asserting rope_scaling), and the tiny model "
+    "has no rope_scaling",
     "minimax_m2": "SGLang 0.5.23's MiniMax-M2 attention computes its all-head QK norm with a "
     "CUDA kernel (models/minimax_m2.py rms_sumsq_serial asserts x.is_cuda): its CPU build cannot "
     "run the model's first forward",

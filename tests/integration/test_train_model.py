@@ -1,23 +1,30 @@
 """Megatron model from HF checkpoints on CPU, built and converted through mbridge: conversion round
 trips and logits parity for every family tether builds.
 
-One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x eighteen model variants (Llama;
+One torchrun launch (2 ranks) checks three layouts (DP=2, TP=2, PP=2; and EP=2 for MoE) x twenty-one model variants (Llama;
 Qwen2 with qkv bias; Qwen3 with qk-norm, untied and tied; GLM-4 dense with norms after attention and
 the MLP, a fused gate_up_proj, qkv bias and interleaved partial RoPE (at TP=2 with sequence
 parallelism); Qwen2-MoE with a gated shared expert and
 unnormalized top-k; Qwen3-MoE; Mixtral; GLM-4.5 MoE with partial RoPE, attention bias, a dense
 first layer and sigmoid routing with a correction bias; MiniMax-M2 with QK norms over all heads,
 partial RoPE and biased sigmoid routing; DeepSeek-V3 with multi-latent attention,
-grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE; MiMo
+grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE;
+GLM-4.7-Flash (DeepSeek-V3's decoder with mlp_layer_types and one expert group) and Kimi-K2
+(DeepSeek-V3's config.json as model_type kimi_k2, YaRN in rope_scaling); MiMo
 (Qwen2 with MTP layers) and DeepSeek-V3 with an MTP layer, built without it, and built with it by
---mtp-num-layers 1 (MiMo trained with and without --enable-mtp-training; DeepSeek-V3 and GLM-4.5
-converted)): build the actor from HF
+--mtp-num-layers 1 (MiMo trained with and without --enable-mtp-training; DeepSeek-V3, GLM-4.5 and
+GLM-4.7-Flash converted)): build the actor from HF
 weights, export back to HF names (bit-exact, every HF tensor), compare logits with transformers
-(fp32, 1e-5), write an HF directory with save_hf. See tests/support/train_checks/check_model.py.
+(fp32, 1e-5), write an HF directory with save_hf (the source's config.json kept as it was). See
+tests/support/train_checks/check_model.py.
+
+CHECK_MODEL_FAMILIES=a,b (check_model.py's family names) launches the check for those families
+only and skips the tests of the others (e.g. CHECK_MODEL_FAMILIES=glm4_moe_lite,kimi_k2).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +35,13 @@ from support.train_checks.launcher import results, torchrun, value
 pytestmark = pytest.mark.timeout(1500)
 
 LAYOUTS = ["dp2", "tp2", "pp2"]
-MTP_FAMILIES = ["mimo_mtp", "mimo_mtp_frozen", "deepseek_v3_mtp_built", "glm4_moe_mtp_built"]
+MTP_FAMILIES = [
+    "mimo_mtp",
+    "mimo_mtp_frozen",
+    "deepseek_v3_mtp_built",
+    "glm4_moe_mtp_built",
+    "glm4_moe_lite_mtp_built",
+]
 ETP_FAMILIES = ["qwen3_moe", "deepseek_v3"]  # check_model.ETP_FAMILIES
 MOE_FAMILIES = [
     "qwen2_moe",
@@ -41,6 +54,9 @@ MOE_FAMILIES = [
     "deepseek_v3_mtp",
     "deepseek_v3_mtp_built",
     "glm4_moe_mtp_built",
+    "glm4_moe_lite",
+    "kimi_k2",
+    "glm4_moe_lite_mtp_built",
 ]
 FAMILIES = [
     "llama",
@@ -55,6 +71,8 @@ FAMILIES = [
     "minimax_m2",
     "deepseek_v3",
     "deepseek_v3_yarn",
+    "glm4_moe_lite",
+    "kimi_k2",
     # Checkpoints carrying multi-token-prediction layers, built without them (no --mtp-num-layers),
     # as slime does: the MTP tensors are neither loaded nor exported (round trip and save_hf
     # compare every other tensor; save_hf's names equal the source's without the MTP ones).
@@ -67,11 +85,33 @@ FAMILIES = [
 ]
 
 
+ONLY = [f for f in os.environ.get("CHECK_MODEL_FAMILIES", "").split(",") if f]
+# Tests of one family that take no `family` parameter.
+FIXED_FAMILY = {
+    "test_glm4_training_steps_equal_across_layouts": "glm4",
+    "test_mtp_training_step_trains_the_mtp_layer": "mimo_mtp",
+    "test_mtp_training_is_the_same_at_tp2_and_pp2": "mimo_mtp",
+    "test_without_mtp_training_the_mtp_layer_stays_as_loaded": "mimo_mtp_frozen",
+}
+
+
+@pytest.fixture(autouse=True)
+def _only_selected_families(request: pytest.FixtureRequest) -> None:
+    if not ONLY:
+        return
+    callspec = getattr(request.node, "callspec", None)
+    family = (callspec.params.get("family") if callspec else None) or FIXED_FAMILY.get(
+        request.node.originalname
+    )
+    if family is not None and family not in ONLY:
+        pytest.skip(f"CHECK_MODEL_FAMILIES={','.join(ONLY)}")
+
+
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     work = tmp_path_factory.mktemp("train_model")
     log = work / "torchrun.log"
-    rc = torchrun("check_model.py", str(work), log=log, timeout=1200)
+    rc = torchrun("check_model.py", str(work), *ONLY, log=log, timeout=1200)
     assert rc == 0, log.read_text()[-5000:]
     return [results(work / "results" / f"rank{r}.json") for r in (0, 1)]
 

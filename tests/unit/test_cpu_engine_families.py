@@ -1,5 +1,6 @@
 """The CPU engine's forward for every model family `tether init-model --arch` writes (MoE blocks,
-multi-latent attention, GLM-4's norms and partial rotary) against transformers, in this process:
+multi-latent attention (DeepSeek-V3, GLM-4.7-Flash, and Kimi-K2 against DeepseekV3ForCausalLM on the
+same weights), GLM-4's norms and partial rotary) against transformers, in this process:
 logits and greedy tokens at prefill and decode, the experts each token is routed to (what
 `return_routed_experts` reports) against the experts transformers' routers pick, the scheduler's
 routed_experts answer, weight updates under the families' names, and what is refused by name."""
@@ -38,7 +39,9 @@ from tether.runtime.errors import ConfigError
 ARCHES = list(tiny_model.ARCHES)
 MOE_ARCHES = sorted(tiny_model.MOE_ARCHES)
 # Four layers where layer 0 stays dense, so both kinds of layer are served (and split at PP=2).
-LAYERS = {"deepseek_v3": 4, "glm4_moe": 4}
+LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4}
+# Families that keep layer 0 dense (first_k_dense_replace=1, GLM-4.7-Flash's mlp_layer_types).
+DENSE_FIRST = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2")
 TOL = 1e-5
 
 
@@ -130,7 +133,7 @@ def test_routed_experts_equal_transformers_router(family: Callable[..., Path], a
     want = _hf_routes(path, seq)
     sparse = [i for i in range(cfg.layers) if cfg.sparse(i)]
     assert sorted(want) == sparse and all(sorted(c) == sparse for c in chunks)
-    if arch in ("deepseek_v3", "glm4_moe"):
+    if arch in DENSE_FIRST:
         assert sparse[0] == 1  # first_k_dense_replace=1: layer 0 is dense
     for layer in sparse:
         got = torch.cat([c[layer][0] for c in chunks]).sort(-1).values
@@ -179,32 +182,47 @@ def _save_hf(config: Any, out: Path, seed: int = 0) -> Path:
     return out
 
 
+# GLM-4.7-Flash's attention and router (one group), with only the layer pattern left to `extra`.
+GLM4_MOE_LITE_SMALL: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 12,
+}
+
+
 @pytest.mark.parametrize(
     ("arch", "extra", "sparse"),
     [
         ("qwen3_moe", {"mlp_only_layers": [1]}, [True, False, True]),
         ("qwen2_moe", {"decoder_sparse_step": 2}, [False, True, False]),
         ("qwen2_moe", {"norm_topk_prob": True}, [True] * 3),
+        # GLM-4.7-Flash: any pattern of mlp_layer_types, not only dense layers first.
+        ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense", "sparse"]}, [True, False, True]),
     ],
 )
 def test_dense_and_sparse_layer_layouts(
     tmp_path: Path, arch: str, extra: dict[str, Any], sparse: list[bool]
 ) -> None:
-    """mlp_only_layers and decoder_sparse_step put dense MLPs between MoE layers (and Qwen2-MoE
-    with normalised top-k weights); the engine follows each and still equals transformers."""
+    """mlp_only_layers, decoder_sparse_step and mlp_layer_types put dense MLPs between MoE layers
+    (and Qwen2-MoE with normalised top-k weights); the engine follows each and still equals
+    transformers."""
     import transformers
 
-    kind = transformers.Qwen3MoeConfig if arch == "qwen3_moe" else transformers.Qwen2MoeConfig
-    config = kind(
+    kinds = {"qwen3_moe": transformers.Qwen3MoeConfig, "glm4_moe_lite": transformers.Glm4MoeLiteConfig}
+    moe = GLM4_MOE_LITE_SMALL if arch == "glm4_moe_lite" else {"num_key_value_heads": 2, "num_experts": 4}
+    config = kinds.get(arch, transformers.Qwen2MoeConfig)(
         vocab_size=128,
         hidden_size=32,
         intermediate_size=48,
         moe_intermediate_size=16,
         num_hidden_layers=3,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
         num_experts_per_tok=2,
+        **moe,
         **extra,
     )
     path = _save_hf(config, tmp_path / "m")
@@ -314,6 +332,14 @@ def _config(path: Path) -> dict[str, Any]:
         ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
         ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
         ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+        ("kimi_k2", {"attention_bias": True}, "attention_bias=true is not supported for kimi_k2"),
+        ("kimi_k2", {"topk_method": "greedy"}, "topk_method='greedy'"),
+        ("glm4_moe_lite", {"attention_bias": True}, "attention_bias=true is not supported for glm4_moe_lite"),
+        ("glm4_moe_lite", {"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types="),
+        ("glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse"]}, "each of the 4 layers"),
+        # Without mlp_layer_types transformers keeps only layer 0 dense, whatever this says.
+        ("glm4_moe_lite", {"mlp_layer_types": None, "first_k_dense_replace": 2}, "first_k_dense_replace=2"),
+        ("glm4_moe_lite", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("qwen3_moe", {"use_sliding_window": True}, "sliding window"),
         ("qwen2_moe", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding window"),
@@ -336,7 +362,9 @@ def test_unsupported_configs_are_refused_by_name(
     assert str(tmp_path / "config.json") in str(err.value)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "glm4", "qwen2_moe", "minimax_m2"])
+@pytest.mark.parametrize(
+    "arch", ["deepseek_v3", "glm4_moe_lite", "mixtral", "glm4", "qwen2_moe", "minimax_m2"]
+)
 def test_weight_updates_take_the_families_names(family: Callable[..., Path], arch: str) -> None:
     """A full load of another seed's checkpoint (the disk path), a partial update of a few
     experts, routers and MLA/sandwich-norm tensors through the tensor payload (the tensor and
@@ -379,7 +407,7 @@ def test_weight_updates_take_the_families_names(family: Callable[..., Path], arc
     with pytest.raises(WeightMismatch, match="unknown parameter name"):
         # Experts 0-3 exist (on MoE layers only); a fifth is no parameter of any family.
         model.load({"model.layers.1.mlp.experts.4.gate_proj.weight": torch.zeros(32, 64)}, complete=False)
-    if arch == "deepseek_v3":
+    if arch in DENSE_FIRST:
         with pytest.raises(WeightMismatch, match="unknown parameter name"):  # layer 0 is dense
             model.load({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64)}, complete=False)
     name = next(n for n in picked if n.endswith(".weight") and len(picked[n].shape) == 2)
@@ -392,6 +420,10 @@ def test_weight_updates_take_the_families_names(family: Callable[..., Path], arc
 def test_init_model_family_flags_are_checked() -> None:
     with pytest.raises(ConfigError, match="--kv-heads=2: multi-latent attention"):
         tiny_model.TinyModelSpec(arch="deepseek_v3", kv_heads=2)
+    with pytest.raises(ConfigError, match=r"--kv-heads=2: multi-latent attention \(glm4_moe_lite\)"):
+        tiny_model.TinyModelSpec(arch="glm4_moe_lite", kv_heads=2)
+    with pytest.raises(ConfigError, match="--layers=1: kimi_k2 keeps layer 0 dense"):
+        tiny_model.TinyModelSpec(arch="kimi_k2", layers=1)
     with pytest.raises(ConfigError, match="--layers=1: glm4_moe keeps layer 0 dense"):
         tiny_model.TinyModelSpec(arch="glm4_moe", layers=1)
     with pytest.raises(ConfigError, match="--intermediate=130"):
@@ -401,19 +433,28 @@ def test_init_model_family_flags_are_checked() -> None:
     for arch in ARCHES:
         assert parser.parse_args(["--out", "x", "--arch", arch]).arch == arch
     assert tiny_model.TinyModelSpec(arch="deepseek_v3").num_kv_heads == 4
+    assert tiny_model.TinyModelSpec(arch="kimi_k2").num_kv_heads == 4
     assert tiny_model.TinyModelSpec(arch="qwen3_moe").num_kv_heads == 2
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2"])
 def test_init_model_shapes_of_moe_families(family: Callable[..., Path], tmp_path: Path, arch: str) -> None:
     """What `tether init-model` promises: 4 experts top-2, a quarter-size expert FFN, layer 0
     dense, float32 weights, a non-zero correction bias on every MoE layer; the same seed writes
-    the same weights, another seed others."""
+    the same weights, another seed others. kimi_k2 is deepseek_v3's model under Kimi-K2's
+    config.json labels; glm4_moe_lite states its dense layer both ways, as GLM-4.7-Flash's does."""
     path = family(arch)
     raw = _config(path)
     assert raw["n_routed_experts"] == 4 and raw["num_experts_per_tok"] == 2
     assert raw["moe_intermediate_size"] == 32 and raw["first_k_dense_replace"] == 1
     named = read_safetensors_dir(path)
+    if arch == "kimi_k2":
+        assert raw["model_type"] == "kimi_k2" and raw["architectures"] == ["DeepseekV3ForCausalLM"]
+        ds = read_safetensors_dir(family("deepseek_v3"))
+        assert sorted(ds) == sorted(named) and all(torch.equal(ds[n], named[n]) for n in ds)
+    if arch == "glm4_moe_lite":
+        assert raw["mlp_layer_types"] == ["dense", "sparse", "sparse", "sparse"]
+        assert raw["v_head_dim"] == 2 * raw["qk_nope_head_dim"] and raw["n_group"] == 1
     assert all(t.dtype == torch.float32 for t in named.values())
     biases = sorted(n for n in named if n.endswith("e_score_correction_bias"))
     assert biases == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)]

@@ -1,5 +1,5 @@
 """Checkpoints with multi-token-prediction (MTP) layers in the CPU engine and `tether init-model`:
-DeepSeek-V3/GLM-4.5 (MTP layers numbered after the decoder's) and MiMo (Qwen2 plus
+DeepSeek-V3/GLM-4.7-Flash/GLM-4.5 (MTP layers numbered after the decoder's) and MiMo (Qwen2 plus
 model.mtp_layers). The engine serves the decoder (logits equal transformers', which drops the
 MTP layers too), accepts the MTP tensors in a full load and in updates and leaves them out; what
 init-model refuses is named."""
@@ -27,6 +27,9 @@ CASES = {
     "mimo": {"arch": "mimo"},
     "deepseek_v3": {"arch": "deepseek_v3", "mtp_layers": 1},
     "glm4_moe": {"arch": "glm4_moe", "mtp_layers": 2},
+    # GLM-4.7-Flash's transformers class ignores only its real layer 47; the tiny one's MTP layer is
+    # an unexpected tensor that transformers leaves out too.
+    "glm4_moe_lite": {"arch": "glm4_moe_lite", "mtp_layers": 1},
 }
 
 
@@ -100,7 +103,7 @@ def test_checkpoint_without_mtp_layers_refuses_their_names(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"arch": "qwen3", "mtp_layers": 1}, "only deepseek_v3, glm4_moe, mimo"),
+        ({"arch": "qwen3", "mtp_layers": 1}, "only deepseek_v3, glm4_moe, glm4_moe_lite, kimi_k2, mimo"),
         ({"arch": "mimo", "mtp_layers": 0}, "at least one MTP layer"),
         ({"arch": "deepseek_v3", "mtp_layers": -1}, "at least 0"),
     ],

@@ -1,7 +1,8 @@
 """YaRN rope scaling in the CPU engine against transformers, in this process: DeepSeek-V3's
 multi-latent attention (the tables' mscale ratio and mscale_all_dim's softmax factor), written the
 way DeepSeek's own config.json writes it (`rope_scaling`, `type`) and the way transformers 5 does
-(`rope_parameters`), and a plain-attention family (Qwen3, whose tables carry 0.1·ln(factor)+1).
+(`rope_parameters`), Kimi-K2's config.json (model_type kimi_k2, beta_fast = beta_slow = 1), and a
+plain-attention family (Qwen3, whose tables carry 0.1·ln(factor)+1).
 Prefill and decode logits equal transformers' over the sequence within 1e-5."""
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             }
         },
     ),
+    # Kimi-K2's config.json (its rope_scaling scaled to the tiny context), against DeepSeek-V3's model.
+    "kimi_k2": (
+        "kimi_k2",
+        {
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 1.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            }
+        },
+    ),
     # Qwen3's long-context recipe: factor and original length only (attention factor derived).
     "qwen3": (
         "qwen3",
@@ -69,7 +85,7 @@ def yarn_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def test_yarn_forward_equals_transformers(yarn_model: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from support.hf_reference import load_causal_lm  # Kimi-K2's reference is DeepSeek-V3's model
 
     cfg = ModelConfig.from_dir(yarn_model)
     assert cfg.yarn is not None
@@ -80,7 +96,7 @@ def test_yarn_forward_equals_transformers(yarn_model: Path) -> None:
     with torch.inference_mode():
         first = model.prefill([seq[:30]], [slot], cache)
         steps = [model.decode([t], [30 + j], [slot], cache) for j, t in enumerate(seq[30:])]
-    hf = AutoModelForCausalLM.from_pretrained(yarn_model, dtype=torch.float32).eval()
+    hf = load_causal_lm(yarn_model)
     with torch.inference_mode():
         ref = hf(torch.tensor([seq])).logits[0]
         plain = TinyLM(msgspec.structs.replace(cfg, yarn=None), model.params)

@@ -5,6 +5,7 @@ and the CPU patch switch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -16,7 +17,15 @@ import torch
 from tether.runtime.errors import ConfigError
 from tether.train.checkpoint import load_save as checkpoint
 from tether.train.model import bridge, megatron_cpu
-from tether.train.model.hf_config import ModelArch, check_architecture_flags, check_parallel, load_arch
+from tether.train.model.hf_config import (
+    DEEPSEEK_ROUTER_MODEL_TYPES,
+    MLA_MODEL_TYPES,
+    ModelArch,
+    check_architecture_flags,
+    check_model_name,
+    check_parallel,
+    load_arch,
+)
 
 with warnings.catch_warnings():
     # torch.compile machinery imported by megatron.core and mbridge warns about torch's own deprecations.
@@ -229,6 +238,60 @@ MOE = {
         "v_head_dim": 8,
         "num_key_value_heads": 8,
     },
+    # GLM-4.7-Flash: DeepSeek-V3's attention (values wider than the query's nope part), GLM-4.5's
+    # router with one group, the dense layers as mlp_layer_types only (mbridge reads
+    # first_k_dense_replace: bridge.hf_config derives it), an MTP layer.
+    "glm4_moe_lite": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.8,
+        "norm_topk_prob": True,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 16,
+        "num_key_value_heads": 8,
+        "rope_interleave": True,
+        "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+        "num_nextn_predict_layers": 1,
+    },
+    # Kimi-K2: DeepSeek-V3's config.json (rope_scaling with `type`, rope_theta beside it) under
+    # its own model_type, one expert group.
+    "kimi_k2": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.827,
+        "norm_topk_prob": True,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "num_key_value_heads": 8,
+        "num_nextn_predict_layers": 0,
+        "rope_parameters": None,
+        "rope_theta": 50000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
 }
 
 
@@ -289,6 +352,91 @@ def test_load_arch_reads_the_moe_and_mla_families(tmp_path: Path) -> None:
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
     }
+
+
+def test_kimi_k2_reads_as_the_deepseek_v3_config_it_is(tmp_path: Path) -> None:
+    """Kimi-K2's config.json is DeepSeek-V3's under model_type kimi_k2: the same architecture,
+    YaRN from its `rope_scaling` included; only the family name differs."""
+    kimi = load_arch(write_config(tmp_path, model_type="kimi_k2", **MOE["kimi_k2"]))
+    ds = load_arch(write_config(tmp_path, model_type="deepseek_v3", **MOE["kimi_k2"]))
+    assert kimi.model_type == "kimi_k2" and dataclasses.replace(kimi, model_type="deepseek_v3") == ds
+    assert kimi.multi_latent_attention and kimi.rope_theta == 50000.0 and kimi.moe_router_num_groups is None
+    assert dict(kimi.yarn or ())["rotary_scaling_factor"] == 32.0 and kimi.moe_layer_freq == (0, 1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("layers", "want"),
+    [
+        ({"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, (0, 1, 0, 1)),
+        # mlp_layer_types wins over first_k_dense_replace (transformers reads only the list).
+        (
+            {"mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "first_k_dense_replace": 3},
+            (0, 1, 0, 1),
+        ),
+        # GLM-4.7-Flash's published config.json: first_k_dense_replace 1 (and the same list when saved
+        # by transformers); without either, transformers' default: layer 0 dense.
+        ({"first_k_dense_replace": 1}, (0, 1, 1, 1)),
+        ({}, (0, 1, 1, 1)),
+    ],
+)
+def test_glm4_moe_lite_dense_layers(tmp_path: Path, layers: dict[str, object], want: tuple[int, ...]) -> None:
+    base = {k: v for k, v in MOE["glm4_moe_lite"].items() if k != "mlp_layer_types"}
+    arch = load_arch(write_config(tmp_path, model_type="glm4_moe_lite", **base, **layers))
+    assert arch.moe_layer_freq == want and arch.mtp_layers == 1
+    assert arch.multi_latent_attention and arch.qk_layernorm and not arch.qkv_bias
+    assert (arch.qk_head_dim, arch.v_head_dim, arch.head_dim) == (8, 16, 12)
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "key"),
+    [
+        ("glm4_moe_lite", {"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types"),
+        ("glm4_moe_lite", {"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
+        ("glm4_moe_lite", {"mlp_layer_types": None, "first_k_dense_replace": 2}, "first_k_dense_replace"),
+        ("glm4_moe_lite", {"attention_bias": True}, "attention_bias"),
+        ("glm4_moe_lite", {"rope_interleave": False}, "rope_interleave"),
+        ("glm4_moe_lite", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("kimi_k2", {"attention_bias": True}, "attention_bias"),
+        ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
+    ],
+)
+def test_mla_families_name_what_megatron_cannot_build(
+    tmp_path: Path, family: str, changes: dict[str, object], key: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_arch(write_config(tmp_path, model_type=family, **{**MOE[family], **changes}))
+    assert err.value.key.endswith(f"config.json:{key}"), err.value
+
+
+def test_model_name_picks_the_converter_slime_would(tmp_path: Path) -> None:
+    """--model-name, matched as slime matches it: GLM-4.7-Flash and Kimi-K2 take DeepSeek-V3's
+    converter (so any of its names, slime's default from the config class included), and a GLM-4.5
+    checkpoint refuses a name slime would send there."""
+    lite = load_arch(write_config(tmp_path, model_type="glm4_moe_lite", **MOE["glm4_moe_lite"]))
+    kimi = load_arch(write_config(tmp_path, model_type="kimi_k2", **MOE["kimi_k2"]))
+    glm45 = load_arch(write_config(tmp_path, model_type="glm4_moe", **MOE["glm4_moe"]))
+    for arch, good, bad in (
+        (lite, ["glm4_moe_lite", "glm4moeliteconfig", "deepseekv3"], ["glm4_moe", "GLM-4.7-Flash", "qwen3"]),
+        (kimi, ["kimi-k2", "Kimi-K2-Thinking", "deepseekv3config"], ["qwen3_moe", "glm4_moe"]),
+        (glm45, ["glm4_moe", "glm4moeconfig"], ["glm4_moe_lite", "deepseekv3"]),
+    ):
+        for name in good:
+            check_model_name(arch, name)
+        for name in bad:
+            with pytest.raises(ConfigError, match="--model-name"):
+                check_model_name(arch, name)
+
+
+def test_mla_families_ignore_add_qkv_bias(tmp_path: Path) -> None:
+    """slime's GLM-4.7-Flash script passes --add-qkv-bias with --multi-latent-attention: MLA has no
+    q/k/v projections (Megatron never reads the flag there), so it is not held against
+    attention_bias; where the attention has q/k/v projections it still is."""
+    lite = load_arch(write_config(tmp_path, model_type="glm4_moe_lite", **MOE["glm4_moe_lite"]))
+    check_architecture_flags(lite, {"add_qkv_bias": True, "multi_latent_attention": True})
+    check_architecture_flags(lite, {"add_qkv_bias": False})
+    qwen3 = load_arch(write_config(tmp_path, model_type="qwen3_moe", **MOE["qwen3_moe"]))
+    with pytest.raises(ConfigError, match="--add-qkv-bias=True"):
+        check_architecture_flags(qwen3, {"add_qkv_bias": True})
 
 
 def test_moe_layouts_are_checked(tmp_path: Path) -> None:
@@ -532,15 +680,21 @@ def test_transformer_config_restores_what_mbridge_drops(tmp_path: Path, family: 
         (4, 1) if family == "deepseek_v3" else (None, None)
     )
     assert config.add_qkv_bias == (family in ("qwen2_moe", "glm4_moe"))
-    assert config.moe_router_enable_expert_bias == (family in ("deepseek_v3", "glm4_moe"))
+    assert config.moe_router_enable_expert_bias == (family in DEEPSEEK_ROUTER_MODEL_TYPES)
     # TE/CUDA-only settings mbridge asks for are off; knobs come from the flags (Megatron's defaults).
     assert not config.moe_grouped_gemm and not config.persist_layer_norm and not config.sequence_parallel
     assert (
         config.moe_router_load_balancing_type == "aux_loss"
         and config.moe_token_dispatcher_type == "allgather"
     )
-    assert config.multi_latent_attention == (family == "deepseek_v3")
+    assert config.multi_latent_attention == (family in MLA_MODEL_TYPES)
     assert config.mtp_num_layers is None
+    if family == "kimi_k2":  # YaRN from rope_scaling, which mbridge 0.15.1 does not find in transformers 5
+        assert (config.rope_type, config.rotary_scaling_factor, config.rotary_base) == ("yarn", 32.0, 50000.0)
+        assert (config.beta_fast, config.beta_slow) == (1.0, 1.0)
+    if family == "glm4_moe_lite":
+        assert config.v_head_dim == 16 and config.moe_router_topk_scaling_factor == 1.8
+        assert config.rope_type == "rope"
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> None:

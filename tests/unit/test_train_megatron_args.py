@@ -1382,6 +1382,31 @@ SLIME_DEEPSEEK_V3 = """--disable-bias-linear --num-layers 2 --hidden-size 64 --f
 --moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0
 --moe-router-bias-update-rate 0 --moe-router-group-topk 1 --moe-router-num-groups 2 --moe-grouped-gemm
 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --moe-permute-fusion"""
+# scripts/models/glm4.7-30B-A3B.sh (with run-glm4.7-30B-A3B.sh's MTP_ARGS): --add-qkv-bias beside
+# --multi-latent-attention, which Megatron's MLA never reads.
+SLIME_GLM4_7_FLASH = """--moe-layer-freq [0]*1+[1]*1 --num-experts 8 --moe-shared-expert-intermediate-size 32
+--moe-router-topk 2 --moe-grouped-gemm --moe-permute-fusion --moe-ffn-hidden-size 32
+--moe-router-score-function sigmoid --moe-router-pre-softmax --moe-router-enable-expert-bias
+--moe-router-bias-update-rate 0 --moe-router-load-balancing-type seq_aux_loss
+--moe-router-topk-scaling-factor 1.8 --moe-aux-loss-coeff 0 --moe-router-dtype fp32
+--make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 64 --ffn-hidden-size 128
+--num-attention-heads 4 --disable-bias-linear --add-qkv-bias --swiglu --untie-embeddings-and-output-weights
+--position-embedding-type rope --no-position-embedding --normalization RMSNorm --qk-layernorm
+--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --v-head-dim 32
+--kv-channels 16 --qk-pos-emb-head-dim 8 --vocab-size 320 --rotary-base 1000000 --no-rope-fusion
+--mtp-num-layers 1 --enable-mtp-training --mtp-loss-scaling-factor 0.2"""
+# scripts/models/kimi-k2.sh.
+SLIME_KIMI_K2 = """--disable-bias-linear --num-layers 2 --hidden-size 64 --ffn-hidden-size 128
+--num-attention-heads 4 --kv-channels 16 --normalization RMSNorm --position-embedding-type rope
+--norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights --vocab-size 320
+--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8
+--v-head-dim 16 --qk-layernorm --rotary-scaling-factor 32.0 --rotary-base 50000 --mscale 1.0
+--mscale-all-dim 1.0 --attention-softmax-in-fp32 --no-rope-fusion --num-experts 8 --moe-layer-freq [0,1]
+--moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-shared-expert-intermediate-size 32
+--moe-router-pre-softmax --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0
+--moe-router-bias-update-rate 0 --moe-router-group-topk 1 --moe-router-num-groups 1 --moe-grouped-gemm
+--moe-router-topk-scaling-factor 2.827 --moe-router-dtype fp32 --moe-permute-fusion"""
 TINY = {
     "vocab_size": 320,
     "hidden_size": 64,
@@ -1413,14 +1438,36 @@ TINY = {
                                  "beta_fast": 32, "beta_slow": 1}},
             SLIME_DEEPSEEK_V3,
         ),
+        (
+            {"model_type": "glm4_moe_lite", "num_key_value_heads": 4, "n_routed_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1,
+             "topk_group": 1, "routed_scaling_factor": 1.8, "norm_topk_prob": True, "q_lora_rank": 32,
+             "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 32,
+             "mlp_layer_types": ["dense", "sparse"], "first_k_dense_replace": 1,
+             "num_nextn_predict_layers": 1, "rope_interleave": True, "rms_norm_eps": 1e-5,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+            SLIME_GLM4_7_FLASH,
+        ),
+        (
+            {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "num_key_value_heads": 4,
+             "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+             "routed_scaling_factor": 2.827, "norm_topk_prob": True, "q_lora_rank": 32, "kv_lora_rank": 16,
+             "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "num_nextn_predict_layers": 0,
+             "rope_theta": 50000.0,
+             "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                              "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}},
+            SLIME_KIMI_K2,
+        ),
     ],
-    ids=["qwen3-30B-A3B", "deepseek-v3"],
+    ids=["qwen3-30B-A3B", "deepseek-v3", "glm4.7-30B-A3B", "kimi-k2"],
 )  # fmt: skip
 def test_slime_moe_model_args_agree_with_their_hf_config(
     tmp_path: Any, config: dict[str, Any], model_args: str
 ) -> None:
-    # slime's scripts/models/{qwen3-30B-A3B,deepseek-v3}.sh, every flag kept, the sizes scaled to a
-    # tiny HF config of the same family: parsed (a GPU plan), then checked against the HF config.
+    # slime's scripts/models/{qwen3-30B-A3B,deepseek-v3,glm4.7-30B-A3B,kimi-k2}.sh, every flag kept,
+    # the sizes scaled to a tiny HF config of the same family: parsed (a GPU plan), then checked
+    # against the HF config.
     import json
 
     from tether.train.model.hf_config import load_arch
@@ -1430,8 +1477,10 @@ def test_slime_moe_model_args_agree_with_their_hf_config(
     arch = megatron_args.resolve_arch(load_arch(tmp_path), m, tp_size=1, pp_size=1)
     kwargs = megatron_args.transformer_config_kwargs(m, GPU, tp_size=1)
     assert kwargs["moe_grouped_gemm"] and kwargs["moe_permute_fusion"]
-    assert kwargs["moe_token_dispatcher_type"] == "alltoall" and kwargs["moe_router_dtype"] == "fp32"
+    dispatcher = "alltoall" if "alltoall" in model_args else "allgather"  # Megatron's default
+    assert kwargs["moe_token_dispatcher_type"] == dispatcher and kwargs["moe_router_dtype"] == "fp32"
     assert arch.is_moe and arch.num_experts == m.num_experts
+    assert arch.model_type == config["model_type"]
 
 
 @pytest.mark.parametrize(

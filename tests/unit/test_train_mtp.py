@@ -48,7 +48,13 @@ def _arch(model_type: str, mtp_layers: int = 1) -> ModelArch:
 
 @pytest.mark.parametrize(
     ("model_type", "prefix"),
-    [("mimo", "model.mtp_layers.1."), ("deepseek_v3", "model.layers.3."), ("glm4_moe", "model.layers.3.")],
+    [
+        ("mimo", "model.mtp_layers.1."),
+        ("deepseek_v3", "model.layers.3."),
+        ("glm4_moe", "model.layers.3."),
+        ("glm4_moe_lite", "model.layers.3."),
+        ("kimi_k2", "model.layers.3."),
+    ],
 )
 def test_mtp_weight_names_per_family(model_type: str, prefix: str) -> None:
     arch = _arch(model_type, mtp_layers=2)
@@ -68,6 +74,8 @@ def test_mtp_weight_names_per_family(model_type: str, prefix: str) -> None:
         "mimo": ["token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"],
         "deepseek_v3": ["enorm", "hnorm", "eh_proj", "shared_head.norm"],
         "glm4_moe": ["enorm", "hnorm", "eh_proj", "shared_head.norm"],
+        "glm4_moe_lite": ["enorm", "hnorm", "eh_proj", "shared_head.norm"],
+        "kimi_k2": ["enorm", "hnorm", "eh_proj", "shared_head.norm"],
     }[model_type]
     got = [
         bridge.mtp_own_hf_name(f"mtp.layers.1.{n}.weight", arch)
@@ -99,6 +107,7 @@ def test_mtp_flags_are_checked() -> None:
         check_mtp_layers(_arch("qwen2", mtp_layers=0), 1)
     check_mtp_layers(_arch("qwen2", mtp_layers=0), 0)
     check_mtp_layers(_arch("deepseek_v3", mtp_layers=2), 1)
+    check_mtp_layers(_arch("glm4_moe_lite"), 1)  # GLM-4.7-Flash's one MTP layer (slime trains it)
     # A loss weight without the loss would be accepted and ignored.
     with pytest.raises(ConfigError, match="--mtp-loss-scaling-factor"):
         MegatronConfig(mtp_num_layers=1, mtp_loss_scaling_factor=0.5)

@@ -53,12 +53,11 @@ directory the user named (--load, --ref-load), as trusted input, never from one 
 
 from __future__ import annotations
 
-import re
-
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import stat
 import zipfile
@@ -232,8 +231,10 @@ def _model_keys(chunks: list[Any]) -> list[str]:
 
 def _model_state(chunks: list[Any], metadata: dict[str, Any] | None) -> dict[str, Any]:
     # The bare GPTModel: DDP would prefix "module." and could not load into a reference model.
+    # A copy each: Megatron stores the current DP group into the metadata dict it is handed, and a
+    # module-level dict would carry a destroyed layout's group into the next save.
     return {
-        key: unwrap(chunk).sharded_state_dict(metadata=metadata)
+        key: unwrap(chunk).sharded_state_dict(metadata=None if metadata is None else dict(metadata))
         for key, chunk in zip(_model_keys(chunks), chunks, strict=True)
     }
 
@@ -251,7 +252,7 @@ def _optimizer_state(
             init_dummy = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
             if init_dummy is not None and not opt.optimizer.state:
                 init_dummy()
-    return actor.optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=metadata)
+    return actor.optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=dict(metadata))
 
 
 def _sharded_state(actor: Actor, *, is_loading: bool) -> dict[str, Any]:

@@ -13,7 +13,8 @@ TP splits and merges). tether uses them with its own model and loop:
 - Layer spec: TransformerEngine's when the rank uses it, else Megatron's local spec with the same
   modules (experts, MLA, qk-norm); its norms accept sequence parallelism and MLA has a core attention
   (`spec`, beside this module). GLM-4 dense's layers carry their extra output norms under both (`glm4`).
-- Families: mbridge's registry, plus tether's glm4 bridge (`glm4`), which mbridge lacks.
+- Families: mbridge's registry, plus tether's glm4 bridge (`glm4`), which mbridge lacks; GLM-4.7-Flash
+  (`glm4_moe_lite`) and Kimi-K2 (`kimi_k2`) take mbridge's DeepSeek-V3 bridge.
 - Names: mbridge maps TransformerEngine's parameter names. The local spec names a few parameters
   differently (separate input/pre-MLP norms, MLA's q/kv norms, SequentialMLP's experts);
   `te_name` rewrites them to the names mbridge knows.
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tether.train.model.glm4 import glm4_bridge_class, with_post_sublayer_norms
-from tether.train.model.hf_config import ModelArch, transformer_shape
+from tether.train.model.hf_config import MLA_MODEL_TYPES, ModelArch, transformer_shape
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
 from tether.train.model.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
@@ -60,7 +61,7 @@ _MTP_OWN = {
         "final_layernorm.weight": "shared_head.norm.weight",
     },
 }
-_MTP_OWN["glm4_moe"] = _MTP_OWN["deepseek_v3"]
+_MTP_OWN.update({family: _MTP_OWN["deepseek_v3"] for family in ("glm4_moe", *MLA_MODEL_TYPES)})
 
 # Settings mbridge asks for that need TransformerEngine/CUDA kernels or change training; tether sets
 # them from the flags (megatron_args) and the rank's capabilities instead.
@@ -105,26 +106,42 @@ def _mbridge_registry() -> dict[str, Any]:
     # mbridge 0.15.1 has no glm4 (dense) bridge: tether's joins this copy, not mbridge's registry.
     registry.setdefault("glm4", glm4_bridge_class())
     registry.setdefault("minimax_m2", minimax_m2_bridge_class())
+    # GLM-4.7-Flash and Kimi-K2 are DeepSeek-V3's decoder under DeepSeek-V3's HF names (slime loads
+    # and converts them with its DeepSeek code); tether's restored facts set what differs.
+    for family in MLA_MODEL_TYPES:
+        registry.setdefault(family, registry["deepseek_v3"])
     return registry
 
 
 def hf_config(hf_dir: str | Path) -> Any:
-    """transformers' config of `hf_dir`, with `rope_theta` where mbridge reads it.
+    """transformers' config of `hf_dir`, with the fields mbridge reads where it reads them.
 
     transformers 5 keeps RoPE's base in `rope_parameters`; mbridge reads `config.rope_theta`.
-    Set on this config object only.
+    GLM-4.7-Flash's config may state its dense layers only as `mlp_layer_types`; mbridge's
+    DeepSeek-V3 bridge reads `first_k_dense_replace` (its MoE pattern, which `_restored_facts`
+    replaces). Set on this config object only.
     """
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig, DeepseekV3Config, Qwen2Config
 
-    if load_arch_type(hf_dir) == "mimo":
+    model_type = load_arch_type(hf_dir)
+    cfg: Any
+    if model_type == "mimo":
         # MiMo has no transformers config class (its checkpoints ship remote code); its decoder is
         # Qwen2's, and mbridge's mimo bridge reads Qwen2's fields plus num_nextn_predict_layers.
         cfg = Qwen2Config.from_pretrained(str(hf_dir))  # the bridge is picked by ModelArch.model_type
+    elif model_type == "kimi_k2":
+        # Kimi-K2 has no transformers config class either (remote code); its config.json is
+        # DeepSeek-V3's (architectures DeepseekV3ForCausalLM), with model_type kimi_k2 kept.
+        cfg = DeepseekV3Config.from_pretrained(str(hf_dir))
     else:
         cfg = AutoConfig.from_pretrained(str(hf_dir))
     params = getattr(cfg, "rope_parameters", None) or {}
     if getattr(cfg, "rope_theta", None) is None and "rope_theta" in params:
         cfg.rope_theta = params["rope_theta"]
+    layer_types = getattr(cfg, "mlp_layer_types", None)
+    if getattr(cfg, "first_k_dense_replace", None) is None and isinstance(layer_types, list):
+        dense = [t == "dense" for t in layer_types]
+        cfg.first_k_dense_replace = dense.index(False) if False in dense else len(dense)
     return cfg
 
 

@@ -19,11 +19,17 @@ from tether.train.config import stage_layers
 
 # mimo: Qwen2 plus multi-token-prediction layers (built with --mtp-num-layers: tether.train.model.mtp).
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo")
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2")
+# DeepSeek-V3's decoder (multi-latent attention, its sigmoid router, shared experts, dense first
+# layers) under three names: GLM-4.7-Flash and Kimi-K2 (whose config.json is DeepSeek-V3's), as slime
+# loads and converts all three with its DeepSeek code.
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "kimi_k2")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # Families whose checkpoints carry multi-token-prediction layers (num_nextn_predict_layers):
-# MiMo's under model.mtp_layers.{i}, DeepSeek-V3's and GLM-4.5's as model.layers.{L + i}.
-MTP_MODEL_TYPES = ("mimo", "deepseek_v3", "glm4_moe")
+# MiMo's under model.mtp_layers.{i}, DeepSeek-V3's (and its kin's) and GLM-4.5's as model.layers.{L + i}.
+MTP_MODEL_TYPES = ("mimo", "glm4_moe", *MLA_MODEL_TYPES)
+# Families routed as DeepSeek-V3 routes: sigmoid scores, a selection bias, groups, scaled weights.
+DEEPSEEK_ROUTER_MODEL_TYPES = ("glm4_moe", *MLA_MODEL_TYPES)
 
 MINIMAX_M2_SPEC = "slime_plugins.models.minimax_m2"
 """slime's layer-spec module for MiniMax-M2 (full QK norms): accepted for that family only."""
@@ -149,10 +155,12 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, float | None]:
                     f"{path}:rope {key}", source[key], f"Megatron's llama3 RoPE supports only {want}"
                 )
         return float(theta), float(source.get("factor", 8.0))
-    if rope_type == "yarn" and cfg.get("model_type") == "deepseek_v3":
+    if rope_type == "yarn" and cfg.get("model_type") in MLA_MODEL_TYPES:
         return float(theta), None  # read by _yarn
     raise ConfigError(
-        f"{path}:rope_type", rope_type, "supported: default, llama3 (llama), yarn (deepseek_v3)"
+        f"{path}:rope_type",
+        rope_type,
+        f"supported: default, llama3 (llama), yarn ({', '.join(MLA_MODEL_TYPES)})",
     )
 
 
@@ -197,10 +205,35 @@ def check_model_type(model_type: object, path: str | Path) -> str:
     return str(model_type)
 
 
-def _moe_layer_freq(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
-    """Which layers are MoE: DeepSeek/GLM's first_k_dense_replace, Qwen-MoE's decoder_sparse_step and
-    mlp_only_layers (both as transformers reads them)."""
-    if model_type in ("deepseek_v3", "glm4_moe"):
+def _glm4_moe_lite_layers(cfg: dict[str, Any], path: Path, layers: int) -> tuple[int, ...]:
+    """GLM-4.7-Flash's MoE layers as transformers' Glm4MoeLite builds them: `mlp_layer_types` when
+    given (any pattern), else only layer 0 dense (first_k_dense_replace is not read there)."""
+    types = cfg.get("mlp_layer_types")
+    if types is None:
+        first_dense = cfg.get("first_k_dense_replace")
+        if first_dense is not None and first_dense != 1:
+            raise ConfigError(
+                f"{path}:first_k_dense_replace",
+                first_dense,
+                "without mlp_layer_types transformers' Glm4MoeLite keeps only layer 0 dense; "
+                "list the layers in mlp_layer_types",
+            )
+        return tuple(0 if i == 0 else 1 for i in range(layers))
+    if not (
+        isinstance(types, list) and len(types) == layers and all(t in ("dense", "sparse") for t in types)
+    ):
+        raise ConfigError(
+            f"{path}:mlp_layer_types", types, f"must list 'dense' or 'sparse' for each of the {layers} layers"
+        )
+    return tuple(1 if t == "sparse" else 0 for t in types)
+
+
+def _moe_layer_freq(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -> tuple[int, ...]:
+    """Which layers are MoE: DeepSeek/GLM's first_k_dense_replace (GLM-4.7-Flash's mlp_layer_types),
+    Qwen-MoE's decoder_sparse_step and mlp_only_layers (all as transformers reads them)."""
+    if model_type == "glm4_moe_lite":
+        return _glm4_moe_lite_layers(cfg, path, layers)
+    if model_type in DEEPSEEK_ROUTER_MODEL_TYPES:
         dense = int(cfg.get("first_k_dense_replace") or 0)
         return tuple(0 if i < dense else 1 for i in range(layers))
     if model_type in ("qwen2_moe", "qwen3_moe"):
@@ -214,7 +247,7 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -
     topk = int(_field(cfg, "num_experts_per_tok", path))
     out: dict[str, Any] = {
         "moe_router_topk": topk,
-        "moe_layer_freq": _moe_layer_freq(cfg, model_type, layers),
+        "moe_layer_freq": _moe_layer_freq(cfg, model_type, path, layers),
     }
     if model_type == "minimax_m2":
         # Sigmoid scores, a correction bias for the choice, renormalized top-k weights, no groups.
@@ -240,7 +273,7 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -
             out["moe_shared_expert_intermediate_size"] = shared
             out["moe_shared_expert_gate"] = True
         return out
-    # deepseek_v3, glm4_moe: sigmoid scores, selection bias, group-limited routing, scaled weights.
+    # DEEPSEEK_ROUTER_MODEL_TYPES: sigmoid scores, selection bias, group-limited routing, scaled weights.
     experts = int(_field(cfg, "n_routed_experts", path))
     out.update(
         num_experts=experts,
@@ -273,6 +306,22 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -
     return out
 
 
+def _check_mla_rope(cfg: dict[str, Any], path: Path, rotary_percent: float) -> None:
+    """Megatron's MLA rotates all of qk_rope_head_dim in interleaved pairs (HF's rope_interleave)."""
+    if cfg.get("rope_interleave", True) is not True:
+        raise ConfigError(
+            f"{path}:rope_interleave",
+            cfg["rope_interleave"],
+            "Megatron's multi-latent attention rotates interleaved pairs only (true)",
+        )
+    if rotary_percent != 1.0:
+        raise ConfigError(
+            f"{path}:partial_rotary_factor",
+            rotary_percent,
+            "multi-latent attention rotates all of qk_rope_head_dim (1.0)",
+        )
+
+
 def load_arch(hf_dir: str | Path) -> ModelArch:
     """Read `hf_dir/config.json`; reject families and features tether cannot build exactly."""
     path = Path(hf_dir) / "config.json"
@@ -303,6 +352,11 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         qkv_bias = bool(cfg.get("attention_bias", True))  # transformers' Glm4Config default
     elif model_type == "glm4_moe":
         qkv_bias = bool(cfg.get("attention_bias"))
+    elif model_type in MLA_MODEL_TYPES and cfg.get("attention_bias"):
+        # Megatron's MLA has no bias on its down projections (q_a_proj, kv_a_proj_with_mqa).
+        raise ConfigError(
+            f"{path}:attention_bias", True, "q_a_proj/kv_a_proj_with_mqa/o_proj biases are not supported"
+        )
     elif cfg.get("attention_bias"):
         raise ConfigError(f"{path}:attention_bias", True, "o_proj bias is not supported")
     else:
@@ -330,7 +384,8 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         extra.update(_moe_fields(cfg, model_type, path, layers))
     if model_type in MTP_MODEL_TYPES:
         extra["mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
-    if model_type == "deepseek_v3":
+    if model_type in MLA_MODEL_TYPES:
+        _check_mla_rope(cfg, path, extra["rotary_percent"])
         q_lora = cfg.get("q_lora_rank")
         extra.update(
             multi_latent_attention=True,
@@ -343,7 +398,7 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         )
         head_dim = extra["qk_head_dim"] + extra["qk_pos_emb_head_dim"]
     # DeepSeek's MLA normalizes its compressed q and kv (Megatron's --qk-layernorm with MLA).
-    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "deepseek_v3", "minimax_m2") or (
+    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "minimax_m2", *MLA_MODEL_TYPES) or (
         model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))
     )
     return ModelArch(
@@ -536,6 +591,9 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         # MLA's head dims are --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim (checked above);
         # Megatron does not size MLA by --kv-channels, which slime's scripts set to the value dim.
         del expected["kv_channels"]
+        # MLA has no q/k/v projections: its linears take a bias from add_bias_linear and never read
+        # --add-qkv-bias (which slime's GLM-4.7-Flash script passes).
+        del expected["add_qkv_bias"]
     if arch.is_moe and arch.moe_router_num_groups is None:
         # One expert group (n_group=1) is the same routing as none.
         expected["moe_router_num_groups"] = 1 if flags.get("moe_router_num_groups") == 1 else None
@@ -579,15 +637,14 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
             raise ConfigError(flag, value, f"the Hugging Face config ({arch.model_type}) has {want!r}")
 
 
-_CONVERTER_ALIASES: dict[str, tuple[str, ...]] = {
-    # slime converts these families with DeepSeek-V3's converter (megatron_to_hf/__init__.py)
-    "deepseekv3": ("kimi", "deepseekv32", "glm4moelite", "glmmoedsa"),
-    "mimo": ("qwen2",),
-}
-
-
 def _squashed(name: str) -> str:
     return name.lower().replace("_", "").replace("-", "")
+
+
+# The names slime converts with DeepSeek-V3's converter (megatron_to_hf/__init__.py), before it
+# tries GLM-4.5's ("glm4moe" is also in "glm4moelite").
+_DEEPSEEK_CONVERTER = ("glm4moelite", "deepseekv3", "deepseekv32", "glmmoedsa", "kimi")
+_CONVERTER_ALIASES: dict[str, tuple[str, ...]] = {"mimo": ("qwen2",)}
 
 
 def check_model_name(arch: ModelArch, model_name: object) -> None:
@@ -596,7 +653,14 @@ def check_model_name(arch: ModelArch, model_name: object) -> None:
     if not isinstance(model_name, str):
         return
     name, family = _squashed(model_name), _squashed(arch.model_type)
-    if family in name or any(alias in name for alias in _CONVERTER_ALIASES.get(family, ())):
+    deepseek = any(alias in name for alias in _DEEPSEEK_CONVERTER)
+    if arch.model_type in MLA_MODEL_TYPES:
+        named = deepseek
+    else:  # a name slime sends to DeepSeek-V3's converter names no other family
+        named = not deepseek and (
+            family in name or any(alias in name for alias in _CONVERTER_ALIASES.get(family, ()))
+        )
+    if named:
         return
     raise ConfigError(
         "--model-name",

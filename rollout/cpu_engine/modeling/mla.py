@@ -1,4 +1,4 @@
-"""Multi-latent attention (DeepSeek-V3) for the CPU engine.
+"""Multi-latent attention (DeepSeek-V3's, as GLM-4.7-Flash and Kimi-K2 use it) for the CPU engine.
 
 Queries come from a low-rank projection with its own norm (q_a_proj → q_a_layernorm →
 q_b_proj) or a plain q_proj when there is no q_lora_rank. Keys and values share one latent per

@@ -1,7 +1,7 @@
 """The CPU engine's model: a compact pure-torch forward for Llama, Qwen2 (and MiMo), Qwen3, GLM-4 and
 the Mixture-of-Experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with multi-latent
-attention, GLM-4-MoE), with a slot-based KV cache, so one decode step runs every running
-sequence in one forward.
+attention and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE), with a slot-based KV cache, so one
+decode step runs every running sequence in one forward.
 
 Supported: RMSNorm, RoPE (default rope type, theta from `rope_parameters` or `rope_theta`;
 partial rotary and the pairwise-interleaved layout; YaRN scaling, rope.py), GQA, SwiGLU, qkv bias, per-head q/k
@@ -28,6 +28,7 @@ from tether.rollout.cpu_engine.modeling.mla import MLAConfig, mla_attend, mla_pr
 from tether.rollout.cpu_engine.modeling.moe import MoEConfig, MoEConfigError, moe_block
 from tether.rollout.cpu_engine.modeling.rope import YarnConfig, rope_tables
 from tether.runtime.errors import UserError
+from tether.train.model.hf_config import MLA_MODEL_TYPES
 
 SUPPORTED_TYPES = (
     "llama",
@@ -41,10 +42,12 @@ SUPPORTED_TYPES = (
     "glm4_moe",
     "mimo",
     "minimax_m2",
+    "glm4_moe_lite",
+    "kimi_k2",
 )
 # Families whose checkpoints may carry multi-token-prediction (MTP) layers. Plain decoding does
 # not use them (transformers drops them too), so their tensors are accepted and left out.
-_MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+_MTP_FAMILIES = ("glm4_moe", "mimo", *MLA_MODEL_TYPES)
 # Families whose q/k/v projections carry a bias unless the config says otherwise.
 _QKV_BIAS_DEFAULT = {"qwen2": True, "qwen2_moe": True, "glm4": True}
 
@@ -117,13 +120,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         layers = int(raw["num_hidden_layers"])
         try:
             moe = MoEConfig.from_raw(model_type, raw, layers)
-            mla = MLAConfig.from_raw(raw) if model_type == "deepseek_v3" else None
+            mla = MLAConfig.from_raw(raw) if model_type in MLA_MODEL_TYPES else None
         except (MoEConfigError, ValueError) as e:
             raise ModelConfigError(f"{cfg_path}: {e}") from e
         head_dim = int(raw.get("head_dim") or hidden // heads) if mla is None else mla.qk_dim
         partial = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
         partial = float(partial if partial is not None else raw.get("partial_rotary_factor", 1.0))
         rotary_dim = mla.qk_rope_dim if mla is not None else int(head_dim * partial)
+        if mla is not None and partial != 1.0:  # transformers' MLA rotates all of qk_rope_head_dim
+            raise ModelConfigError(f"{cfg_path}: partial_rotary_factor={partial} is not supported (only 1.0)")
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ModelConfigError(
                 f"{cfg_path}: partial_rotary_factor={partial} gives rotary dim {rotary_dim}"
@@ -286,8 +291,8 @@ def _refuse_unsupported(cfg_path: Path, model_type: str, raw: dict[str, Any]) ->
         )
     if model_type == "mixtral" and raw.get("sliding_window") is not None:
         raise ModelConfigError(f"{cfg_path}: sliding_window={raw['sliding_window']!r} is not supported")
-    if model_type == "deepseek_v3" and raw.get("attention_bias"):
-        raise ModelConfigError(f"{cfg_path}: attention_bias=true is not supported for deepseek_v3")
+    if model_type in MLA_MODEL_TYPES and raw.get("attention_bias"):
+        raise ModelConfigError(f"{cfg_path}: attention_bias=true is not supported for {model_type}")
     if model_type == "llama" and raw.get("mlp_bias"):
         raise ModelConfigError(f"{cfg_path}: mlp_bias=true is not supported")
 

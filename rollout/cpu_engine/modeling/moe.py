@@ -1,11 +1,12 @@
 """Mixture-of-Experts feed-forward blocks for the CPU engine (Qwen2-MoE, Qwen3-MoE, Mixtral,
-DeepSeek-V3, GLM-4-MoE, MiniMax-M2), over parameters under their Hugging Face names.
+DeepSeek-V3 and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE, MiniMax-M2), over parameters under their
+Hugging Face names.
 
 Routing follows each family's router in transformers: softmax over the router logits and a
 top-k (Qwen, Mixtral), or sigmoid scores, a score-correction bias that only steers the choice,
 expert groups of which the best `topk_group` stay eligible, and a scaling of the chosen
-weights (DeepSeek-V3 and GLM-4-MoE: `noaux_tc`; MiniMax-M2 the same without groups or scaling,
-under Mixtral's names). The block returns, beside its output, the
+weights (DeepSeek-V3, GLM-4.7-Flash, Kimi-K2 and GLM-4-MoE: `noaux_tc`; MiniMax-M2 the same
+without groups or scaling, under Mixtral's names). The block returns, beside its output, the
 experts each token was routed to (what `return_routed_experts` reports).
 """
 
@@ -16,6 +17,8 @@ from typing import Any, Literal
 import msgspec
 import torch
 import torch.nn.functional as F
+
+from tether.train.model.hf_config import DEEPSEEK_ROUTER_MODEL_TYPES
 
 Scoring = Literal["softmax", "sigmoid"]
 
@@ -109,7 +112,7 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
                 expert_names=("w1", "w3", "w2"),
                 bias_name="e_score_correction_bias",
             )
-        if model_type in ("deepseek_v3", "glm4_moe"):
+        if model_type in DEEPSEEK_ROUTER_MODEL_TYPES:
             for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
                 if raw.get(key) not in (None, want):
                     raise MoEConfigError(
@@ -121,7 +124,6 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
             groups = int(raw.get("n_group") or 1)
             if experts % groups:
                 raise MoEConfigError(f"n_group={groups} does not divide n_routed_experts={experts}")
-            first_dense = int(raw.get("first_k_dense_replace") or 0)
             ffn = int(need("moe_intermediate_size"))
             return cls(
                 experts=experts,
@@ -135,7 +137,7 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
                 correction_bias=True,
                 shared_ffn=ffn * int(raw.get("n_shared_experts") or 0),
                 shared_gate=False,
-                sparse_layers=tuple(i >= first_dense for i in range(layers)),
+                sparse_layers=_deepseek_sparse_layers(model_type, raw, layers),
                 block="mlp",
                 expert_names=("gate_proj", "up_proj", "down_proj"),
             )
@@ -167,6 +169,29 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.shared_gate:
                 shapes[p + "shared_expert_gate.weight"] = (1, hidden)
         return shapes
+
+
+def _deepseek_sparse_layers(model_type: str, raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """MoE layers after first_k_dense_replace dense ones; GLM-4.7-Flash's as transformers'
+    Glm4MoeLite reads them: mlp_layer_types when given (any pattern), else layer 0 dense only."""
+    if model_type != "glm4_moe_lite":
+        first_dense = int(raw.get("first_k_dense_replace") or 0)
+        return tuple(i >= first_dense for i in range(layers))
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        if raw.get("first_k_dense_replace") not in (None, 1):
+            raise MoEConfigError(
+                f"first_k_dense_replace={raw['first_k_dense_replace']!r} is not supported without "
+                "mlp_layer_types (transformers' Glm4MoeLite then keeps only layer 0 dense)"
+            )
+        return tuple(i > 0 for i in range(layers))
+    if not (
+        isinstance(types, list) and len(types) == layers and all(t in ("dense", "sparse") for t in types)
+    ):
+        raise MoEConfigError(
+            f"mlp_layer_types={types!r} must list 'dense' or 'sparse' for each of the {layers} layers"
+        )
+    return tuple(t == "sparse" for t in types)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -9,22 +9,26 @@ Defaults (chosen so the CPU demo and the tests are fast): Llama, hidden 64, 2 la
 attention heads and 2 KV heads (head dim 16, GQA), FFN 128, vocabulary padded to 320,
 context 2048, RoPE theta 10000, untied embeddings, float32 safetensors.
 
-Mixture-of-Experts families (qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, minimax_m2)
-get 4 routed experts, top-2, each expert's FFN a quarter of --intermediate; minimax_m2 rotates
-half of each head (rotary_dim) and its config.json carries the keys MiniMax's own does
-(scoring_func, use_routing_bias, use_qk_norm, qk_norm_type); deepseek_v3 and glm4_moe
-keep their first layer dense (first_k_dense_replace=1) and add one shared expert; qwen2_moe
-adds its gated shared expert (FFN half of --intermediate). deepseek_v3 uses multi-latent
-attention sized from the head dim d = hidden/heads: q_lora_rank hidden/2, kv_lora_rank
-hidden/4, qk_nope d, qk_rope d/2, v d; 2 expert groups with 1 chosen (noaux_tc). Routers are
-re-drawn wider than transformers' init, and the score-correction biases (zero after
+Mixture-of-Experts families (qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe_lite, kimi_k2,
+glm4_moe, minimax_m2) get 4 routed experts, top-2, each expert's FFN a quarter of --intermediate;
+minimax_m2 rotates half of each head (rotary_dim) and its config.json carries the keys MiniMax's own
+does (scoring_func, use_routing_bias, use_qk_norm, qk_norm_type); deepseek_v3, glm4_moe_lite,
+kimi_k2 and glm4_moe keep their first layer dense (first_k_dense_replace=1; glm4_moe_lite's
+mlp_layer_types too) and add one shared expert; qwen2_moe adds its gated shared expert (FFN half
+of --intermediate). deepseek_v3 uses multi-latent attention sized from the head dim d =
+hidden/heads: q_lora_rank hidden/2, kv_lora_rank hidden/4, qk_nope d, qk_rope d/2, v d; 2 expert
+groups with 1 chosen (noaux_tc). kimi_k2 is deepseek_v3's model saved as Kimi-K2's config.json
+names it (model_type kimi_k2, architectures DeepseekV3ForCausalLM); glm4_moe_lite (GLM-4.7-Flash)
+has the same attention with a value dim of 2d, one expert group and routed_scaling_factor 1.8.
+Routers are re-drawn wider than transformers' init, and the score-correction biases (zero after
 transformers' init) get random values, so routing depends on the token and on the bias.
 
-Multi-token-prediction layers (--mtp-layers N; deepseek_v3 and glm4_moe, default 0; mimo, which
-is Qwen2 plus MTP layers, default 1): each is a decoder layer of the family with its own norms
-and input projection, under the family's HF names (DeepSeek-V3/GLM-4.5: model.layers.{L+i}.*
-with enorm, hnorm, eh_proj, shared_head and embed_tokens; MiMo: model.mtp_layers.{i}.* with
-token_layernorm, hidden_layernorm, input_proj, final_layernorm), and num_nextn_predict_layers N.
+Multi-token-prediction layers (--mtp-layers N; deepseek_v3, glm4_moe_lite, kimi_k2 and glm4_moe,
+default 0; mimo, which is Qwen2 plus MTP layers, default 1): each is a decoder layer of the family
+with its own norms and input projection, under the family's HF names (DeepSeek-V3 and its kin,
+GLM-4.5: model.layers.{L+i}.* with enorm, hnorm, eh_proj, shared_head and embed_tokens; MiMo:
+model.mtp_layers.{i}.* with token_layernorm, hidden_layernorm, input_proj, final_layernorm), and
+num_nextn_predict_layers N.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import msgspec
 
 from tether.runtime.errors import ConfigError
 from tether.runtime.files.atomic_file import fsync_path
+from tether.train.model.hf_config import MLA_MODEL_TYPES
 
 Arch = Literal[
     "llama",
@@ -54,13 +59,15 @@ Arch = Literal[
     "glm4_moe",
     "mimo",
     "minimax_m2",
+    "glm4_moe_lite",
+    "kimi_k2",
 ]
 ARCHES: tuple[str, ...] = Arch.__args__  # type: ignore[attr-defined]
-MOE_ARCHES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2"})
+MOE_ARCHES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES})
 # Families whose first layer stays dense (first_k_dense_replace=1): they need a second layer.
-_DENSE_FIRST = frozenset({"deepseek_v3", "glm4_moe"})
+_DENSE_FIRST = frozenset({"glm4_moe", *MLA_MODEL_TYPES})
 # Families whose checkpoints carry multi-token-prediction layers (--mtp-layers); MiMo always has.
-MTP_ARCHES = frozenset({"deepseek_v3", "glm4_moe", "mimo"})
+MTP_ARCHES = frozenset({"glm4_moe", "mimo", *MLA_MODEL_TYPES})
 TINY_EXPERTS = 4
 TINY_EXPERTS_PER_TOKEN = 2
 
@@ -109,7 +116,7 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     hidden: int = 64
     layers: int = 2
     heads: int = 4
-    # None: 2 (GQA) for families with KV heads; multi-latent attention (deepseek_v3) has none.
+    # None: 2 (GQA) for families with KV heads; multi-latent attention (MLA_MODEL_TYPES) has none.
     kv_heads: int | None = None
     intermediate: int = 128
     vocab: int = 320
@@ -135,13 +142,13 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(key, value, "must be at least 1")
         if self.hidden % self.heads:
             raise ConfigError("--hidden", self.hidden, f"must be divisible by --heads ({self.heads})")
-        if self.arch == "deepseek_v3":
+        if self.arch in MLA_MODEL_TYPES:
             if self.kv_heads is not None and self.kv_heads != self.heads:
                 raise ConfigError(
-                    "--kv-heads", self.kv_heads, "multi-latent attention (deepseek_v3) has no KV heads"
+                    "--kv-heads", self.kv_heads, f"multi-latent attention ({self.arch}) has no KV heads"
                 )
             if (self.hidden // self.heads) % 2:
-                raise ConfigError("--heads", self.heads, "deepseek_v3 needs an even head dim")
+                raise ConfigError("--heads", self.heads, f"{self.arch} needs an even head dim")
         elif self.heads % self.num_kv_heads:
             raise ConfigError("--kv-heads", self.kv_heads, f"must divide --heads ({self.heads})")
         if self.arch in MOE_ARCHES and self.intermediate % 4:
@@ -176,7 +183,7 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
 
     @property
     def num_kv_heads(self) -> int:
-        if self.arch == "deepseek_v3":
+        if self.arch in MLA_MODEL_TYPES:
             return self.heads
         return 2 if self.kv_heads is None else self.kv_heads
 
@@ -228,7 +235,7 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         "rope_theta": spec.rope_theta,
         "dtype": "float32",
     }
-    if spec.arch != "deepseek_v3":
+    if spec.arch not in MLA_MODEL_TYPES:
         common["head_dim"] = head_dim
     expert_ffn = spec.intermediate // 4
     moe: dict[str, Any] = {"num_experts_per_tok": TINY_EXPERTS_PER_TOKEN}
@@ -277,7 +284,30 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
             attention_bias=True,
             num_mtp_layers=spec.num_mtp_layers,
         )
-    # deepseek_v3: multi-latent attention + grouped, biased sigmoid routing.
+    mla: dict[str, Any] = {
+        "q_lora_rank": spec.hidden // 2,
+        "kv_lora_rank": spec.hidden // 4,
+        "qk_nope_head_dim": head_dim,
+        "qk_rope_head_dim": head_dim // 2,
+    }
+    if arch == "glm4_moe_lite":
+        # GLM-4.7-Flash: DeepSeek-V3's attention (values wider than the query's nope part, as its 256 to 192),
+        # GLM-4.5's router with one group; transformers lists the dense layers as mlp_layer_types.
+        return transformers.Glm4MoeLiteConfig(
+            **common,
+            **moe,
+            **mla,
+            v_head_dim=2 * head_dim,
+            n_routed_experts=TINY_EXPERTS,
+            n_shared_experts=1,
+            moe_intermediate_size=expert_ffn,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.8,
+        )
+    # deepseek_v3 (and kimi_k2, its config.json relabelled): multi-latent attention + grouped,
+    # biased sigmoid routing.
     return transformers.DeepseekV3Config(
         **common,
         **moe,
@@ -289,10 +319,7 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         topk_group=1,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        q_lora_rank=spec.hidden // 2,
-        kv_lora_rank=spec.hidden // 4,
-        qk_nope_head_dim=head_dim,
-        qk_rope_head_dim=head_dim // 2,
+        **mla,
         v_head_dim=head_dim,
         num_mtp_layers=spec.num_mtp_layers,
     )
@@ -307,6 +334,10 @@ MINIMAX_M2_CONFIG_KEYS: dict[str, Any] = {
 }
 """Keys MiniMax-M2's published config.json carries that transformers' config does not write (SGLang
 reads them; transformers' model always routes and normalizes this way)."""
+# Kimi-K2's config.json is DeepSeek-V3's under its own model_type (its checkpoints ship remote code).
+KIMI_K2_CONFIG_KEYS: dict[str, Any] = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+# GLM-4.7-Flash's config.json states its dense layers both ways (transformers reads mlp_layer_types).
+GLM4_MOE_LITE_CONFIG_KEYS: dict[str, Any] = {"first_k_dense_replace": 1}
 
 
 def _add_config_keys(staging: Path, keys: dict[str, Any]) -> None:
@@ -410,6 +441,8 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
         config.num_hidden_layers = spec.layers + mtp  # type: ignore[attr-defined]
         if isinstance(getattr(config, "layer_types", None), list):
             config.layer_types = [config.layer_types[0]] * (spec.layers + mtp)  # type: ignore[attr-defined]
+        if isinstance(getattr(config, "mlp_layer_types", None), list):  # an MTP layer's block is MoE
+            config.mlp_layer_types = [*config.mlp_layer_types, *["sparse"] * mtp]  # type: ignore[attr-defined]
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if spec.arch in MOE_ARCHES:
@@ -420,6 +453,10 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
         model.save_pretrained(staging, safe_serialization=True)
         if spec.arch == "minimax_m2":
             _add_config_keys(staging, MINIMAX_M2_CONFIG_KEYS)
+        if spec.arch == "kimi_k2":
+            _add_config_keys(staging, KIMI_K2_CONFIG_KEYS)
+        if spec.arch == "glm4_moe_lite":
+            _add_config_keys(staging, GLM4_MOE_LITE_CONFIG_KEYS)
         if mtp:
             _add_mtp_layers(spec, staging)
         tokenizer.save_pretrained(staging)  # type: ignore[attr-defined]
@@ -455,8 +492,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtp-layers",
         type=int,
         default=None,
-        help="Multi-token-prediction layers in the checkpoint (deepseek_v3, glm4_moe, mimo; "
-        "default 1 for mimo, else 0).",
+        help="Multi-token-prediction layers in the checkpoint (deepseek_v3, glm4_moe_lite, kimi_k2, "
+        "glm4_moe, mimo; default 1 for mimo, else 0).",
     )
 
 

@@ -3,7 +3,8 @@ through mbridge, logits parity.
 
 For each layout (DP=2, TP=2, PP=2; EP=2 for the MoE families) and family (`FAMILIES`: dense Llama, Qwen2 with qkv bias, Qwen3
 with qk-norm, tied and untied, GLM-4 with sandwich norms, fused gate_up_proj and interleaved partial
-RoPE; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2; DeepSeek-V3 with MLA + MoE): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
+RoPE; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2; DeepSeek-V3 with MLA + MoE, and its kin
+GLM-4.7-Flash and Kimi-K2): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
 logits with transformers, and at PP=2 write an HF directory with save_hf and compare it with the
 source. Results go to WORK_DIR/results/rank{N}.json.
 """
@@ -55,7 +56,16 @@ LAYOUTS_4 = {
 ALLGATHER_EP = ("qwen3_moe",)
 # Dense attention, MLA + MoE, and a trained MTP layer (its labels rolled across the CP ranks).
 CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp")
-MOE_ARCHES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "minimax_m2")
+MOE_ARCHES = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "deepseek_v3",
+    "minimax_m2",
+    "glm4_moe_lite",
+    "kimi_k2",
+)
 # Family name -> TinyModelSpec fields (tether init-model's families).
 FAMILIES: dict[str, dict[str, object]] = {
     "llama": {"arch": "llama"},
@@ -82,6 +92,12 @@ FAMILIES: dict[str, dict[str, object]] = {
     # New families go last: a model's seed is its index here (common.make_models), and the
     # MTP families' CP=2 checks compare numbers that are only close.
     "minimax_m2": {"arch": "minimax_m2"},
+    # DeepSeek-V3's decoder as GLM-4.7-Flash (mlp_layer_types, values wider than the query's nope
+    # part, one expert group) and as Kimi-K2 (its config.json's model_type and YaRN, CONFIG_CHANGES);
+    # GLM-4.7-Flash also with its MTP layer built (slime trains it).
+    "glm4_moe_lite": {"arch": "glm4_moe_lite"},
+    "kimi_k2": {"arch": "kimi_k2"},
+    "glm4_moe_lite_mtp_built": {"arch": "glm4_moe_lite", "mtp_layers": 1},
 }
 # Families built with MTP layers: their MegatronConfig flags.
 MTP_FLAGS: dict[str, dict[str, object]] = {
@@ -89,6 +105,7 @@ MTP_FLAGS: dict[str, dict[str, object]] = {
     "mimo_mtp_frozen": {"mtp_num_layers": 1},
     "deepseek_v3_mtp_built": {"mtp_num_layers": 1},
     "glm4_moe_mtp_built": {"mtp_num_layers": 1},
+    "glm4_moe_lite_mtp_built": {"mtp_num_layers": 1},
 }
 # DeepSeek-V3's MTP layer carries its own copies of the embedding and the output head in HF;
 # Megatron's MTP block uses the model's (as slime converts it), so those two are not built.
@@ -112,7 +129,8 @@ def not_built(name: str, arch_layers: int, mtp_built: bool) -> bool:
 
 
 # config.json changes after writing: DeepSeek's YaRN RoPE (mbridge 0.15.1 reads it only from
-# `rope_scaling`; transformers 5 keeps it in `rope_parameters`).
+# `rope_scaling`; transformers 5 keeps it in `rope_parameters`), and Kimi-K2's as its config.json
+# writes it (`rope_scaling` with `type`, rope_theta beside it, beta_fast = beta_slow = 1).
 CONFIG_CHANGES: dict[str, dict[str, object]] = {
     "deepseek_v3_yarn": {
         "rope_parameters": {
@@ -125,7 +143,20 @@ CONFIG_CHANGES: dict[str, dict[str, object]] = {
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
         }
-    }
+    },
+    "kimi_k2": {
+        "rope_parameters": None,
+        "rope_theta": 50000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
 }
 
 
@@ -272,7 +303,8 @@ def save_hf_check(
     return {
         "diff": diff,
         "names_equal": sorted(expected) == dst.names(),
-        "config": (out / "config.json").exists(),
+        # The source's config.json, as it was (Kimi-K2's model_type kimi_k2 included).
+        "config": (out / "config.json").read_bytes() == (hf_dir / "config.json").read_bytes(),
     }
 
 
