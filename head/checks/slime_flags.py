@@ -10,8 +10,10 @@ from __future__ import annotations
 
 NOT_IMPLEMENTED: dict[str, str] = {
     # context parallelism and its data layout
-    "--allgather-cp": "slime's contiguous all-gather CP layout exists for DeepSeek sparse-attention "
-    "(DSA) models only, which tether does not build; tether's context parallelism uses Megatron's "
+    "--allgather-cp": "slime accepts the contiguous all-gather CP layout only for DeepSeek "
+    "sparse-attention (DSA) models (DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM) and refuses it at "
+    "--context-parallel-size > 1 for every other model (their attention assumes the load-balanced "
+    "zigzag chunks); tether does not build DSA models yet, so its context parallelism uses Megatron's "
     "load-balanced chunks",
     # micro-batch planning and trainer memory
     "--release-train": "slime stops its Megatron train actors after each rollout's training and starts "

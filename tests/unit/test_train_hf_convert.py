@@ -408,6 +408,35 @@ def test_mla_families_name_what_megatron_cannot_build(
     assert err.value.key.endswith(f"config.json:{key}"), err.value
 
 
+@pytest.mark.parametrize(
+    "quantization_config",
+    [
+        # slime's tools/convert_hf_to_int4_direct.py (its INT4 scripts' checkpoints)
+        {
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"group_size": 128, "num_bits": 4, "strategy": "group", "type": "int"},
+                }
+            },
+            "format": "pack-quantized",
+            "quant_method": "compressed-tensors",
+        },
+        # DeepSeek-V3/R1's and Qwen3-*-FP8's block FP8
+        {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+    ],
+)
+def test_load_arch_refuses_a_quantized_checkpoint(tmp_path: Path, quantization_config: dict[str, Any]) -> None:
+    """Engines serving a quantized checkpoint expect quantized weights; tether syncs unquantized ones
+    and does not quantize them as slime does, so the checkpoint is refused, naming the key and method."""
+    with pytest.raises(ConfigError) as err:
+        load_arch(write_config(tmp_path, quantization_config=quantization_config))
+    assert err.value.key.endswith("config.json:quantization_config"), err.value
+    assert quantization_config["quant_method"] in str(err.value)
+    assert "does not quantize" in str(err.value)
+    load_arch(write_config(tmp_path))  # the same config unquantized
+
+
 def test_model_name_picks_the_converter_slime_would(tmp_path: Path) -> None:
     """--model-name, matched as slime matches it: GLM-4.7-Flash and Kimi-K2 take DeepSeek-V3's
     converter (so any of its names, slime's default from the config class included), and a GLM-4.5

@@ -41,6 +41,7 @@ from tether.train.model.hf_config import MLA_MODEL_TYPES, ModelArch, transformer
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
 from tether.train.model.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
+from tether.train.model.qwen3_next import qwen3_next_bridge_class, with_gated_delta_net
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
@@ -106,6 +107,7 @@ def _mbridge_registry() -> dict[str, Any]:
     # mbridge 0.15.1 has no glm4 (dense) bridge: tether's joins this copy, not mbridge's registry.
     registry.setdefault("glm4", glm4_bridge_class())
     registry.setdefault("minimax_m2", minimax_m2_bridge_class())
+    registry.setdefault("qwen3_next", qwen3_next_bridge_class())
     # GLM-4.7-Flash and Kimi-K2 are DeepSeek-V3's decoder under DeepSeek-V3's HF names (slime loads
     # and converts them with its DeepSeek code); tether's restored facts set what differs.
     for family in MLA_MODEL_TYPES:
@@ -218,6 +220,20 @@ def _restored_facts(arch: ModelArch) -> dict[str, Any]:
             moe_router_group_topk=arch.moe_router_group_topk,
             moe_router_topk_scaling_factor=arch.moe_router_topk_scaling_factor,
             moe_router_enable_expert_bias=arch.moe_router_enable_expert_bias,
+        )
+    if arch.zero_centered_norms:
+        facts["layernorm_zero_centered_gamma"] = True
+    if arch.attention_output_gate:
+        facts["attention_output_gate"] = True
+    if arch.linear_attention is not None:
+        facts.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=list(arch.linear_attention),
+            linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
+            linear_key_head_dim=arch.linear_key_head_dim,
+            linear_value_head_dim=arch.linear_value_head_dim,
+            linear_num_key_heads=arch.linear_num_key_heads,
+            linear_num_value_heads=arch.linear_num_value_heads,
         )
     if arch.multi_latent_attention:
         facts.update(
@@ -345,7 +361,8 @@ def layer_spec(
 ) -> Any:
     """Pipeline stage `pp_rank`'s block spec: per layer dense or MoE (moe_layer_freq), MLA or not,
     qk-norm, GLM-4's norms of attention's and the MLP's outputs (`post_sublayer_norms`, under
-    either spec: `glm4`) and MiniMax-M2's QK norms over all heads (`full_qk_norms`: `minimax_m2`)."""
+    either spec: `glm4`), MiniMax-M2's QK norms over all heads (`full_qk_norms`: `minimax_m2`) and
+    Qwen3-Next's linear-attention layers (config.linear_attention_freq, local spec: `qwen3_next`)."""
     with quiet_megatron_imports():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -364,6 +381,8 @@ def layer_spec(
         spec = with_post_sublayer_norms(spec)
     if full_qk_norms:
         spec = with_full_qk_norms(spec)
+    if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+        spec = with_gated_delta_net(spec, config, transformer_engine, pp_rank)
     if transformer_engine:
         return spec
     return local_spec(

@@ -23,6 +23,7 @@ from tether.train.model.custom_provider import provide_chunk
 from tether.train.model.hf_config import ModelArch, load_arch
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
+from tether.train.model.qwen3_next import mark_gated_delta_net_params
 from tether.train.model.value_head import attach_value_head
 from tether.train.parallel.topology import Topology
 from tether.train.state.param_freeze import apply_freeze
@@ -111,6 +112,8 @@ def build_chunk(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     mark_tensor_parallel_params(model)
+    if arch.linear_attention is not None:
+        mark_gated_delta_net_params(model)
     mtp.install(model, train=train_mtp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -23,7 +23,19 @@ DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo")
 # layers) under three names: GLM-4.7-Flash and Kimi-K2 (whose config.json is DeepSeek-V3's), as slime
 # loads and converts all three with its DeepSeek code.
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "kimi_k2")
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES)
+# qwen3_next: Qwen2-MoE's experts under gated full attention and gated-DeltaNet linear attention
+# (tether.train.model.qwen3_next).
+MOE_MODEL_TYPES = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "minimax_m2",
+    *MLA_MODEL_TYPES,
+    "qwen3_next",
+)
+# Qwen-MoE routing (softmax, norm_topk_prob) and layer choice (decoder_sparse_step, mlp_only_layers).
+QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # Families whose checkpoints carry multi-token-prediction layers (num_nextn_predict_layers):
 # MiMo's under model.mtp_layers.{i}, DeepSeek-V3's (and its kin's) and GLM-4.5's as model.layers.{L + i}.
@@ -111,6 +123,20 @@ class ModelArch:
     """MLA's YaRN rope scaling, as (MLATransformerConfig field, value) pairs; None: plain RoPE."""
     mtp_layers: int = 0
     """Multi-token-prediction layers the checkpoint holds (num_nextn_predict_layers; MTP_MODEL_TYPES)."""
+    # Qwen3-Next (tether.train.model.qwen3_next).
+    linear_attention: tuple[int, ...] | None = None
+    """Per layer 1 where the token mixer is gated-DeltaNet linear attention, 0 where it is full
+    attention (HF layer_types; Megatron's linear_attention_freq). None: full attention throughout."""
+    linear_conv_kernel_dim: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    attention_output_gate: bool = False
+    """q_proj also yields a sigmoid gate per head on attention's output (Megatron's
+    attention_output_gate, slime's --attention-output-gate)."""
+    zero_centered_norms: bool = False
+    """RMSNorms scale by 1 + weight (Megatron's layernorm_zero_centered_gamma, --apply-layernorm-1p)."""
 
     @property
     def is_moe(self) -> bool:
@@ -205,6 +231,25 @@ def check_model_type(model_type: object, path: str | Path) -> str:
     return str(model_type)
 
 
+def check_unquantized(cfg: dict[str, Any], path: str | Path) -> None:
+    """Refuse a quantized checkpoint (a config.json with `quantization_config`, such as the
+    compressed-tensors INT4 and FP8 checkpoints slime's low-precision scripts serve): its engines
+    load quantized weights, and tether's weight sync sends them the trainer's unquantized ones.
+    slime quantizes each synced weight for the engines by that config (`quantize_params`); tether
+    does not."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    raise ConfigError(
+        f"{path}:quantization_config",
+        {"quant_method": method},
+        f"the checkpoint is quantized ({method}): tether syncs unquantized weights to the engines and "
+        "does not quantize them for the engines (slime's int4/fp8 rollout quantization is not "
+        "implemented); point --hf-checkpoint at the unquantized checkpoint",
+    )
+
+
 def _glm4_moe_lite_layers(cfg: dict[str, Any], path: Path, layers: int) -> tuple[int, ...]:
     """GLM-4.7-Flash's MoE layers as transformers' Glm4MoeLite builds them: `mlp_layer_types` when
     given (any pattern), else only layer 0 dense (first_k_dense_replace is not read there)."""
@@ -236,7 +281,7 @@ def _moe_layer_freq(cfg: dict[str, Any], model_type: str, path: Path, layers: in
     if model_type in DEEPSEEK_ROUTER_MODEL_TYPES:
         dense = int(cfg.get("first_k_dense_replace") or 0)
         return tuple(0 if i < dense else 1 for i in range(layers))
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in QWEN_MOE_MODEL_TYPES:
         step = int(cfg.get("decoder_sparse_step") or 1)
         only_mlp = set(cfg.get("mlp_only_layers") or [])
         return tuple(1 if i not in only_mlp and (i + 1) % step == 0 else 0 for i in range(layers))
@@ -264,12 +309,12 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -
         out.update(num_experts=int(_first(cfg, path, "num_local_experts", "num_experts")))
         out.update(moe_ffn_hidden_size=int(_field(cfg, "intermediate_size", path)))
         return out
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in QWEN_MOE_MODEL_TYPES:
         out["num_experts"] = int(_first(cfg, path, "num_experts", "num_local_experts"))
         out["moe_ffn_hidden_size"] = int(_field(cfg, "moe_intermediate_size", path))
-        out["moe_router_pre_softmax"] = not cfg.get("norm_topk_prob", model_type == "qwen3_moe")
+        out["moe_router_pre_softmax"] = not cfg.get("norm_topk_prob", model_type != "qwen2_moe")
         shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-        if model_type == "qwen2_moe" and shared:
+        if model_type in ("qwen2_moe", "qwen3_next") and shared:
             out["moe_shared_expert_intermediate_size"] = shared
             out["moe_shared_expert_gate"] = True
         return out
@@ -306,6 +351,42 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -
     return out
 
 
+def _qwen3_next_fields(cfg: dict[str, Any], path: Path, layers: int) -> dict[str, Any]:
+    """Qwen3-Next's token mixers per layer (layer_types, else a full-attention layer every
+    full_attention_interval layers, as transformers' Qwen3NextConfig derives them) and linear
+    attention's shape; its norms are zero-centred and its full attention gated."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if not (
+        isinstance(types, list)
+        and len(types) == layers
+        and all(t in ("linear_attention", "full_attention") for t in types)
+    ):
+        raise ConfigError(
+            f"{path}:layer_types",
+            types,
+            f"must list 'linear_attention' or 'full_attention' for each of the {layers} layers",
+        )
+    key_heads = int(_field(cfg, "linear_num_key_heads", path))
+    value_heads = int(_field(cfg, "linear_num_value_heads", path))
+    if value_heads % key_heads:
+        raise ConfigError(
+            f"{path}:linear_num_value_heads", value_heads, f"must be a multiple of linear_num_key_heads={key_heads}"
+        )
+    return {
+        "linear_attention": tuple(1 if t == "linear_attention" else 0 for t in types),
+        "linear_conv_kernel_dim": int(_field(cfg, "linear_conv_kernel_dim", path)),
+        "linear_key_head_dim": int(_field(cfg, "linear_key_head_dim", path)),
+        "linear_value_head_dim": int(_field(cfg, "linear_value_head_dim", path)),
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "attention_output_gate": True,
+        "zero_centered_norms": True,
+    }
+
+
 def _check_mla_rope(cfg: dict[str, Any], path: Path, rotary_percent: float) -> None:
     """Megatron's MLA rotates all of qk_rope_head_dim in interleaved pairs (HF's rope_interleave)."""
     if cfg.get("rope_interleave", True) is not True:
@@ -332,6 +413,7 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
     except json.JSONDecodeError as e:
         raise ConfigError(str(path), str(e), "not valid JSON") from e
     model_type = check_model_type(_field(cfg, "model_type", path), path)
+    check_unquantized(cfg, path)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{path}:hidden_act", cfg["hidden_act"], "only silu (SwiGLU) is supported")
     if cfg.get("mlp_bias"):
@@ -382,6 +464,8 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         extra.update(post_sublayer_norms=True, rotary_interleaved=True)
     if model_type in MOE_MODEL_TYPES:
         extra.update(_moe_fields(cfg, model_type, path, layers))
+    if model_type == "qwen3_next":
+        extra.update(_qwen3_next_fields(cfg, path, layers))
     if model_type in MTP_MODEL_TYPES:
         extra["mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
     if model_type in MLA_MODEL_TYPES:
@@ -398,7 +482,7 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         )
         head_dim = extra["qk_head_dim"] + extra["qk_pos_emb_head_dim"]
     # DeepSeek's MLA normalizes its compressed q and kv (Megatron's --qk-layernorm with MLA).
-    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "minimax_m2", *MLA_MODEL_TYPES) or (
+    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "qwen3_next", "minimax_m2", *MLA_MODEL_TYPES) or (
         model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))
     )
     return ModelArch(
@@ -455,6 +539,12 @@ def check_parallel(
         raise ConfigError(
             "--tensor-model-parallel-size", tp_size, f"must divide intermediate_size={arch.ffn_hidden_size}"
         )
+    for field in ("linear_num_key_heads", "linear_num_value_heads"):
+        heads = getattr(arch, field)
+        if heads is not None and heads % tp_size:
+            raise ConfigError(
+                "--tensor-model-parallel-size", tp_size, f"must divide linear attention's {field}={heads}"
+            )
     if arch.moe_shared_expert_intermediate_size and arch.moe_shared_expert_intermediate_size % tp_size:
         raise ConfigError(
             "--tensor-model-parallel-size",

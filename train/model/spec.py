@@ -7,7 +7,9 @@ could not run with --sequence-parallel, which Megatron requires to train MoE lay
 normalizes its own slice of the sequence, and Megatron's `finalize_model_grads` sums the weight
 gradients over the TP group for parameters marked `sequence_parallel` (TE's norms mark theirs the
 same way). `SequenceParallelTorchNorm` is torch's RMSNorm/LayerNorm with that mark;
-`local_spec` puts it wherever the spec has Megatron's torch norm.
+`local_spec` puts it wherever the spec has Megatron's torch norm. With `layernorm_zero_centered_gamma`
+(--apply-layernorm-1p; Qwen3-Next) it is `ZeroCenteredRMSNorm`, which scales by 1 + weight as TE's
+zero-centred norm does (Megatron's torch norm refuses the setting).
 
 MLA: `MLASelfAttention` builds its core attention with `k_channels`/`v_channels` (its query/key and
 value head dims differ), which TE's attention takes and Megatron's local `DotProductAttention` does
@@ -29,6 +31,22 @@ from typing import Any
 import torch
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm that scales by 1 + weight (the weight stored zero-centred, initialized to 0): Megatron's
+    `layernorm_zero_centered_gamma` (--apply-layernorm-1p), which only TransformerEngine's norm
+    implements in megatron-core 0.16; as transformers' Qwen3-Next RMSNorm, computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
 class SequenceParallelTorchNorm:
     """torch.nn.RMSNorm / LayerNorm built from a Megatron config, its weights marked for sequence
     parallelism when the config has it on (the signature of Megatron's norm modules)."""
@@ -42,10 +60,14 @@ class SequenceParallelTorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ) -> torch.nn.Module:
-        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
-            raise ValueError("zero-centered gamma and memory-efficient layer norm need TransformerEngine")
+        if config.memory_efficient_layer_norm:
+            raise ValueError("memory-efficient layer norm needs TransformerEngine")
+        if config.layernorm_zero_centered_gamma and config.normalization != "RMSNorm":
+            raise ValueError("zero-centered gamma (--apply-layernorm-1p) is built for RMSNorm only")
         norm: torch.nn.Module
-        if config.normalization == "RMSNorm":
+        if config.layernorm_zero_centered_gamma:
+            norm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
