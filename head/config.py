@@ -25,7 +25,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from tether.checks.critic import check_critic
+from tether.checks.critic import check_critic, uses_critic
 from tether.checks.slime_flags import refusal
 from tether.placement.config import ClusterConfig
 from tether.rollout.config import BUFFER_ROLLOUT, DataConfig, RolloutConfig, check_buffer_rollout
@@ -430,15 +430,6 @@ def check_contradictions(cfg: Config) -> None:
         raise ConfigError(
             "--loop", cfg.run.loop, "overlaps generation and training, so it rejects --colocate"
         )
-    pp = cfg.megatron.pipeline_model_parallel_size
-    if cfg.cluster.colocate and pp > 1 and not cfg.debug.debug_rollout_only:
-        raise ConfigError(
-            "--pipeline-model-parallel-size",
-            pp,
-            "under --colocate each engine rank takes the weights from the trainer rank on its own "
-            "device, which holds one pipeline stage only; use 1 (tensor or data parallelism), or "
-            "drop --colocate for the NCCL transport, which sends each stage from its own source",
-        )
     samples = cfg.data.rollout_batch_size * cfg.data.n_samples_per_prompt
     gbs = cfg.data.global_batch_size
     if gbs is not None:
@@ -462,6 +453,18 @@ def check_contradictions(cfg: Config) -> None:
         )
 
 
+def trainer_world_sizes(cfg: Config) -> list[int]:
+    """The ranks of each trainer group the plan makes (the actor, and the critic where it trains one),
+    which share the Megatron layout; groups without devices are left to the placement's refusal."""
+    cluster = cfg.cluster
+    per_node = cluster.actor_num_gpus_per_node
+    sizes = [cluster.actor_num_nodes * per_node]
+    if cluster.critic_num_nodes is not None or uses_critic(cfg.algorithm):
+        critic_nodes = cluster.critic_num_nodes or cluster.actor_num_nodes
+        sizes.append(critic_nodes * (cluster.critic_num_gpus_per_node or per_node))
+    return [size for size in sizes if size > 0]
+
+
 def check_megatron_against_run(cfg: Config) -> None:
     """The Megatron flags against the rest of the run: the devices it plans on, the sample lengths
     rollouts produce, and the HF config when it is readable here."""
@@ -470,6 +473,11 @@ def check_megatron_against_run(cfg: Config) -> None:
         check_capabilities(
             megatron, Capabilities.cpu(), where="; this run plans on CPU devices (--cpu-devices)"
         )
+    if not cfg.debug.debug_rollout_only:
+        # Megatron's layout must tile each trainer group's ranks (TP x PP x CP, and the experts'
+        # EP x ETP x PP): refused now, not when the ranks initialize Megatron's groups.
+        for world in trainer_world_sizes(cfg):
+            megatron.data_parallel_size(world)
     # A decaying schedule's horizon with --num-epoch (and no --num-rollout) is counted from the
     # prompts when `tether run` starts, before the trainer does (`with_counted_epochs`).
     rollout = cfg.rollout
@@ -498,6 +506,7 @@ def check_megatron_against_run(cfg: Config) -> None:
             ep_size=megatron.expert_model_parallel_size,
             etp_size=megatron.expert_tensor_parallel_size,
             sequence_parallel=megatron.sequence_parallel,
+            cp_size=megatron.context_parallel_size,
         )
 
 

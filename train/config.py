@@ -717,10 +717,12 @@ BUILT_LAYER_SPECS: dict[tuple[str, str], str] = {
     ("slime_plugins.models.glm4", "get_glm_spec"): "GLM-4's layers",
     # Full QK norms; the Hugging Face config must be MiniMax-M2's (hf_config.check_architecture_flags).
     ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): "MiniMax-M2's layers",
+    # Gated-DeltaNet linear attention and gated full attention; the Hugging Face config must be
+    # Qwen3-Next's (hf_config.check_architecture_flags). tether builds Megatron's GatedDeltaNet.
+    ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): "Qwen3-Next's layers",
 }
 UNBUILT_LAYER_SPECS: dict[str, str] = {
     "slime_plugins.models.qwen3_5": "Qwen3.5's gated delta-net (linear attention) layers are not built",
-    "slime_plugins.models.qwen3_next": "Qwen3-Next's gated delta-net (linear attention) layers are not built",
     "slime_plugins.models.glm5.glm5": "GLM-5's DeepSeek sparse attention (indexer) layers are not built",
 }
 
@@ -768,6 +770,9 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "disable_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",
+    "attention_output_gate",
+    "use_gated_attention",
+    "apply_layernorm_1p",
     "post_self_attn_layernorm",
     "post_mlp_layernorm",
     "untie_embeddings_and_output_weights",
@@ -1079,6 +1084,23 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     disable_bias_linear: Annotated[bool, Meta(description="No biases in linear layers.")] = False
     add_qkv_bias: Annotated[bool, Meta(description="Bias in the QKV projection (Qwen2).")] = False
     qk_layernorm: Annotated[bool, Meta(description="Normalize queries and keys per head (Qwen3).")] = False
+    attention_output_gate: Annotated[
+        bool,
+        Meta(
+            description="Full attention's output is gated per head by a sigmoid of a second query "
+            "projection (Qwen3-Next's q_proj)."
+        ),
+    ] = False
+    use_gated_attention: Annotated[
+        bool,
+        Meta(
+            description="Gated full attention, as --attention-output-gate (slime's Qwen3-Next/Qwen3.5 scripts)."
+        ),
+    ] = False
+    apply_layernorm_1p: Annotated[
+        bool,
+        Meta(description="Zero-centred RMSNorm weights: the norms scale by 1 + weight (Qwen3-Next)."),
+    ] = False
     post_self_attn_layernorm: Annotated[
         bool,
         Meta(description="Normalize attention's output before the residual add (GLM-4's sandwich norm)."),
@@ -1101,8 +1123,9 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "itself; slime's GLM-4 spec (slime_plugins.models.glm4 get_glm_spec: the GPT layer with the "
             "--post-self-attn-layernorm/--post-mlp-layernorm norms) and MiniMax-M2 spec "
             "(slime_plugins.models.minimax_m2 get_minimax_m2_layer_spec, for a minimax_m2 checkpoint: "
-            "QK norms over all heads) are what it builds and are accepted; other specs are refused "
-            "naming the module."
+            "QK norms over all heads) and Qwen3-Next spec (slime_plugins.models.qwen3_next "
+            "get_qwen3_next_spec, for a qwen3_next checkpoint: gated-DeltaNet linear attention) are what "
+            "it builds and are accepted; other specs are refused naming the module."
         ),
     ] = None
     untie_embeddings_and_output_weights: Annotated[

@@ -31,7 +31,9 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "--megatron-deepgemm-forward-modules": "no DeepGEMM FP8 forward",
     "--megatron-deepgemm-moe-forward-layers": "no DeepGEMM FP8 forward",
     "--megatron-deepgemm-moe-forward-modules": "no DeepGEMM FP8 forward",
-    "--qwen-gdn-backend": "Qwen linear-attention (GDN) layers are not built",
+    "--qwen-gdn-backend": "tether builds Qwen3-Next's linear attention as Megatron's GatedDeltaNet, which "
+    "runs flash-linear-attention's chunked kernel where it is installed and Megatron's pure-torch rule "
+    "otherwise; slime's choice among its own GDN kernels is not implemented",
     # data and rollout plumbing slime has around Ray
     "--rollout-data-transport": "Samples move over tether's ZeroMQ RPC; no Ray/NIXL transport",
     "--use-distributed-post": "needs Ray",
@@ -42,11 +44,7 @@ NOT_IMPLEMENTED: dict[str, str] = {
 }
 """slime flag -> why tether refuses it."""
 
-MEGATRON_NOT_IMPLEMENTED: dict[str, str] = {
-    "--use-gated-attention": "gated attention layers are not built",
-    "--attention-output-gate": "gated attention layers are not built",
-    "--apply-layernorm-1p": "zero-centred (1p) layer norms are not built",
-}
+MEGATRON_NOT_IMPLEMENTED: dict[str, str] = {}
 """Megatron-LM flags slime's scripts pass that tether refuses, and why."""
 
 

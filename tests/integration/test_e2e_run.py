@@ -116,9 +116,12 @@ def test_fully_async_loop_delta(ws: Workspace, tmp_path: Path, run_dir: Path) ->
     assert all("fully_async/queue_length" in m for m in metrics)
 
 
-def test_colocated_tensor_handles_tp2(ws: Workspace, run_dir: Path) -> None:
+# TP 2: each engine rank takes its own device's trainer rank's handles. PP 2: each trainer rank holds
+# one stage, and every stage's tensors reach both ranks before the handles are shared.
+@pytest.mark.parametrize("layout", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"])
+def test_colocated_tensor_handles(ws: Workspace, run_dir: Path, layout: str) -> None:
     run = run_dir
-    flags = ws.flags(run, "--num-rollout", str(STEPS), "--colocate", "--tensor-model-parallel-size", "2")
+    flags = ws.flags(run, "--num-rollout", str(STEPS), "--colocate", layout, "2")
     flags[flags.index("--cpu-devices") + 1] = "2"
     flags[flags.index("--rollout-num-gpus") + 1] = "2"
     tether("run", *flags)

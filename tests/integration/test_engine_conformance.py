@@ -1097,7 +1097,7 @@ def test_router_front_forwards_openai(engine: Engine) -> None:
 
 FAMILIES = list(ARCHES)
 # Four layers where the first stays dense (first_k_dense_replace=1), so both kinds are served.
-FAMILY_LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4}
+FAMILY_LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4, "qwen3_next": 4}
 SGLANG_CPU_CANNOT = {
     "deepseek_v3": "SGLang 0.5.23's CPU rotary embedding (get_rope_cpu, used by its MLA attention) "
     "asserts that rope_scaling is set; DeepSeek-V3 checkpoints carry yarn, the tiny model has none",
@@ -1117,6 +1117,9 @@ SGLANG_CPU_CANNOT = {
     "run the model's first forward",
     "qwen2_moe": "SGLang 0.5.23 gates Qwen2-MoE's shared expert with a Triton kernel "
     "(fused_gate_sigmoid_mul_add), which finds no driver on CPU",
+    "qwen3_next": "SGLang's Qwen3-Next (models/qwen3_next.py) runs its gated delta net through "
+    "the hybrid linear-attention backend's FLA Triton kernels (chunk_gated_delta_rule, causal "
+    "conv1d, the gated RMSNorm), which find no driver on CPU (read from its source; not started here)",
 }
 # Variants of a family: the family's tiny model with config.json keys replaced. deepseek_v3_yarn
 # carries YaRN as DeepSeek-V3's own config.json does (`rope_scaling`, `type`), with mscale and

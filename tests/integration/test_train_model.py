@@ -7,7 +7,8 @@ the MLP, a fused gate_up_proj, qkv bias and interleaved partial RoPE (at TP=2 wi
 parallelism); Qwen2-MoE with a gated shared expert and
 unnormalized top-k; Qwen3-MoE; Mixtral; GLM-4.5 MoE with partial RoPE, attention bias, a dense
 first layer and sigmoid routing with a correction bias; MiniMax-M2 with QK norms over all heads,
-partial RoPE and biased sigmoid routing; DeepSeek-V3 with multi-latent attention,
+partial RoPE and biased sigmoid routing; Qwen3-Next with gated-DeltaNet linear attention, gated
+full attention, zero-centred norms and a dense layer among its MoE layers; DeepSeek-V3 with multi-latent attention,
 grouped sigmoid routing, shared experts and a dense first layer, and again with YaRN RoPE;
 GLM-4.7-Flash (DeepSeek-V3's decoder with mlp_layer_types and one expert group) and Kimi-K2
 (DeepSeek-V3's config.json as model_type kimi_k2, YaRN in rope_scaling); MiMo
@@ -57,6 +58,7 @@ MOE_FAMILIES = [
     "glm4_moe_lite",
     "kimi_k2",
     "glm4_moe_lite_mtp_built",
+    "qwen3_next",
 ]
 FAMILIES = [
     "llama",
@@ -73,6 +75,7 @@ FAMILIES = [
     "deepseek_v3_yarn",
     "glm4_moe_lite",
     "kimi_k2",
+    "qwen3_next",
     # Checkpoints carrying multi-token-prediction layers, built without them (no --mtp-num-layers),
     # as slime does: the MTP tensors are neither loaded nor exported (round trip and save_hf
     # compare every other tensor; save_hf's names equal the source's without the MTP ones).
@@ -147,7 +150,11 @@ def test_save_hf_writes_the_source_checkpoint_back(
 
 @pytest.mark.parametrize(
     ("layout", "family"),
-    [(lay, fam) for lay in ("tp2", "pp2", "ep2") for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2")]
+    [
+        (lay, fam)
+        for lay in ("tp2", "pp2", "ep2")
+        for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2", "qwen3_next")
+    ]
     + [("ep2ag", "qwen3_moe")]  # Megatron's allgather dispatcher at EP=2: micro-batches padded alike
     # Experts at ETP=1 under TP=2: whole on both TP ranks (their gradients summed over the expert
     # data-parallel group, which holds them), or split over the two by EP=2.

@@ -240,9 +240,11 @@ def test_routing_names_an_engine_rank_no_trainer_rank_served() -> None:
         route_handles([["a"], ["b"]], [[0], [0]])
 
 
-def test_colocate_refuses_pipeline_parallelism() -> None:
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size"):
-        resolve(["--colocate", "--pipeline-model-parallel-size", "2", "--hf-checkpoint", "/nonexistent/m"])
+def test_colocate_takes_pipeline_parallelism() -> None:
+    # Every stage's tensors reach every rank (export.iter_every_stage; tests/integration/test_e2e_run.py
+    # runs it): PP > 1 under --colocate is a layout slime's largest MoE recipes use.
+    cfg = resolve(["--colocate", "--pipeline-model-parallel-size", "2", "--hf-checkpoint", "/nonexistent/m"])
+    assert cfg.cluster.colocate and cfg.megatron.pipeline_model_parallel_size == 2
 
 
 # ----- memory bookkeeping -----

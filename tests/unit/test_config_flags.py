@@ -113,3 +113,23 @@ def test_colocate_refuses_an_update_interval_above_one_naming_both_flags() -> No
     assert "--colocate" in str(info.value) and "--update-weights-interval=2" in str(info.value)
     assert resolve(["--colocate", "--update-weights-interval", "1"]).cluster.colocate
     assert resolve(["--update-weights-interval", "2"]).weight_sync.update_weights_interval == 2
+
+
+def test_the_trainer_layout_must_tile_the_trainer_ranks_at_plan_time() -> None:
+    """TP x PP x CP and the experts' EP x ETP x PP must divide each trainer group's ranks (Megatron's
+    initialize_model_parallel raises otherwise): refused when the flags are read, naming the flag."""
+    one_node = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8"]
+    with pytest.raises(ConfigError, match=r"TP x PP x CP = 16 must divide the 8 trainer ranks") as info:
+        resolve([*one_node, "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"])
+    assert info.value.key == "--tensor-model-parallel-size"
+    experts = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "8"]
+    with pytest.raises(ConfigError, match=r"EP x ETP x PP = 16 must divide the 8 trainer ranks") as info:
+        resolve([*one_node, *experts])
+    assert info.value.key == "--expert-model-parallel-size"
+    assert resolve(["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8", *experts])
+    # A critic shares the layout on its own ranks (here 1 x 4 of the actor's 2 x 8).
+    ppo = ["--advantage-estimator", "ppo", "--critic-num-nodes", "1", "--critic-num-gpus-per-node", "4"]
+    with pytest.raises(ConfigError, match=r"TP x PP x CP = 8 must divide the 4 trainer ranks"):
+        resolve(["--actor-num-nodes", "2", "--tensor-model-parallel-size", "8", *ppo])
+    # Without a trainer (--debug-rollout-only) there is no layout to place.
+    assert resolve([*one_node, "--tensor-model-parallel-size", "16", "--debug-rollout-only"])

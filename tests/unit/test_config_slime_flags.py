@@ -21,7 +21,7 @@ def test_no_refused_flag_is_also_a_tether_flag() -> None:
         (["--use-distributed-post"], "--use-distributed-post", True, "needs Ray"),
         (["--train-backend", "fsdp"], "--train-backend", "fsdp", "Megatron only"),
         (["--use-distributed-post"], "--use-distributed-post", True, "needs Ray"),
-        (["--use-gated-attention"], "--use-gated-attention", True, "gated attention"),
+        (["--freeze-indexer"], "--freeze-indexer", True, "indexers are not built"),
     ],
 )
 def test_a_slime_flag_tether_lacks_is_refused_with_its_reason(

@@ -39,7 +39,7 @@ from tether.runtime.errors import ConfigError
 ARCHES = list(tiny_model.ARCHES)
 MOE_ARCHES = sorted(tiny_model.MOE_ARCHES)
 # Four layers where layer 0 stays dense, so both kinds of layer are served (and split at PP=2).
-LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4}
+LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4, "qwen3_next": 4}
 # Families that keep layer 0 dense (first_k_dense_replace=1, GLM-4.7-Flash's mlp_layer_types).
 DENSE_FIRST = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2")
 TOL = 1e-5
@@ -349,6 +349,13 @@ def _config(path: Path) -> dict[str, Any]:
         ("minimax_m2", {"use_routing_bias": False}, "use_routing_bias=False"),
         ("minimax_m2", {"qk_norm_type": "per_head"}, "qk_norm_type='per_head'"),
         ("minimax_m2", {"attn_type_list": [0, 1]}, "attn_type_list"),
+        ("qwen3_next", {"attention_bias": True}, "attention_bias=true is not supported for qwen3_next"),
+        ("qwen3_next", {"layer_types": ["linear_attention", "sliding_attention"] * 2}, "layer_types="),
+        ("qwen3_next", {"layer_types": ["full_attention"]}, "each of the 4 layers"),
+        ("qwen3_next", {"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple"),
+        ("qwen3_next", {"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim=0"),
+        ("qwen3_next", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("qwen3_next", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "linear"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(
@@ -363,7 +370,7 @@ def test_unsupported_configs_are_refused_by_name(
 
 
 @pytest.mark.parametrize(
-    "arch", ["deepseek_v3", "glm4_moe_lite", "mixtral", "glm4", "qwen2_moe", "minimax_m2"]
+    "arch", ["deepseek_v3", "glm4_moe_lite", "mixtral", "glm4", "qwen2_moe", "minimax_m2", "qwen3_next"]
 )
 def test_weight_updates_take_the_families_names(family: Callable[..., Path], arch: str) -> None:
     """A full load of another seed's checkpoint (the disk path), a partial update of a few
@@ -397,6 +404,8 @@ def test_weight_updates_take_the_families_names(family: Callable[..., Path], arc
                 "post_mlp_layernorm",
                 "gate_up_proj",
                 "w2",
+                "linear_attn.",
+                "q_norm",
             )
         )
     }
@@ -415,6 +424,131 @@ def test_weight_updates_take_the_families_names(family: Callable[..., Path], arc
         model.load({name: torch.zeros(3, 3)}, complete=False)
     with pytest.raises(WeightMismatch, match="missing parameters"):
         model.load({name: picked[name]}, complete=True)
+
+
+# ----- Qwen3-Next: linear attention's per-slot states -----
+
+
+def _assert_follows_hf(hf: Any, seq: list[int], start: int, steps: list[torch.Tensor]) -> float:
+    """steps[j] equals transformers' logits at position start + j of seq; the largest difference."""
+    with torch.inference_mode():
+        ref = hf(torch.tensor([seq])).logits[0]
+    worst = 0.0
+    for j, got in enumerate(steps):
+        diff = float((got - ref[start + j]).abs().max())
+        assert diff <= TOL, (start, j, diff)
+        worst = max(worst, diff)
+    return worst
+
+
+def test_qwen3_next_states_follow_their_slots(family: Callable[..., Path]) -> None:
+    """The gated delta net's conv window and recurrent state live in the request's slot: a prompt
+    longer than one 64-token chunk, a freed slot taken by a new prompt while the others decode,
+    decode batches whose slots are not consecutive nor in order, and one prompt prefilled for
+    two slots (the n samples of a group) that then decode different tokens. Every step equals
+    transformers over the whole sequence."""
+    path = family("qwen3_next")
+    cfg, model, cache = _engine(path)
+    assert cfg.gdn is not None and cfg.gdn.linear_layers == (True, False, True, False)
+    hf = _hf(path)
+    gen = torch.Generator().manual_seed(11)
+    long, short, late = (torch.randint(0, cfg.vocab, (n,), generator=gen).tolist() for n in (70, 3, 9))
+    seqs: dict[int, list[int]] = {}
+    logits: dict[int, list[torch.Tensor]] = {}
+    starts: dict[int, int] = {}
+
+    def decode(order: list[int], feed: dict[int, int] | None = None) -> None:
+        """One step of the slots in `order`, each fed its greedy token or the one `feed` gives."""
+        toks = [(feed or {}).get(s, int(logits[s][-1].argmax())) for s in order]
+        for s, tok in zip(order, toks, strict=True):
+            seqs[s].append(tok)
+        with torch.inference_mode():
+            out = model.decode(toks, [len(seqs[s]) - 1 for s in order], order, cache)
+        for row, s in enumerate(order):
+            logits[s].append(out[row])
+
+    def prefill(prompts: list[list[int]]) -> list[int]:
+        slots = [cache.allocate(128) for _ in prompts]
+        with torch.inference_mode():
+            out = model.prefill(prompts, slots, cache)
+        for row, (s, p) in enumerate(zip(slots, prompts, strict=True)):
+            seqs[s], logits[s], starts[s] = list(p), [out[row]], len(p) - 1
+        return slots
+
+    a, b, c = prefill([long, short, list(short)])  # b and c share their prompt's prefill
+    assert [a, b, c] == [0, 1, 2]
+    assert torch.equal(logits[b][0], logits[c][0])
+    decode([a, b, c], feed={c: (int(logits[c][0].argmax()) + 1) % cfg.vocab})  # c samples another token
+    decode([c, a, b])
+    assert seqs[c][:-2] == seqs[b][:-2] and seqs[c][-2] != seqs[b][-2]
+    assert _assert_follows_hf(hf, seqs.pop(b), starts.pop(b), logits.pop(b)) <= TOL
+    cache.release(b)
+    (d,) = prefill([late])  # the freed slot, its old states overwritten
+    assert d == b
+    for order in ([d, a, c], [c, d], [a, c, d]):
+        decode(order)
+    for s in (a, c, d):
+        assert _assert_follows_hf(hf, seqs[s], starts[s], logits[s]) <= TOL
+
+
+def test_qwen3_next_weight_update_by_name_matches_transformers(
+    family: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A partial update under Qwen3-Next's names (gated delta net, gated attention, zero-centred
+    norms, routers, the shared expert and its gate) changes the engine's logits as the same
+    weights change transformers'; the checkpoint's `mtp.*` tensors are accepted and left out."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    v1, v2 = family("qwen3_next", 0), family("qwen3_next", 1)
+    cfg, model, _ = _engine(v1)
+    other = read_safetensors_dir(v2)
+    keys = ("linear_attn.", "self_attn.q_proj", "q_norm", "layernorm", "mlp.gate.", "shared_expert")
+    picked = {n: t for n, t in other.items() if any(k in n for k in keys)}
+    assert {n.split(".")[-2] for n in picked} >= {
+        "linear_attn",
+        "conv1d",
+        "in_proj_qkvz",
+        "shared_expert_gate",
+    }
+    mtp = {"mtp.fc.weight": torch.zeros(8, 8), "mtp.layers.0.input_layernorm.weight": torch.zeros(8)}
+    model.load(
+        dict(decode_named_tensors(encode_named_tensors(list({**picked, **mtp}.items()), []))), complete=False
+    )
+    assert not any(n.startswith("mtp.") for n in model.params)
+    merged = {**read_safetensors_dir(v1), **picked}
+    out = tmp_path / "merged"
+    shutil.copytree(v1, out)
+    save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
+    seq = [1, 5, 6, 7, 8, 40, 41, 200]
+    cache = KVCache(cfg)
+    with torch.inference_mode():
+        got = model.prefill([seq], [cache.allocate(16)], cache)
+        before = _hf(v1)(torch.tensor([seq])).logits[0, -1]
+        after = _hf(out)(torch.tensor([seq])).logits[0, -1]
+    assert not torch.allclose(before, after, atol=1e-3)
+    assert torch.allclose(got[0], after, atol=TOL), float((got[0] - after).abs().max())
+    with pytest.raises(WeightMismatch, match="unknown parameter name"):  # layer 1 is full attention
+        model.load({"model.layers.1.linear_attn.A_log": torch.zeros(4)}, complete=False)
+    with pytest.raises(WeightMismatch, match="unknown parameter name"):  # layer 0 is linear attention
+        model.load({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 64)}, complete=False)
+    with pytest.raises(WeightMismatch, match="shape"):  # q_proj holds the queries and their gates
+        model.load({"model.layers.1.self_attn.q_proj.weight": torch.zeros(64, 64)}, complete=False)
+
+
+def test_qwen3_next_config_defaults(family: Callable[..., Path], tmp_path: Path) -> None:
+    """Without layer_types the layers follow full_attention_interval, without a rotary factor a
+    quarter of the head rotates, as transformers' Qwen3NextConfig reads them."""
+    raw = _config(family("qwen3_next"))
+    for key in ("layer_types", "rope_parameters"):
+        raw.pop(key)
+    raw["full_attention_interval"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.gdn is not None and cfg.gdn.linear_layers == (True, True, True, False)
+    assert cfg.rotary_dim == cfg.head_dim // 4 and cfg.zero_centered_norm and cfg.attn_output_gate
+    assert ModelConfig.from_dir(family("qwen3_next")).gdn.linear_layers == (True, False, True, False)  # type: ignore[union-attr]
 
 
 def test_init_model_family_flags_are_checked() -> None:
@@ -506,7 +640,7 @@ def event_loop_runner() -> Iterator[Callable[[Any], Any]]:
         loop.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
 def test_scheduler_returns_routed_experts_like_sglang(
     family: Callable[..., Path], arch: str, event_loop_runner: Callable[[Any], Any]
 ) -> None:

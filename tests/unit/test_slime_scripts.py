@@ -10,8 +10,11 @@ planned on one 8-GPU node, exactly as `tether plan` does, without starting anyth
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -23,6 +26,7 @@ from tether.placement.plan import Plan, plan_from_config
 from tether.rollout.hooks.checks import check_hooks
 from tether.runtime.errors import ConfigError
 from tether.train.model import megatron_args
+from tether.train.model.capabilities import Capabilities, check_capabilities
 
 # --- model configs: the Hugging Face config.json each MODEL_ARGS describes ------------------------
 
@@ -353,7 +357,6 @@ SEARCH_R1_QWEN25_3B = [
     "--custom-rm-path", "generate_with_search.reward_func",
 ]  # fmt: skip
 
-# script path in slime -> (its arguments, the model its MODEL_ARGS describe)
 # slime: examples/fully_async/run-qwen2.5-0.5B-fully_async.sh (train_async.py; MODEL_ARGS:
 # scripts/models/qwen2.5-0.5B.sh), NUM_GPUS=4, ACTOR_GPUS=1
 QWEN25_05B_FULLY_ASYNC = [
@@ -545,6 +548,313 @@ QWEN3_30B_A3B = [
     "--attention-softmax-in-fp32", "--attention-backend", "flash",
 ]  # fmt: skip
 
+# The MODEL_ARGS of scripts/models/qwen3-30B-A3B.sh, as run-qwen3-30B-A3B.sh passes them (its
+# siblings below source the same file).
+QWEN3_30B_A3B_MODEL_ARGS = QWEN3_30B_A3B[
+    QWEN3_30B_A3B.index("--disable-bias-linear") : QWEN3_30B_A3B.index("--hf-checkpoint")
+]
+
+# slime: scripts/low_precision/run-qwen3-30B-A3B-int4.sh (MODEL_ARGS: scripts/models/qwen3-30B-A3B.sh):
+# run-qwen3-30B-A3B.sh's model on an INT4 checkpoint, trained with fake INT4 quantization
+# (OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1, OPEN_TRAINING_INT4_GROUP_SIZE=128 in its Ray env), engines of 1 GPU.
+QWEN3_30B_A3B_INT4 = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    *QWEN3_30B_A3B_MODEL_ARGS,
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-30B-A3B-INT4/", "--ref-load", "/root/Qwen3-30B-A3B_torch_dist/",
+    "--load", "/root/Qwen3-30B-A3B_slime/", "--save", "/root/Qwen3-30B-A3B_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "100", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "0.8", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28", "--use-tis",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192",
+    # EVAL_ARGS (one path, no name: slime's legacy form)
+    "--eval-interval", "10", "--eval-prompt-data", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "16384", "--eval-top-p", "0.7",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "1", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "8", *[str(n) for n in range(16, 257, 8)],
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: examples/multi_agent/run-qwen3-30B-A3B-multi-agent.sh (MODEL_ARGS:
+# scripts/models/qwen3-30B-A3B.sh); its generate hook lives in the example's
+# rollout_with_multi_agents.py, which the test stands in for. Its EVAL_ARGS keep only the sampling
+# flags (the eval data is commented out: "multi-agent do not support eval for now").
+MULTI_AGENT_QWEN3_30B_A3B = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    *QWEN3_30B_A3B_MODEL_ARGS,
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-30B-A3B", "--ref-load", "/root/Qwen3-30B-A3B_torch_dist",
+    "--load", "/root/Qwen3-4B_slime/", "--save", "/root/Qwen3-4B_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--custom-generate-function-path",
+    "examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents",
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-context-len", "16384", "--rollout-max-response-len", "8192",
+    "--rollout-temperature", "1", "--global-batch-size", "256", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28", "--use-rollout-logprobs",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "20480",
+    # EVAL_ARGS
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "8", *[str(n) for n in range(16, 257, 8)],
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/run-moonlight-16B-A3B.sh (MODEL_ARGS: scripts/models/moonlight.sh): DeepSeek-V3's
+# architecture at 16B (MLA without a q LoRA, 64 experts in one group, one dense first layer), Megatron's
+# experts dispatched by DeepEP (--moe-enable-deepep with the flex dispatcher).
+HF_CONFIGS["moonlight-16B-A3B"] = {  # moonshotai/Moonlight-16B-A3B's config.json
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 11264,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 8192,
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "num_nextn_predict_layers": 0,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.446,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+MOONLIGHT_16B_A3B = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--disable-bias-linear", "--num-layers", "27", "--hidden-size", "2048", "--ffn-hidden-size", "11264",
+    "--num-attention-heads", "16", "--kv-channels", "128", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--norm-epsilon", "1e-5", "--rotary-percent", "1.0", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--no-masked-softmax-fusion", "--vocab-size", "163840",
+    "--multi-latent-attention", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+    "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--qk-layernorm", "--rotary-scaling-factor", "1",
+    "--rotary-base", "50000", "--mscale", "1.0", "--mscale-all-dim", "1.0", "--attention-softmax-in-fp32",
+    "--no-rope-fusion",
+    "--num-experts", "64", "--moe-layer-freq", "[" + ",".join(["0"] * 1 + ["1"] * 26) + "]",
+    "--moe-ffn-hidden-size", "1408", "--moe-router-topk", "6",
+    "--moe-shared-expert-intermediate-size", str(1408 * 2), "--moe-router-pre-softmax",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-aux-loss-coeff", "0", "--moe-router-bias-update-rate", "0", "--moe-router-group-topk", "1",
+    "--moe-router-num-groups", "1", "--moe-grouped-gemm", "--moe-router-topk-scaling-factor", "2.446",
+    "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Moonlight-16B-A3B", "--ref-load", "/root/Moonlight-16B-A3B_torch_dist",
+    "--load", "/root/Moonlight-16B-A3B_slime/", "--save", "/root/Moonlight-16B-A3B_slime/",
+    "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
+    "--num-rollout", "3000", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "4096", "--rollout-temperature", "1",
+    "--over-sampling-batch-size", "256",
+    "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    "--num-steps-per-rollout", "4", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "4096", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "8", *[str(n) for n in range(16, 257, 8)],
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--moe-enable-deepep", "--moe-token-dispatcher-type", "flex",
+]  # fmt: skip
+
+
+def _replaced(argv: list[str], changes: dict[str, str]) -> list[str]:
+    """`argv` with the value after each flag of `changes` replaced (a sibling script's edits)."""
+    out = [*argv]
+    for flag, value in changes.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+# slime: scripts/low_precision/run-moonlight-16B-A3B-int4.sh (MODEL_ARGS: scripts/models/moonlight.sh):
+# run-moonlight-16B-A3B.sh on 4 GPUs (TP 2, EP 4, engines of 4) from an INT4 checkpoint of
+# Moonlight-16B-A3B-Instruct, trained with fake INT4 quantization (OPEN_TRAINING_INT4_GROUP_SIZE=128);
+# otherwise its arguments.
+MOONLIGHT_16B_A3B_INT4 = _replaced(
+    MOONLIGHT_16B_A3B,
+    {
+        "--actor-num-gpus-per-node": "4",
+        "--hf-checkpoint": "/root/Moonlight-16B-A3B-Instruct-INT4",
+        "--ref-load": "/root/Moonlight-16B-A3B-Instruct-INT4_torch_dist",
+        "--rollout-temperature": "0.8",
+        "--eval-top-p": "0.7",
+        "--tensor-model-parallel-size": "2",
+        "--expert-model-parallel-size": "4",
+        "--rollout-num-gpus-per-engine": "4",
+    },
+)
+
+# slime: scripts/run-glm4.7-30B-A3B.sh (MODEL_ARGS: scripts/models/glm4.7-30B-A3B.sh): GLM-4.7-Flash,
+# DeepSeek-V3's attention (value heads wider than the query's nope part) with GLM's router, its MTP
+# layer trained (MTP_ARGS) and served as the EAGLE draft, Megatron's experts dispatched by DeepEP.
+HF_CONFIGS["glm4.7-flash"] = {  # zai-org/GLM-4.7-Flash's config.json
+    "architectures": ["Glm4MoeLiteForCausalLM"],
+    "model_type": "glm4_moe_lite",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "pad_token_id": 154820,
+    "eos_token_id": [154820, 154827, 154829],
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 10240,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 202752,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 20,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 47,
+    "num_key_value_heads": 20,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 1.0,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_interleave": True,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 1.8,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 256,
+    "vocab_size": 154880,
+}
+GLM47_FLASH = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--moe-layer-freq", "[0]*1+[1]*46", "--num-experts", "64",
+    "--moe-shared-expert-intermediate-size", "1536", "--moe-router-topk", "4", "--moe-grouped-gemm",
+    "--moe-permute-fusion", "--moe-ffn-hidden-size", "1536", "--moe-router-score-function", "sigmoid",
+    "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk-scaling-factor", "1.8",
+    "--moe-aux-loss-coeff", "0", "--moe-router-dtype", "fp32", "--make-vocab-size-divisible-by", "64",
+    "--num-layers", "47", "--hidden-size", "2048", "--ffn-hidden-size", "10240",
+    "--num-attention-heads", "20", "--disable-bias-linear", "--add-qkv-bias", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+    "--normalization", "RMSNorm", "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "768",
+    "--kv-lora-rank", "512", "--qk-head-dim", "192", "--v-head-dim", "256", "--kv-channels", "192",
+    "--qk-pos-emb-head-dim", "64", "--vocab-size", "154880", "--rotary-base", "1000000", "--no-rope-fusion",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/GLM-4.7-Flash", "--ref-load", "/root/GLM-4.7-Flash_torch_dist/",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "32768", "--rollout-temperature", "1.0", "--global-batch-size", "1024",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--kl-coef", "0.00", "--entropy-coef", "0.00",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+    "--context-parallel-size", "2", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--decoder-last-pipeline-num-layers", "23",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "32768",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime24", "/root/rl_data/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "32768",
+    "--eval-temperature", "1.0", "--eval-top-p", "0.95",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.8",
+    "--sglang-enable-dp-attention", "--sglang-dp-size", "8", "--sglang-enable-dp-lm-head",
+    "--sglang-moe-dense-tp-size", "1",
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
+    "--sglang-cuda-graph-max-bs", "64", "--sglang-max-running-requests", "512",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
+    # MTP_ARGS
+    "--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.2",
+]  # fmt: skip
+
+# script path in slime -> (its arguments, the model its MODEL_ARGS describe)
 SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scripts/run-qwen3-30B-A3B.sh": (QWEN3_30B_A3B, "qwen3-30B-A3B"),
     "scripts/run-mimo-7B-rl-eagle.sh": (MIMO_7B_EAGLE, "mimo-7B"),
@@ -557,6 +867,10 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scripts/run-qwen2.5-0.5B-reproducibility.sh": (QWEN25_05B_REPRODUCIBILITY, "qwen2.5-0.5B"),
     "examples/search-r1/run_qwen2.5_3B.sh": (SEARCH_R1_QWEN25_3B, "qwen2.5-3B"),
     "examples/fully_async/run-qwen2.5-0.5B-fully_async.sh": (QWEN25_05B_FULLY_ASYNC, "qwen2.5-0.5B"),
+    "examples/multi_agent/run-qwen3-30B-A3B-multi-agent.sh": (MULTI_AGENT_QWEN3_30B_A3B, "qwen3-30B-A3B"),
+    "scripts/low_precision/run-qwen3-30B-A3B-int4.sh": (QWEN3_30B_A3B_INT4, "qwen3-30B-A3B"),
+    "scripts/run-moonlight-16B-A3B.sh": (MOONLIGHT_16B_A3B, "moonlight-16B-A3B"),
+    "scripts/low_precision/run-moonlight-16B-A3B-int4.sh": (MOONLIGHT_16B_A3B_INT4, "moonlight-16B-A3B"),
 }
 
 # Flags whose values are paths, and what the test puts there instead.
@@ -595,13 +909,31 @@ def one_node(gpus: int) -> Inventory:
     )
 
 
-def plan_for(argv: list[str]) -> tuple[Config, Plan]:
-    """What `tether plan` does with these flags (resolve, check hooks, place), on an 8-GPU node."""
+def eight_gpu_nodes(count: int) -> Inventory:
+    return Inventory(
+        nodes=[
+            Node(hostname=f"n{i}", address=f"10.0.0.{i + 1}", gpus=[Gpu(index=g) for g in range(8)])
+            for i in range(count)
+        ]
+    )
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def plan_for(argv: list[str], inventory: Inventory | None = None) -> tuple[Config, Plan]:
+    """What `tether plan` does with these flags (resolve, check hooks, place), on an 8-GPU node
+    unless another inventory is given."""
     cfg = resolve(argv)
     if not cfg.debug.debug_train_only:
         check_hooks(cfg.rollout)
     plan = plan_from_config(
-        cfg.cluster, cfg.debug.debug_rollout_only, cfg.debug.debug_train_only, one_node(8), lambda _: None
+        cfg.cluster,
+        cfg.debug.debug_rollout_only,
+        cfg.debug.debug_train_only,
+        inventory or one_node(8),
+        lambda _: None,
     )
     return cfg, plan
 
@@ -625,8 +957,40 @@ def search_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(module.parent))
 
 
+@pytest.fixture
+def multi_agent_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Stand-ins for the multi-agent example's modules (imported as examples.multi_agent.*): the
+    generate hook of rollout_with_multi_agents.py and the agent system it loads, their signatures."""
+    package = tmp_path / "multi_agent_hooks" / "examples" / "multi_agent"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "rollout_with_multi_agents.py").write_text(
+        textwrap.dedent(
+            """
+            async def generate_with_multi_agents(args, sample, sampling_params, evaluation=False):
+                return [sample]
+            """
+        )
+    )
+    (package / "agent_system.py").write_text(
+        textwrap.dedent(
+            """
+            async def run_agent_system(args, sample):
+                return [sample]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(package.parent.parent))
+    yield
+    for name in [n for n in sys.modules if n == "examples" or n.startswith("examples.")]:
+        del sys.modules[name]  # the stand-ins go with tmp_path
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_slime_script_plans_unchanged(script: str, tmp_path: Path, search_hooks: None) -> None:
+def test_slime_script_plans_unchanged(
+    script: str, tmp_path: Path, search_hooks: None, multi_agent_hooks: None
+) -> None:
     argv, model = SCRIPTS[script]
     cfg, plan = plan_for(with_local_paths(argv, model, tmp_path))
     actor = plan.train_group("actor")
@@ -711,13 +1075,7 @@ def test_qwen3_235b_plans_with_its_engines_across_nodes(tmp_path: Path) -> None:
     argv = with_local_paths(QWEN3_235B_A22B, "qwen3-235B-A22B", tmp_path)
     cfg = resolve(argv)
     check_hooks(cfg.rollout)
-    nodes = Inventory(
-        nodes=[
-            Node(hostname=f"n{i}", address=f"10.0.0.{i + 1}", gpus=[Gpu(index=g) for g in range(8)])
-            for i in range(16)
-        ]
-    )
-    plan = plan_from_config(cfg.cluster, False, False, nodes, lambda _: None)
+    plan = plan_from_config(cfg.cluster, False, False, eight_gpu_nodes(16), lambda _: None)
     actor = plan.train_group("actor")
     assert actor is not None and actor.world_size == 64 and actor.nnodes == 8
     assert cfg.megatron.data_parallel_size(64) == 2  # TP 4 x PP 4 x CP 2; experts EP 16 x ETP 1 x PP 4
@@ -728,10 +1086,6 @@ def test_qwen3_235b_plans_with_its_engines_across_nodes(tmp_path: Path) -> None:
         assert engine.launch_args(engine.parts[3])[-4:] == ["--nnodes", "4", "--node-rank", "3"]
         assert engine.dist_init_addr is not None
     assert not cfg.cluster.rollout_engines_may_span_nodes
-
-
-def test_six_scripts_are_kept() -> None:
-    assert len(SCRIPTS) >= 6
 
 
 def test_the_fully_async_example_runs_as_the_fully_async_loop(tmp_path: Path, search_hooks: None) -> None:
@@ -807,8 +1161,8 @@ MINIMAX_M2_MODEL_ARGS = [
 
 
 def _minimax_argv(tmp: Path, model_args: list[str]) -> list[str]:
-    """MiniMax-M2's MODEL_ARGS on one 8-GPU node. Its script's own layout is refused today: engines of
-    16 GPUs across nodes (issue #34), and PP 2 under --colocate."""
+    """MiniMax-M2's MODEL_ARGS on one 8-GPU node (its script as written, PP 2 under --colocate on two
+    nodes: MULTI_NODE_SCRIPTS)."""
     return with_local_paths(
         [
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate",
@@ -847,3 +1201,665 @@ def test_minimax_m2_model_args_plan_against_its_config(tmp_path: Path) -> None:
     (hf / "config.json").write_text(json.dumps({**HF_CONFIGS["minimax-m2.5"], "model_type": "mixtral"}))
     with pytest.raises(ConfigError, match="--spec"):
         plan_for(argv)
+
+
+# --- slime's multi-node scripts: each placed on as many 8-GPU nodes as it asks for -----------------
+
+
+# The MODEL_ARGS of scripts/models/qwen3-235B-A22B.sh, as run-qwen3-235B-A22B.sh passes them.
+QWEN3_235B_A22B_MODEL_ARGS = QWEN3_235B_A22B[
+    QWEN3_235B_A22B.index("--disable-bias-linear") : QWEN3_235B_A22B.index("--hf-checkpoint")
+]
+
+# slime: scripts/low_precision/run-qwen3-235B-A22B-int4.sh (MODEL_ARGS: scripts/models/qwen3-235B-A22B.sh):
+# 8 colocated nodes with run-qwen3-235B-A22B.sh's trainer layout, engines of 8 GPUs (no DP attention),
+# an INT4 checkpoint trained with fake INT4 quantization (OPEN_TRAINING_INT4_GROUP_SIZE=128).
+QWEN3_235B_A22B_INT4 = [
+    "--actor-num-nodes", "8", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    *QWEN3_235B_A22B_MODEL_ARGS,
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-235B-A22B-INT4/", "--ref-load", "/root/Qwen3-235B-A22B_torch_dist/",
+    "--load", "/root/Qwen3-235B-A22B-slime/", "--save", "/root/Qwen3-235B-A22B-slime/",
+    "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "300", "--rollout-batch-size", "32", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "8192", "--rollout-temperature", "0.8", "--global-batch-size", "256",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28", "--use-tis",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
+    "--context-parallel-size", "2", "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1",
+    "--decoder-last-pipeline-num-layers", "22",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+    # EVAL_ARGS
+    "--eval-interval", "10", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "0.7",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7", "--sglang-ep-size", "8",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "8", *[str(n) for n in range(16, 257, 8)],
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash", "--no-check-for-nan-in-loss-and-grad",
+]  # fmt: skip
+
+# slime: scripts/run-qwen3-235B-A22B-sft.sh (MODEL_ARGS: scripts/models/qwen3-235B-A22B.sh), launched
+# with train_async.py on 4 nodes (TP 4, experts over EP 32), the trainer only; BASE_FOLDER=/root (the
+# script requires it set); its EVAL_ARGS is never set (empty).
+QWEN3_235B_A22B_SFT = [
+    "--actor-num-nodes", "4", "--actor-num-gpus-per-node", "8",
+    # MODEL_ARGS
+    *QWEN3_235B_A22B_MODEL_ARGS,
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-235B-A22B", "--ref-load", "/root/Qwen3-235B-A22B_torch_dist",
+    "--load", "/root/Qwen3-235B-A22B_slime/", "--save", "/root/Qwen3-235B-A22B_slime/",
+    "--save-interval", "1000",
+    # SFT_ARGS
+    "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
+    "--prompt-data", "/root/openhermes2_5.parquet", "--input-key", "messages", "--rollout-shuffle",
+    "--num-epoch", "3", "--rollout-batch-size", "128", "--global-batch-size", "128",
+    "--loss-type", "sft_loss", "--calculate-per-token-loss", "--disable-compute-advantages-and-returns",
+    "--debug-train-only",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-5", "--lr-decay-style", "cosine", "--min-lr", "1e-6",
+    "--lr-warmup-fraction", "0.1", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "32", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/run-deepseek-r1.sh (MODEL_ARGS: scripts/models/deepseek-v3.sh, its
+# MODEL_ARGS_NUM_LAYERS unset: 61 layers): 16 colocated nodes (TP 8, PP 4, CP 4, experts at ETP 1
+# over EP 32), engines of 64 GPUs (8 nodes each) with DP attention, DeepEP and the MTP layer as
+# EAGLE draft. $BASE_DIR comes from the environment: /root here.
+HF_CONFIGS["deepseek-r1"] = {  # deepseek-ai/DeepSeek-R1's config.json (DeepSeek-V3's architecture)
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+DEEPSEEK_R1 = [
+    "--actor-num-nodes", "16", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS (MOE_LAYER_FREQ as the model file's printf writes it: [0,0,0,1,...,1])
+    "--disable-bias-linear", "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
+    "--num-attention-heads", "128", "--kv-channels", "128", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--norm-epsilon", "1e-6", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--vocab-size", "129280",
+    "--multi-latent-attention", "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+    "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--qk-layernorm", "--rotary-scaling-factor", "40",
+    "--rotary-base", "10000", "--mscale", "1.0", "--mscale-all-dim", "1.0", "--attention-softmax-in-fp32",
+    "--no-rope-fusion",
+    "--num-experts", "256", "--moe-layer-freq", "[" + ",".join(["0"] * 3 + ["1"] * 58) + "]",
+    "--moe-ffn-hidden-size", "2048", "--moe-router-topk", "8", "--moe-shared-expert-intermediate-size", "2048",
+    "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-aux-loss-coeff", "0", "--moe-router-bias-update-rate", "0", "--moe-router-group-topk", "4",
+    "--moe-router-num-groups", "8", "--moe-grouped-gemm", "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/DeepSeek-R1/", "--ref-load", "/root/DeepSeek-R1_torch_dist/",
+    "--load", "/root/DeepSeek-R1_slime/", "--save", "/root/DeepSeek-R1_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "32768", "--rollout-temperature", "1",
+    "--over-sampling-batch-size", "256",
+    "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    "--num-steps-per-rollout", "4", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
+    "--context-parallel-size", "4", "--expert-model-parallel-size", "32", "--expert-tensor-parallel-size", "1",
+    "--decoder-last-pipeline-num-layers", "13",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/rl_data/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "32768", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "64", "--sglang-mem-fraction-static", "0.7", "--sglang-ep-size", "64",
+    "--sglang-enable-dp-attention", "--sglang-dp-size", "8", "--sglang-moe-dense-tp-size", "1",
+    "--sglang-enable-dp-lm-head", "--sglang-moe-a2a-backend", "deepep", "--sglang-deepep-mode", "auto",
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
+    "--sglang-server-concurrency", "1024",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    "--moe-enable-deepep", "--moe-token-dispatcher-type", "flex",
+]  # fmt: skip
+
+# slime: scripts/run-glm4.7-355B-A32B.sh (MODEL_ARGS: scripts/models/glm4.5-355B-A32B.sh): GLM-4.7 on 8
+# colocated nodes (ACTOR_NUM_NODES and ACTOR_NUM_GPUS_PER_NODE at their defaults, 8 and 8; TP 8, PP 4,
+# CP 2, experts at ETP 1 over EP 16), engines of 32 GPUs with DP attention and the MTP layer as EAGLE
+# draft, Megatron's experts dispatched by DeepEP; $BASE_DIR from the environment: /root here.
+HF_CONFIGS["glm4.7-355B-A32B"] = {  # zai-org/GLM-4.7's config.json
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338],
+    "first_k_dense_replace": 3,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 202752,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+GLM47_355B_A32B = [
+    "--actor-num-nodes", "8", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "96",
+    "--num-query-groups", "8", "--kv-channels", "128", "--num-layers", str(3 + 89), "--hidden-size", "5120",
+    "--ffn-hidden-size", "12288", "--add-qkv-bias", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--rotary-percent", "0.5", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--vocab-size", "151552", "--rotary-base", "1000000",
+    "--moe-ffn-hidden-size", "1536", "--moe-shared-expert-intermediate-size", "1536",
+    "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "0", "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "8",
+    "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0]*3+[1]*89", "--num-experts", "160",
+    "--moe-grouped-gemm", "--moe-router-dtype", "fp32", "--moe-permute-fusion", "--moe-aux-loss-coeff", "0",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/GLM-4.7-355B-A32B", "--ref-load", "/root/GLM-4.7-355B-A32B_torch_dist/",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "32768", "--rollout-temperature", "1",
+    "--over-sampling-batch-size", "256",
+    "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    "--num-steps-per-rollout", "4", "--balance-data", "--rollout-stop-token-ids", "151329", "151336", "151338",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "gspo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "1e-4", "--eps-clip-high", "2e-4",
+    "--use-tis",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
+    "--context-parallel-size", "2", "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/rl_data/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "32768", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "32", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-enable-dp-attention", "--sglang-dp-size", "4", "--sglang-ep-size", "32",
+    "--sglang-enable-dp-lm-head", "--sglang-moe-dense-tp-size", "1",
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
+]  # fmt: skip
+
+# slime: scripts/run-kimi-k2-Thinking.sh (MODEL_ARGS: scripts/models/kimi-k2-thinking.sh): 32 colocated
+# nodes (TP 8, PP 8, CP 4, experts at ETP 1 over EP 32), engines of 16 GPUs (2 nodes each) with DP
+# attention; $BASE_DIR from the environment: /root here.
+HF_CONFIGS["kimi-k2-thinking"] = {  # moonshotai/Kimi-K2-Thinking's config.json, in BF16
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+    "ep_size": 1,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 262144,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 64.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+KIMI_K2_THINKING = [
+    "--actor-num-nodes", "32", "--actor-num-gpus-per-node", "8", "--colocate",
+    "--update-weight-buffer-size", str(4 * 512 * 1024 * 1024),
+    # MODEL_ARGS (MOE_LAYER_FREQ as the model file's printf writes it: [0,1,...,1])
+    "--disable-bias-linear", "--num-layers", "61", "--hidden-size", "7168", "--ffn-hidden-size", "18432",
+    "--num-attention-heads", "64", "--kv-channels", "64", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--norm-epsilon", "1e-5", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--vocab-size", "163840",
+    "--multi-latent-attention", "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+    "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128", "--qk-layernorm",
+    "--rotary-scaling-factor", "64.0", "--rotary-base", "50000", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+    "--attention-softmax-in-fp32", "--no-rope-fusion",
+    "--num-experts", "384", "--moe-layer-freq", "[" + ",".join(["0"] * 1 + ["1"] * 60) + "]",
+    "--moe-ffn-hidden-size", "2048", "--moe-router-topk", "8", "--moe-shared-expert-intermediate-size", "2048",
+    "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-aux-loss-coeff", "0", "--moe-router-bias-update-rate", "0", "--moe-router-group-topk", "1",
+    "--moe-router-num-groups", "1", "--moe-grouped-gemm", "--moe-router-topk-scaling-factor", "2.827",
+    "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    # CKPT_ARGS (the BF16 checkpoint's line is commented out: the script serves an FP8 one)
+    "--hf-checkpoint", "/root/Kimi-K2-Thinking-fp8/", "--ref-load", "/root/Kimi-K2-Thinking_torch_dist/",
+    "--load", "/root/Kimi-K2-Thinking_slime/", "--save", "/root/Kimi-K2-Thinking_slime/",
+    "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
+    "--num-rollout", "100", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "16384", "--rollout-temperature", "1",
+    "--over-sampling-batch-size", "256",
+    "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    "--num-steps-per-rollout", "4", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28", "--use-tis",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "8",
+    "--context-parallel-size", "4", "--expert-model-parallel-size", "32", "--expert-tensor-parallel-size", "1",
+    "--decoder-last-pipeline-num-layers", "5",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "16", "--sglang-mem-fraction-static", "0.7",
+    "--sglang-enable-dp-attention", "--sglang-dp-size", "8", "--sglang-moe-dense-tp-size", "1",
+    "--sglang-enable-dp-lm-head", "--sglang-ep-size", "16", "--sglang-server-concurrency", "1024",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/low_precision/run-kimi-k2-Thinking-int4.sh (MODEL_ARGS: scripts/models/kimi-k2-thinking.sh):
+# run-kimi-k2-Thinking.sh's trainer on Kimi-K2-Thinking's own INT4 checkpoint, engines of 8 GPUs without
+# DP attention, fake INT4 quantization at OPEN_TRAINING_INT4_GROUP_SIZE=32.
+KIMI_K2_THINKING_INT4 = [
+    *KIMI_K2_THINKING[: KIMI_K2_THINKING.index("--hf-checkpoint")],  # its cluster flags and MODEL_ARGS
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Kimi-K2-Thinking/", "--ref-load", "/root/Kimi-K2_thinking_torch_dist/",
+    "--load", "/root/Kimi-K2-thinking_slime/", "--save", "/root/Kimi-K2-thinking_slime/",
+    "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "math",
+    "--num-rollout", "100", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "16384", "--rollout-temperature", "0.8",
+    "--over-sampling-batch-size", "256",
+    "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    "--num-steps-per-rollout", "4", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28", "--use-tis",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "8",
+    "--context-parallel-size", "4", "--expert-model-parallel-size", "32", "--expert-tensor-parallel-size", "1",
+    "--decoder-last-pipeline-num-layers", "5",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+    # EVAL_ARGS
+    "--eval-interval", "10", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "16", "--eval-max-response-len", "16384", "--eval-top-p", "0.7",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.7", "--sglang-ep-size", "8",
+    "--sglang-server-concurrency", "1024",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash", "--no-check-for-nan-in-loss-and-grad",
+]  # fmt: skip
+
+# slime: scripts/run-minimax-m2.sh (MODEL_ARGS: scripts/models/minimax-m2.sh) as written: 16 colocated
+# nodes (TP 2, PP 2, experts at ETP 1 over EP 4), engines of 16 GPUs (2 nodes each); BASE_DIR at its
+# default, /root.
+MINIMAX_M2 = [
+    "--actor-num-nodes", "16", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    *MINIMAX_M2_MODEL_ARGS,
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/MiniMax-M2.5", "--ref-load", "/root/MiniMax-M2.5_torch_dist",
+    "--load", "/root/MiniMax-M2.5_slime/", "--save", "/root/MiniMax-M2.5_slime/", "--save-interval", "20",
+    "--model-name", "minimax_m2",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "32768", "--rollout-temperature", "1",
+    "--over-sampling-batch-size", "256",
+    "--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    "--num-steps-per-rollout", "4", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00",
+    "--kl-loss-type", "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    "--eps-clip-high", "0.28",
+    # TB_ARGS
+    "--use-tensorboard",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/rl_data/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "32768", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "16", "--sglang-mem-fraction-static", "0.7", "--sglang-ep-size", "16",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# script path in slime -> (its arguments, the model its MODEL_ARGS describe, the 8-GPU nodes it needs)
+MULTI_NODE_SCRIPTS: dict[str, tuple[list[str], str, int]] = {
+    "scripts/run-qwen3-235B-A22B.sh": (QWEN3_235B_A22B, "qwen3-235B-A22B", 16),
+    "scripts/run-qwen3-235B-A22B-sft.sh": (QWEN3_235B_A22B_SFT, "qwen3-235B-A22B", 4),
+    "scripts/low_precision/run-qwen3-235B-A22B-int4.sh": (QWEN3_235B_A22B_INT4, "qwen3-235B-A22B", 8),
+    "scripts/run-deepseek-r1.sh": (DEEPSEEK_R1, "deepseek-r1", 16),
+    "scripts/run-glm4.7-355B-A32B.sh": (GLM47_355B_A32B, "glm4.7-355B-A32B", 8),
+    "scripts/run-kimi-k2-Thinking.sh": (KIMI_K2_THINKING, "kimi-k2-thinking", 32),
+    "scripts/low_precision/run-kimi-k2-Thinking-int4.sh": (KIMI_K2_THINKING_INT4, "kimi-k2-thinking", 32),
+    "scripts/run-minimax-m2.sh": (MINIMAX_M2, "minimax-m2.5", 16),
+}
+
+
+@pytest.mark.parametrize("script", sorted(MULTI_NODE_SCRIPTS))
+def test_multi_node_slime_script_plans_unchanged(script: str, tmp_path: Path) -> None:
+    """Each script on as many 8-GPU nodes as it asks for, as written. Those that train with pipeline
+    parallelism under --colocate plan too: every stage's weights reach every trainer rank before the
+    colocated update (tether.train.checkpoint.export.iter_every_stage), as slime broadcasts them over
+    the PP group (slime/backends/megatron_utils/update_weight/hf_weight_iterator_direct.py)."""
+    argv, model, nodes = MULTI_NODE_SCRIPTS[script]
+    local = with_local_paths(argv, model, tmp_path)
+    cfg, plan = plan_for(local, eight_gpu_nodes(nodes))
+    actor = plan.train_group("actor")
+    assert actor is not None
+    actor_nodes, per_node = (
+        int(_flag(argv, "--actor-num-nodes")),
+        int(_flag(argv, "--actor-num-gpus-per-node")),
+    )
+    assert (actor.world_size, actor.nnodes) == (actor_nodes * per_node, actor_nodes)
+    if "--debug-train-only" in argv:
+        assert cfg.debug.debug_train_only and not plan.engines
+    else:
+        per_engine = int(_flag(argv, "--rollout-num-gpus-per-engine"))
+        rollout_gpus = (
+            actor_nodes * per_node if "--colocate" in argv else int(_flag(argv, "--rollout-num-gpus"))
+        )
+        assert len(plan.engines) == rollout_gpus // per_engine
+        for engine in plan.engines:  # an engine wider than a node spans nodes, as slime places it
+            assert engine.tp_size == per_engine and engine.nnodes == -(-per_engine // 8)
+    assert plan.colocate is cfg.cluster.colocate is ("--colocate" in argv)
+    assert cfg.data.rollout_shuffle
+    assert Config.from_json(cfg.to_json()) == cfg
+    assert msgspec.json.decode(plan.to_json())["mode"] == plan.mode
+
+
+def test_the_glm47_flash_script_is_refused_for_its_expert_layout(tmp_path: Path) -> None:
+    """slime's run-glm4.7-30B-A3B.sh trains on 1 x 8 GPUs with EP 8 and PP 2: Megatron lays the experts
+    out on a grid of EP x ETP x PP = 16 ranks, which 8 ranks cannot tile (initialize_model_parallel
+    raises), so `tether plan` refuses it, naming --expert-model-parallel-size. On two nodes the layout
+    tiles and every other flag plans as the script passes it, colocated with PP 2: GLM-4.7-Flash's MLA
+    model flags (--add-qkv-bias, which MLA never reads, included), its MTP training, DeepEP and EAGLE."""
+    argv = with_local_paths(GLM47_FLASH, "glm4.7-flash", tmp_path)
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size=8: EP x ETP x PP = 16 .* 8 trainer"):
+        plan_for(argv)
+    cfg, plan = plan_for(_replaced(argv, {"--actor-num-nodes": "2"}), eight_gpu_nodes(2))
+    assert plan.colocate and cfg.megatron.pipeline_model_parallel_size == 2
+    m = cfg.megatron
+    assert m.multi_latent_attention and (m.mtp_num_layers, m.enable_mtp_training) == (1, True)
+    assert (m.moe_token_dispatcher_type, m.moe_enable_deepep) == ("flex", True)
+    assert [engine.tp_size for engine in plan.engines] == [8, 8]
+
+
+def test_deepep_is_checked_on_the_trainer_ranks_not_in_the_plan(tmp_path: Path) -> None:
+    """--moe-enable-deepep with the flex dispatcher (slime's Moonlight, DeepSeek-R1, GLM-4.7 scripts):
+    a GPU plan is made where the ranks' libraries may not be, so `tether plan` accepts it; each trainer
+    rank checks its own capabilities before building the model and refuses it without deep_ep."""
+    cfg, _ = plan_for(with_local_paths(MOONLIGHT_16B_A3B, "moonlight-16B-A3B", tmp_path))
+    assert (cfg.megatron.moe_token_dispatcher_type, cfg.megatron.moe_enable_deepep) == ("flex", True)
+    check_capabilities(cfg.megatron, Capabilities.full_gpu())
+    without = dataclasses.replace(Capabilities.full_gpu(), deep_ep=False)
+    with pytest.raises(ConfigError, match=r"--moe-enable-deepep=True: needs the deep_ep module \(DeepEP\)"):
+        check_capabilities(cfg.megatron, without)
+
+
+# --- quantized checkpoints -------------------------------------------------------------------------
+
+
+def _int4_quantization(group_size: int, symmetric: bool) -> dict[str, object]:
+    """An INT4 checkpoint's quantization_config as slime's tools/convert_hf_to_int4_direct.py writes it
+    (compressed-tensors, int4 weights in groups; attention, shared experts, dense MLPs, routers,
+    norms, embeddings and lm_head left unquantized)."""
+    weights = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": group_size,
+        "num_bits": 4,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "strategy": "group",
+        "symmetric": symmetric,
+        "type": "int",
+    }
+    return {
+        "config_groups": {
+            "group_0": {
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": weights,
+            }
+        },
+        "format": "pack-quantized",
+        "ignore": [
+            "re:.*lm_head.*",
+            "re:.*norm.*",
+            "re:.*embed.*",
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+            "re:.*mlp\\.gate\\.*",
+        ],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+# Block FP8 as DeepSeek-V3/R1 publish it and slime's tools/convert_hf_to_fp8.py writes it.
+_FP8_BLOCK = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+# The checkpoints slime's scripts point --hf-checkpoint at, quantized: the INT4 scripts' (converted
+# as slime's docs run the tool, at the OPEN_TRAINING_INT4_GROUP_SIZE each script passes: 128; Kimi-K2-
+# Thinking's own checkpoint is compressed-tensors INT4 too, symmetric, at 32), DeepSeek-R1 as published
+# (block FP8), and the FP8 conversion run-kimi-k2-Thinking.sh serves.
+for _model, _quant in (
+    ("qwen3-30B-A3B", _int4_quantization(128, symmetric=False)),
+    ("moonlight-16B-A3B", _int4_quantization(128, symmetric=False)),
+    ("qwen3-235B-A22B", _int4_quantization(128, symmetric=False)),
+    ("kimi-k2-thinking", _int4_quantization(32, symmetric=True)),
+    ("deepseek-r1", _FP8_BLOCK),
+):
+    HF_CONFIGS[f"{_model}-{_quant['quant_method']}"] = {**HF_CONFIGS[_model], "quantization_config": _quant}
+HF_CONFIGS["kimi-k2-thinking-fp8"] = {**HF_CONFIGS["kimi-k2-thinking"], "quantization_config": _FP8_BLOCK}
+
+# script path in slime -> (its arguments, its quantized checkpoint's model)
+QUANTIZED: dict[str, tuple[list[str], str]] = {
+    "scripts/low_precision/run-qwen3-30B-A3B-int4.sh": (
+        QWEN3_30B_A3B_INT4,
+        "qwen3-30B-A3B-compressed-tensors",
+    ),
+    "scripts/low_precision/run-moonlight-16B-A3B-int4.sh": (
+        MOONLIGHT_16B_A3B_INT4,
+        "moonlight-16B-A3B-compressed-tensors",
+    ),
+    "scripts/low_precision/run-qwen3-235B-A22B-int4.sh": (
+        QWEN3_235B_A22B_INT4,
+        "qwen3-235B-A22B-compressed-tensors",
+    ),
+    "scripts/low_precision/run-kimi-k2-Thinking-int4.sh": (
+        KIMI_K2_THINKING_INT4,
+        "kimi-k2-thinking-compressed-tensors",
+    ),
+    "scripts/run-kimi-k2-Thinking.sh": (KIMI_K2_THINKING, "kimi-k2-thinking-fp8"),
+    "scripts/run-deepseek-r1.sh": (DEEPSEEK_R1, "deepseek-r1-fp8"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(QUANTIZED))
+def test_quantized_checkpoints_are_refused(script: str, tmp_path: Path) -> None:
+    """slime trains these scripts' BF16 weights (the INT4 ones with fake INT4 quantization) and
+    quantizes each weight it sends to SGLang by the checkpoint's quantization_config
+    (megatron_to_hf/processors quantize_params). tether sends unquantized weights, which engines
+    serving the quantized checkpoint cannot take: the script is refused, naming the config's key and
+    method. The same flags against the unquantized checkpoint plan (the tests above)."""
+    argv, model = QUANTIZED[script]
+    quant = HF_CONFIGS[model]["quantization_config"]
+    assert isinstance(quant, dict)
+    with pytest.raises(ConfigError) as err:
+        resolve(with_local_paths(argv, model, tmp_path))
+    assert err.value.key.endswith("config.json:quantization_config"), err.value
+    assert str(quant["quant_method"]) in str(err.value) and "does not quantize" in str(err.value)
+
+
+def test_the_scripts_are_kept() -> None:
+    kept = {*SCRIPTS, *MULTI_NODE_SCRIPTS, "scripts/run-glm4.7-30B-A3B.sh"}
+    assert len(kept) == len(SCRIPTS) + len(MULTI_NODE_SCRIPTS) + 1 == 24

@@ -423,10 +423,17 @@ def test_mla_families_name_what_megatron_cannot_build(
             "quant_method": "compressed-tensors",
         },
         # DeepSeek-V3/R1's and Qwen3-*-FP8's block FP8
-        {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+        {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
     ],
 )
-def test_load_arch_refuses_a_quantized_checkpoint(tmp_path: Path, quantization_config: dict[str, Any]) -> None:
+def test_load_arch_refuses_a_quantized_checkpoint(
+    tmp_path: Path, quantization_config: dict[str, Any]
+) -> None:
     """Engines serving a quantized checkpoint expect quantized weights; tether syncs unquantized ones
     and does not quantize them as slime does, so the checkpoint is refused, naming the key and method."""
     with pytest.raises(ConfigError) as err:

@@ -61,6 +61,10 @@ GLM4 = dataclasses.replace(
     post_sublayer_norms=True,
 )
 TIED = dataclasses.replace(ARCH, tie_word_embeddings=True)
+# Qwen3-Next's attention and norms (its linear attention and experts do not matter to these flags).
+QWEN3_NEXT = dataclasses.replace(
+    ARCH, model_type="qwen3_next", attention_output_gate=True, zero_centered_norms=True
+)
 # A tiny DeepSeek-V3 shape (MLA + MoE with grouped, biased sigmoid routing), as hf_config reads it.
 # MiMo: the dense shape plus one multi-token-prediction layer in the checkpoint.
 MIMO = dataclasses.replace(ARCH, model_type="mimo", mtp_layers=1)
@@ -590,7 +594,14 @@ def test_uneven_pipeline_stages_reach_the_config() -> None:
         ],
         "--decoder-last-pipeline-num-layers",
     )
-    m = parse("--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1").megatron
+    m = parse(
+        "--actor-num-gpus-per-node",
+        "3",
+        "--pipeline-model-parallel-size",
+        "3",
+        "--decoder-first-pipeline-num-layers",
+        "1",
+    ).megatron
     with pytest.raises(ConfigError) as err:  # 3 layers left for 2 stages of the 4-layer model
         megatron_args.resolve_arch(ARCH, m, tp_size=1, pp_size=3)
     assert err.value.key == "--decoder-first-pipeline-num-layers"
@@ -759,6 +770,8 @@ def test_moe_flags_reach_the_transformer_config(argv: list[str], field: str, val
         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size", ("--sequence-parallel",)),
         (
             [
+                "--actor-num-gpus-per-node",  # ranks that TP 2 and the experts' ETP 3 both tile
+                "6",
                 "--tensor-model-parallel-size",
                 "2",
                 "--sequence-parallel",
@@ -769,7 +782,14 @@ def test_moe_flags_reach_the_transformer_config(argv: list[str], field: str, val
             ("must divide the experts' moe_intermediate_size=32",),
         ),
         (
-            ["--expert-model-parallel-size", "3", "--moe-token-dispatcher-type", "alltoall"],
+            [
+                "--actor-num-gpus-per-node",  # ranks that EP 3 tiles
+                "3",
+                "--expert-model-parallel-size",
+                "3",
+                "--moe-token-dispatcher-type",
+                "alltoall",
+            ],
             "--expert-model-parallel-size",
             ("4 experts",),
         ),
@@ -1110,6 +1130,20 @@ PROBES: dict[str, list[Probe]] = {
     "--disable-bias-linear": [flag("--disable-bias-linear", expect="asserted")],
     "--add-qkv-bias": [flag("--add-qkv-bias", expect="refused")],
     "--qk-layernorm": [flag("--qk-layernorm", expect="refused")],
+    # Qwen3-Next's gated full attention (two spellings in slime's scripts) and 1p norms: properties
+    # of the checkpoint, refused where the HF config has none.
+    "--attention-output-gate": [
+        flag("--attention-output-gate", expect="refused"),
+        flag("--attention-output-gate", expect="ignored", arch=QWEN3_NEXT),
+    ],
+    "--use-gated-attention": [
+        flag("--use-gated-attention", expect="refused"),
+        flag("--use-gated-attention", expect="ignored", arch=QWEN3_NEXT),
+    ],
+    "--apply-layernorm-1p": [
+        flag("--apply-layernorm-1p", expect="refused"),
+        flag("--apply-layernorm-1p", expect="ignored", arch=QWEN3_NEXT),
+    ],
     "--untie-embeddings-and-output-weights": [
         flag("--untie-embeddings-and-output-weights", expect="refused", arch=TIED)
     ],

@@ -53,6 +53,38 @@ def iter_hf_weights(
             yield hf_name, out.to(dtype) if dtype is not None else out
 
 
+def iter_every_stage(
+    chunks: list[Any], arch: ModelArch, *, device: torch.device | None = CPU
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) of every stage's weights, on every rank, in stage order: each stage
+    exports its own (`iter_hf_weights`) and broadcasts them over its pipeline group, one tensor at a
+    time (a pickled header, then the tensor itself). Collective over the whole job. The colocated
+    sync needs it under PP > 1: each rank hands the engine ranks on its own device the whole model,
+    as slime gathers every stage to each rank before its CUDA IPC update.
+
+    `device`: as in `iter_hf_weights`; None keeps received tensors on the collective device."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    sources = dist.get_process_group_ranks(group)
+    here = ps.get_pipeline_model_parallel_rank()
+    wire = collective_device()
+    own = iter_hf_weights(chunks, arch, device=wire)
+    for stage, src in enumerate(sources):
+        while True:
+            item = next(own, None) if stage == here else None
+            header: list[Any] = [None if item is None else (item[0], item[1].dtype, list(item[1].shape))]
+            dist.broadcast_object_list(header, src=src, group=group)
+            if header[0] is None:
+                break  # this stage has sent all its tensors
+            name, dtype, shape = header[0]
+            tensor = (
+                item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype, device=wire)
+            )
+            dist.broadcast(tensor, src=src, group=group)
+            yield name, tensor if device is None else tensor.to(device)
+
+
 def stream_to_rank0(
     chunks: list[Any],
     arch: ModelArch,

@@ -45,6 +45,10 @@ DEEPSEEK_ROUTER_MODEL_TYPES = ("glm4_moe", *MLA_MODEL_TYPES)
 
 MINIMAX_M2_SPEC = "slime_plugins.models.minimax_m2"
 """slime's layer-spec module for MiniMax-M2 (full QK norms): accepted for that family only."""
+QWEN3_NEXT_SPEC = "slime_plugins.models.qwen3_next"
+"""slime's layer-spec module for Qwen3-Next (gated-DeltaNet linear attention): that family only."""
+# slime's family-specific layer-spec modules, by the family whose layers they build.
+_FAMILY_SPECS = {MINIMAX_M2_SPEC: ("minimax_m2", "MiniMax-M2"), QWEN3_NEXT_SPEC: ("qwen3_next", "Qwen3-Next")}
 
 # Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
 # (GLM-4 dense was here until its sandwich norms were built: tether.train.model.glm4.)
@@ -373,7 +377,9 @@ def _qwen3_next_fields(cfg: dict[str, Any], path: Path, layers: int) -> dict[str
     value_heads = int(_field(cfg, "linear_num_value_heads", path))
     if value_heads % key_heads:
         raise ConfigError(
-            f"{path}:linear_num_value_heads", value_heads, f"must be a multiple of linear_num_key_heads={key_heads}"
+            f"{path}:linear_num_value_heads",
+            value_heads,
+            f"must be a multiple of linear_num_key_heads={key_heads}",
         )
     return {
         "linear_attention": tuple(1 if t == "linear_attention" else 0 for t in types),
@@ -515,8 +521,9 @@ def check_parallel(
     ep_size: int = 1,
     etp_size: int | None = None,
     sequence_parallel: bool | None = None,
+    cp_size: int = 1,
 ) -> None:
-    """Reject TP/PP/EP sizes (and uneven stage sizes) the model cannot be split by, naming the flag.
+    """Reject TP/PP/EP/CP sizes (and uneven stage sizes) the model cannot be split by, naming the flag.
 
     `sequence_parallel` (--sequence-parallel; None: not known here): Megatron trains MoE layers at
     TP > 1 only with sequence parallelism (`MoELayer.forward` refuses otherwise, as Megatron-LM's
@@ -538,6 +545,13 @@ def check_parallel(
     if arch.ffn_hidden_size % tp_size and (arch.moe_layer_freq is None or 0 in arch.moe_layer_freq):
         raise ConfigError(
             "--tensor-model-parallel-size", tp_size, f"must divide intermediate_size={arch.ffn_hidden_size}"
+        )
+    if arch.linear_attention is not None and cp_size > 1:
+        raise ConfigError(
+            "--context-parallel-size",
+            cp_size,
+            f"{arch.model_type}'s linear attention is Megatron's GatedDeltaNet, which megatron-core "
+            "0.16 builds without context parallelism (its TransformerConfig refuses it)",
         )
     for field in ("linear_num_key_heads", "linear_num_value_heads"):
         heads = getattr(arch, field)
@@ -656,6 +670,10 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         "rotary_interleaved": arch.rotary_interleaved,
         "post_self_attn_layernorm": arch.post_sublayer_norms,
         "post_mlp_layernorm": arch.post_sublayer_norms,
+        # Qwen3-Next: gated full attention (two spellings in slime's scripts), zero-centred norms.
+        "attention_output_gate": arch.attention_output_gate,
+        "use_gated_attention": arch.attention_output_gate,
+        "apply_layernorm_1p": arch.zero_centered_norms,
         # Mixture of experts and multi-latent attention: properties of the checkpoint too.
         "num_experts": arch.num_experts,
         "moe_router_topk": arch.moe_router_topk,
@@ -691,11 +709,12 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
     check_mtp_layers(arch, flags.get("mtp_num_layers"))
     check_model_name(arch, flags.get("model_name"))
     spec = flags.get("spec")
-    if isinstance(spec, list) and spec and spec[0] == MINIMAX_M2_SPEC and arch.model_type != "minimax_m2":
+    family = _FAMILY_SPECS.get(spec[0]) if isinstance(spec, list) and spec else None
+    if isinstance(spec, list) and family is not None and arch.model_type != family[0]:
         raise ConfigError(
             "--spec",
             " ".join(spec),
-            f"builds MiniMax-M2's layers; the Hugging Face config is {arch.model_type}",
+            f"builds {family[1]}'s layers; the Hugging Face config is {arch.model_type}",
         )
     seq_length = flags.get("seq_length")
     if isinstance(seq_length, int) and seq_length > arch.max_position_embeddings:

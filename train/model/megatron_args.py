@@ -51,6 +51,7 @@ def _check_layout(arch: ModelArch, megatron: MegatronConfig, tp_size: int, pp_si
         ep_size=megatron.expert_model_parallel_size,
         etp_size=megatron.expert_tensor_parallel_size,
         sequence_parallel=megatron.sequence_parallel,
+        cp_size=megatron.context_parallel_size,
     )
 
 

@@ -204,7 +204,9 @@ def in_proj_to_mcore(qkvz: torch.Tensor, ba: torch.Tensor, shape: LinearAttentio
     h, r = shape.key_heads, shape.ratio
     rest = qkvz.shape[1:]
     grouped = qkvz.reshape(h, -1, *rest)
-    q, k, v, z = grouped.split([shape.key_dim, shape.key_dim, r * shape.value_dim, r * shape.value_dim], dim=1)
+    q, k, v, z = grouped.split(
+        [shape.key_dim, shape.key_dim, r * shape.value_dim, r * shape.value_dim], dim=1
+    )
     b, a = ba.reshape(h, 2 * r, *rest).split([r, r], dim=1)
     return torch.cat([t.reshape(-1, *rest) for t in (q, k, v, z, b, a)]).contiguous()
 
@@ -268,6 +270,14 @@ def qwen3_next_bridge_class() -> type:
             "self_attention.out_norm.weight": [linear + "norm.weight"],
             "self_attention.out_proj.weight": [linear + "out_proj.weight"],
         }
+        # Qwen2-MoE's names plus a dense layer's MLP (mlp_only_layers); mbridge picks the first key
+        # contained in the Megatron name, and none of these is inside an expert's name.
+        _MLP_MAPPING: ClassVar[dict[str, list[str]]] = {
+            **Qwen2MoEBridge._MLP_MAPPING,
+            "mlp.linear_fc1.layer_norm_weight": [layer + "post_attention_layernorm.weight"],
+            "mlp.linear_fc1.weight": [layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"],
+            "mlp.linear_fc2.weight": [layer + "mlp.down_proj.weight"],
+        }
 
         def _shape(self) -> LinearAttentionShape:
             return LinearAttentionShape.of(self.hf_config)
@@ -292,7 +302,9 @@ def qwen3_next_bridge_class() -> type:
             self, name: str, weights: torch.Tensor
         ) -> tuple[list[str], list[torch.Tensor]]:
             if name.endswith(_IN_PROJ):
-                return self._weight_name_mapping_mcore_to_hf(name), list(in_proj_to_hf(weights, self._shape()))
+                return self._weight_name_mapping_mcore_to_hf(name), list(
+                    in_proj_to_hf(weights, self._shape())
+                )
             if name.endswith("self_attention.linear_qkv.weight"):
                 groups, heads, head_dim = self._attention_dims()
                 return self._weight_name_mapping_mcore_to_hf(name), list(

@@ -657,8 +657,6 @@ class TrainerWorker(RankApi):
         from tether.train.checkpoint import export
 
         actor, topo = self._require_init(), self._topo
-        if topo.pp_size > 1:
-            raise ValueError("--colocate: each rank must hold every stage's weights; use PP 1")
         ranks = request.engine_ranks or [1] * len(request.engine_urls)
         sources = request.handle_sources or [[0] * n for n in ranks]
 
@@ -674,8 +672,11 @@ class TrainerWorker(RankApi):
                 dist.barrier()
 
         device = None if torch.cuda.is_available() else export.CPU  # CUDA IPC takes them in place
+        # Under PP > 1 every stage's tensors reach every rank: an engine rank takes the whole
+        # model from the trainer rank on its own device.
+        every = export.iter_every_stage if topo.pp_size > 1 else export.iter_hf_weights
         steps = rank_handle_buckets(
-            export.iter_hf_weights(actor.chunks, actor.arch, device=device),
+            every(actor.chunks, actor.arch, device=device),
             request.weight_sync.update_weight_buffer_size,
             rank=topo.rank,
             sources=sources,

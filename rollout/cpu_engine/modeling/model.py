@@ -1,6 +1,7 @@
 """The CPU engine's model: a compact pure-torch forward for Llama, Qwen2 (and MiMo), Qwen3, GLM-4 and
 the Mixture-of-Experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with multi-latent
-attention and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE), with a slot-based KV cache, so one
+attention and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE) and Qwen3-Next (gated-delta-net linear
+attention, gdn.py, between layers of gated full attention), with a slot-based KV cache, so one
 decode step runs every running sequence in one forward.
 
 Supported: RMSNorm, RoPE (default rope type, theta from `rope_parameters` or `rope_theta`;
@@ -24,11 +25,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
+from tether.rollout.cpu_engine.modeling import gdn
+from tether.rollout.cpu_engine.modeling.families import MLA_MODEL_TYPES
+from tether.rollout.cpu_engine.modeling.gdn import GDNConfig, GDNConfigError
 from tether.rollout.cpu_engine.modeling.mla import MLAConfig, mla_attend, mla_project
 from tether.rollout.cpu_engine.modeling.moe import MoEConfig, MoEConfigError, moe_block
 from tether.rollout.cpu_engine.modeling.rope import YarnConfig, rope_tables
 from tether.runtime.errors import UserError
-from tether.train.model.hf_config import MLA_MODEL_TYPES
 
 SUPPORTED_TYPES = (
     "llama",
@@ -44,6 +47,7 @@ SUPPORTED_TYPES = (
     "minimax_m2",
     "glm4_moe_lite",
     "kimi_k2",
+    "qwen3_next",
 )
 # Families whose checkpoints may carry multi-token-prediction (MTP) layers. Plain decoding does
 # not use them (transformers drops them too), so their tensors are accepted and left out.
@@ -85,6 +89,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mla: MLAConfig | None = None
     yarn: YarnConfig | None = None  # YaRN rope scaling; None: plain RoPE
     mtp_layers: int = 0  # the checkpoint's MTP layers (num_nextn_predict_layers), not served
+    # Qwen3-Next: gated-delta-net linear attention on the layers gdn.linear_layers marks, norms
+    # that scale by (1 + weight), and full attention whose q_proj also yields a sigmoid output gate.
+    gdn: GDNConfig | None = None
+    zero_centered_norm: bool = False
+    attn_output_gate: bool = False
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -121,11 +130,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         try:
             moe = MoEConfig.from_raw(model_type, raw, layers)
             mla = MLAConfig.from_raw(raw) if model_type in MLA_MODEL_TYPES else None
-        except (MoEConfigError, ValueError) as e:
+            linear = GDNConfig.from_raw(raw, layers) if model_type == "qwen3_next" else None
+        except (MoEConfigError, GDNConfigError, ValueError) as e:
             raise ModelConfigError(f"{cfg_path}: {e}") from e
         head_dim = int(raw.get("head_dim") or hidden // heads) if mla is None else mla.qk_dim
         partial = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
-        partial = float(partial if partial is not None else raw.get("partial_rotary_factor", 1.0))
+        # transformers' Qwen3-Next rotates a quarter of each head unless the config says otherwise.
+        default_partial = 0.25 if model_type == "qwen3_next" else 1.0
+        partial = float(partial if partial is not None else raw.get("partial_rotary_factor", default_partial))
         rotary_dim = mla.qk_rope_dim if mla is not None else int(head_dim * partial)
         if mla is not None and partial != 1.0:  # transformers' MLA rotates all of qk_rope_head_dim
             raise ModelConfigError(f"{cfg_path}: partial_rotary_factor={partial} is not supported (only 1.0)")
@@ -165,7 +177,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             max_position=max_position,
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias and mla is None,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "minimax_m2") or bool(raw.get("use_qk_norm", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "minimax_m2", "qwen3_next")
+            or bool(raw.get("use_qk_norm", False)),
             qk_norm_full=model_type == "minimax_m2",
             eos_token_ids=eos_ids,
             rotary_dim=rotary_dim,
@@ -176,6 +189,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             mla=mla,
             yarn=yarn,
             mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if model_type in _MTP_FAMILIES else 0,
+            gdn=linear,
+            zero_centered_norm=model_type == "qwen3_next",
+            attn_output_gate=model_type == "qwen3_next",
         )
 
     def unused(self, name: str) -> bool:
@@ -184,6 +200,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         `model.mtp_layers`)."""
         if name == "lm_head.weight" and self.tie_embeddings:
             return True
+        if self.model_type == "qwen3_next" and name.startswith("mtp."):
+            return True  # Qwen3-Next's MTP module (transformers leaves `mtp.*` out too)
         if not self.mtp_layers:
             return False
         if self.model_type == "mimo":
@@ -201,6 +219,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.mla is not None:
             return ((1, self.mla.cache_width),)
         return ((self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim))
+
+    def linear(self, layer: int) -> bool:
+        """Whether layer `layer` mixes tokens with linear attention (Qwen3-Next's gated delta net)."""
+        return self.gdn is not None and self.gdn.linear_layers[layer]
 
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer` holds an MoE block (else the dense MLP)."""
@@ -242,8 +264,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             if self.mla is not None:
                 shapes |= self.mla.expected_shapes(i, self.hidden, self.heads)
                 continue
+            if self.gdn is not None and self.linear(i):
+                shapes |= self.gdn.expected_shapes(i, self.hidden)
+                continue
             shapes |= {
-                p + "self_attn.q_proj.weight": (q, self.hidden),
+                p + "self_attn.q_proj.weight": (2 * q if self.attn_output_gate else q, self.hidden),
                 p + "self_attn.k_proj.weight": (kv, self.hidden),
                 p + "self_attn.v_proj.weight": (kv, self.hidden),
                 p + "self_attn.o_proj.weight": (self.hidden, q),
@@ -284,6 +309,12 @@ def _refuse_unsupported(cfg_path: Path, model_type: str, raw: dict[str, Any]) ->
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"{cfg_path}: hidden_act={act!r} is not supported (only 'silu')")
+    if model_type == "qwen3_next":
+        # Its layer_types name linear and full attention layers (GDNConfig checks them); its
+        # o_proj would carry a bias too, which the forward does not apply.
+        if raw.get("attention_bias"):
+            raise ModelConfigError(f"{cfg_path}: attention_bias=true is not supported for qwen3_next")
+        return
     layer_types: list[str] = raw.get("layer_types") or []
     if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         raise ModelConfigError(
@@ -412,6 +443,15 @@ class KVCache:
 
     Slots and capacity grow by doubling, so the cache costs what the running batch needs. It
     lives on the model's device, in the model's dtype.
+
+    Linear-attention layers (Qwen3-Next's gated delta net) keep no entry per token: their
+    stores hold no heads, and `states[i]` holds, per slot, the layer's conv window
+    [slots, conv_dim, kernel - 1] (model dtype) and recurrent state [slots, v_heads, k_dim, v_dim]
+    (float32). They live and die with the slot: a prefill overwrites a slot's states from empty
+    states (a slot is never reused without one), a decode step advances them, release frees them
+    with the slot's keys and values. Nothing is shared between slots beyond what one prefill
+    copies to every slot of the same prompt, so there is no prefix cache that state would have to
+    follow (a recurrent state is only valid at the exact end of the sequence it summarises).
     """
 
     def __init__(
@@ -424,6 +464,7 @@ class KVCache:
         self.capacity = 0
         self.shapes = cfg.cache_shapes()
         self.stores: list[list[torch.Tensor]] = [[] for _ in self.shapes]
+        self.states: dict[int, list[torch.Tensor]] = {}
         self.free: list[int] = []
 
     def ensure(self, slots: int, capacity: int) -> None:
@@ -436,12 +477,25 @@ class KVCache:
             return
         for store, (heads, width) in zip(self.stores, self.shapes, strict=True):
             for i in range(self.cfg.layers):
-                fresh = torch.zeros((new_slots, heads, new_cap, width), dtype=self.dtype, device=self.device)
+                kept = 0 if self.cfg.linear(i) else heads  # a linear layer keeps no per-token entry
+                fresh = torch.zeros((new_slots, kept, new_cap, width), dtype=self.dtype, device=self.device)
                 if store[i:]:
                     fresh[: self.slots, :, : self.capacity] = store[i]
                     store[i] = fresh
                 else:
                     store.append(fresh)
+        if self.cfg.gdn is not None and new_slots != self.slots:
+            window, state = self.cfg.gdn.state_shapes()
+            for i in range(self.cfg.layers):
+                if not self.cfg.linear(i):
+                    continue
+                grown = [
+                    torch.zeros((new_slots, *window), dtype=self.dtype, device=self.device),
+                    torch.zeros((new_slots, *state), dtype=torch.float32, device=self.device),
+                ]
+                for new, old in zip(grown, self.states.get(i, []), strict=False):
+                    new[: self.slots] = old
+                self.states[i] = grown
         self.free.extend(range(self.slots, new_slots))
         self.slots, self.capacity = new_slots, new_cap
 
@@ -457,7 +511,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for store in self.stores for t in store)
+        kv = sum(t.nbytes for store in self.stores for t in store)
+        return kv + sum(t.nbytes for held in self.states.values() for t in held)
 
 
 class TinyLM:
@@ -543,6 +598,11 @@ class TinyLM:
     def loaded(self) -> bool:
         return bool(self.params)
 
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """RMSNorm of x by the parameter `name`; Qwen3-Next's norms scale by 1 + weight."""
+        weight = self.params[name]
+        return _rms_norm(x, weight + 1.0 if self.cfg.zero_centered_norm else weight, self.cfg.eps)
+
     def _lm_head(self) -> torch.Tensor:
         key = "model.embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
         return self.params[key]
@@ -556,15 +616,22 @@ class TinyLM:
         rot = rot * cos + rotate(rot) * sin
         return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)
 
-    def _project(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """q [B, H, T, d] and what the cache keeps ([B, heads, T, width] per store) for h [B, T, D]."""
+    def _project(
+        self, i: int, h: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """q [B, H, T, d], what the cache keeps ([B, heads, T, width] per store) for h [B, T, D],
+        and the output gate [B, T, H * d] when attention has one (Qwen3-Next), else None."""
         c, p = self.cfg, self.params
         if c.mla is not None:
             q, latent = mla_project(c.mla, c.heads, p, i, h, pos, self._rope, _rms_norm)
-            return q, [latent]
+            return q, [latent], None
         pre = f"model.layers.{i}.self_attn."
         b, t, _ = h.shape
         q = F.linear(h, p[pre + "q_proj.weight"], p.get(pre + "q_proj.bias"))
+        gate = None
+        if c.attn_output_gate:  # per head: its query's d dims, then its gate's
+            q, gate = q.view(b, t, c.heads, 2 * c.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(b, t, c.heads * c.head_dim), gate.reshape(b, t, c.heads * c.head_dim)
         k = F.linear(h, p[pre + "k_proj.weight"], p.get(pre + "k_proj.bias"))
         v = F.linear(h, p[pre + "v_proj.weight"], p.get(pre + "v_proj.bias"))
         if c.qk_norm_full:  # one norm over all heads' queries (keys): MiniMax-M2
@@ -574,10 +641,10 @@ class TinyLM:
         k = k.view(b, t, c.kv_heads, c.head_dim)
         v = v.view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
         if c.qk_norm and not c.qk_norm_full:
-            q = _rms_norm(q, p[pre + "q_norm.weight"], c.eps)
-            k = _rms_norm(k, p[pre + "k_norm.weight"], c.eps)
+            q = self._norm(q, pre + "q_norm.weight")
+            k = self._norm(k, pre + "k_norm.weight")
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        return self._rope(q, pos), [self._rope(k, pos), v]
+        return self._rope(q, pos), [self._rope(k, pos), v], gate
 
     def _attend(self, i: int, q: torch.Tensor, kept: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """Attention output [B, T, H * v_dim] of q over the kept entries (this step's or the cache's)."""
@@ -596,15 +663,29 @@ class TinyLM:
         b, _, t, _ = out.shape
         return out.transpose(1, 2).reshape(b, t, c.heads * c.head_dim)
 
-    def _block_tail(self, i: int, x: torch.Tensor, attn: torch.Tensor, routes: Routes | None) -> torch.Tensor:
-        """Output projection, residuals, norms and the MLP (dense or MoE) of layer i."""
+    def _block_tail(
+        self,
+        i: int,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        routes: Routes | None,
+        gate: torch.Tensor | None = None,
+        mixed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Output projection (attention's, gated when `gate` is given; `mixed` instead is a linear
+        attention layer's projected output), residuals, norms and the MLP (dense or MoE) of layer i."""
         c, p = self.cfg, self.params
         pre = f"model.layers.{i}."
-        out = F.linear(attn, p[pre + "self_attn.o_proj.weight"])
+        if mixed is not None:
+            out = mixed
+        else:
+            if gate is not None:
+                attn = attn * torch.sigmoid(gate)
+            out = F.linear(attn, p[pre + "self_attn.o_proj.weight"])
         if c.sandwich_norm:
             out = _rms_norm(out, p[pre + "post_self_attn_layernorm.weight"], c.eps)
         x = x + out
-        h = _rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.eps)
+        h = self._norm(x, pre + "post_attention_layernorm.weight")
         if c.moe is not None and c.sparse(i):
             y, ids = moe_block(c.moe, h, p, i)
             if routes is not None:
@@ -618,6 +699,35 @@ class TinyLM:
         if c.sandwich_norm:
             y = _rms_norm(y, p[pre + "post_mlp_layernorm.weight"], c.eps)
         return x + y
+
+    def _linear_prefill(
+        self,
+        i: int,
+        h: torch.Tensor,
+        lens: torch.Tensor,
+        where: torch.Tensor,
+        slot_idx: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Linear attention layer i over the distinct, right-padded sequences h [N, T, D]: its
+        output [N, T, D] (zero past each sequence's end), and each sequence's conv window and
+        recurrent state written to every slot that holds it (`where` maps slots to rows).
+
+        Each sequence runs alone over its own length: a state run on through the padding would
+        not be the state at the sequence's end."""
+        c = self.cfg
+        assert c.gdn is not None
+        out = torch.zeros_like(h)
+        windows, states = [], []
+        for row, n in enumerate(lens.tolist()):
+            y, window, state = gdn.prefill(c.gdn, self.params, i, h[row : row + 1, :n], c.eps)
+            out[row, :n] = y[0]
+            windows.append(window)
+            states.append(state)
+        window_store, state_store = cache.states[i]
+        window_store[slot_idx] = torch.cat(windows)[where]
+        state_store[slot_idx] = torch.cat(states)[where]
+        return out
 
     def prefill(
         self,
@@ -654,24 +764,27 @@ class TinyLM:
         slot_idx = torch.tensor(slots, device=dev)
         x = F.embedding(tokens, self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
-            h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
-            q, entries = self._project(i, h, pos)
+            h = self._norm(x, f"model.layers.{i}.input_layernorm.weight")
+            if c.linear(i):
+                x = self._block_tail(
+                    i, x, x, routes, mixed=self._linear_prefill(i, h, lens, where, slot_idx, cache)
+                )
+                continue
+            q, entries, gate = self._project(i, h, pos)
             for store, entry in zip(cache.stores, entries, strict=True):
                 # The whole padded block in one copy: a slot's positions past its sequence get
                 # padding's entries, which decode overwrites before its mask lets a query see them.
                 store[i][slot_idx, :, :t] = entry[where] if shared else entry
-            x = self._block_tail(i, x, self._attend(i, q, entries, mask), routes)
+            x = self._block_tail(i, x, self._attend(i, q, entries, mask), routes, gate)
         if routes is not None and shared:
             for layer, experts in routes.items():
                 routes[layer] = experts[where]
         if score_from and scores is not None:
             for row, start in score_from.items():
-                h = _rms_norm(
-                    x[inverse[row], start : len(prompts[row])], self.params["model.norm.weight"], c.eps
-                )
+                h = self._norm(x[inverse[row], start : len(prompts[row])], "model.norm.weight")
                 scores[row] = F.linear(h, self._lm_head())
         last = x[torch.arange(len(distinct), device=dev), lens - 1]
-        logits = F.linear(_rms_norm(last, self.params["model.norm.weight"], c.eps), self._lm_head())
+        logits = F.linear(self._norm(last, "model.norm.weight"), self._lm_head())
         return logits[where] if shared else logits
 
     def decode(
@@ -699,12 +812,20 @@ class TinyLM:
         mask = _additive(seen, self.dtype)[:, None, None, :]  # [B, 1, 1, T]
         x = F.embedding(torch.tensor(tokens, device=dev).view(b, 1), self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
-            h = _rms_norm(x, self.params[f"model.layers.{i}.input_layernorm.weight"], c.eps)
-            q, entries = self._project(i, h, pos.view(b, 1))
+            h = self._norm(x, f"model.layers.{i}.input_layernorm.weight")
+            if c.gdn is not None and c.linear(i):
+                window, state = cache.states[i]
+                mixed, window_new, state_new = gdn.decode(
+                    c.gdn, self.params, i, h, window[slot_idx], state[slot_idx], c.eps
+                )
+                window[slot_idx], state[slot_idx] = window_new, state_new
+                x = self._block_tail(i, x, x, routes, mixed=mixed)
+                continue
+            q, entries, gate = self._project(i, h, pos.view(b, 1))
             kept = []
             for store, entry in zip(cache.stores, entries, strict=True):
                 store[i][slot_idx, :, pos] = entry[:, :, 0]
                 known = store[i][:, :, :t]
                 kept.append(known[first : first + b] if consecutive else known.index_select(0, slot_idx))
-            x = self._block_tail(i, x, self._attend(i, q, kept, mask), routes)
-        return F.linear(_rms_norm(x[:, 0], self.params["model.norm.weight"], c.eps), self._lm_head())
+            x = self._block_tail(i, x, self._attend(i, q, kept, mask), routes, gate)
+        return F.linear(self._norm(x[:, 0], "model.norm.weight"), self._lm_head())

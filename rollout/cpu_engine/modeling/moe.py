@@ -1,4 +1,4 @@
-"""Mixture-of-Experts feed-forward blocks for the CPU engine (Qwen2-MoE, Qwen3-MoE, Mixtral,
+"""Mixture-of-Experts feed-forward blocks for the CPU engine (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Mixtral,
 DeepSeek-V3 and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE, MiniMax-M2), over parameters under their
 Hugging Face names.
 
@@ -18,7 +18,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from tether.train.model.hf_config import DEEPSEEK_ROUTER_MODEL_TYPES
+from tether.rollout.cpu_engine.modeling.families import DEEPSEEK_ROUTER_MODEL_TYPES
 
 Scoring = Literal["softmax", "sigmoid"]
 
@@ -38,7 +38,7 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
     topk_groups: int
     correction_bias: bool  # e_score_correction_bias steers the choice, not the weights
     shared_ffn: int  # the shared expert's FFN size (0: none)
-    shared_gate: bool  # Qwen2-MoE gates its shared expert with a sigmoid
+    shared_gate: bool  # Qwen2-MoE and Qwen3-Next gate their shared expert with a sigmoid
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP (False)
     block: str  # the block's name under model.layers.{i}: "mlp" or "block_sparse_moe"
     expert_names: tuple[str, str, str]  # gate, up, down projections of one expert
@@ -55,18 +55,19 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
                     return raw[name]
             raise MoEConfigError(f"{key} is missing")
 
-        if model_type in ("qwen2_moe", "qwen3_moe"):
+        if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
             experts = int(need("num_experts", "num_local_experts"))
             step = int(raw.get("decoder_sparse_step") or 1)
             only = {int(x) for x in raw.get("mlp_only_layers") or []}
             sparse = tuple(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-            shared = int(raw.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+            # Qwen2-MoE and Qwen3-Next gate their shared expert with a sigmoid; Qwen3-MoE has none.
+            shared = int(raw.get("shared_expert_intermediate_size") or 0) if model_type != "qwen3_moe" else 0
             return cls(
                 experts=experts,
                 top_k=int(need("num_experts_per_tok")),
                 expert_ffn=int(need("moe_intermediate_size")),
                 scoring="softmax",
-                norm_topk=bool(raw.get("norm_topk_prob", False)),
+                norm_topk=bool(raw.get("norm_topk_prob", model_type == "qwen3_next")),
                 scaling=1.0,
                 groups=1,
                 topk_groups=1,

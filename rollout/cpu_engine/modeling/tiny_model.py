@@ -23,6 +23,12 @@ has the same attention with a value dim of 2d, one expert group and routed_scali
 Routers are re-drawn wider than transformers' init, and the score-correction biases (zero after
 transformers' init) get random values, so routing depends on the token and on the bias.
 
+qwen3_next (Qwen3-Next) alternates linear attention (gated delta net: key heads --kv-heads,
+value heads --heads, both of the head dim, conv kernel 4) and full attention with an output
+gate (full_attention_interval 2), rotates a quarter of each head, and adds a sigmoid-gated shared
+expert (FFN half of --intermediate); its zero-centred norm weights are drawn around 0 (and the
+linear layers' output norms around 1) instead of transformers' constant init.
+
 Multi-token-prediction layers (--mtp-layers N; deepseek_v3, glm4_moe_lite, kimi_k2 and glm4_moe,
 default 0; mimo, which is Qwen2 plus MTP layers, default 1): each is a decoder layer of the family
 with its own norms and input projection, under the family's HF names (DeepSeek-V3 and its kin,
@@ -43,9 +49,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from tether.rollout.cpu_engine.modeling.families import MLA_MODEL_TYPES
 from tether.runtime.errors import ConfigError
 from tether.runtime.files.atomic_file import fsync_path
-from tether.train.model.hf_config import MLA_MODEL_TYPES
 
 Arch = Literal[
     "llama",
@@ -61,9 +67,12 @@ Arch = Literal[
     "minimax_m2",
     "glm4_moe_lite",
     "kimi_k2",
+    "qwen3_next",
 ]
 ARCHES: tuple[str, ...] = Arch.__args__  # type: ignore[attr-defined]
-MOE_ARCHES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", *MLA_MODEL_TYPES})
+MOE_ARCHES = frozenset(
+    {"qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "qwen3_next", *MLA_MODEL_TYPES}
+)
 # Families whose first layer stays dense (first_k_dense_replace=1): they need a second layer.
 _DENSE_FIRST = frozenset({"glm4_moe", *MLA_MODEL_TYPES})
 # Families whose checkpoints carry multi-token-prediction layers (--mtp-layers); MiMo always has.
@@ -261,6 +270,24 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         return transformers.Qwen3MoeConfig(
             **common, **moe, num_experts=TINY_EXPERTS, moe_intermediate_size=expert_ffn, norm_topk_prob=True
         )
+    if arch == "qwen3_next":
+        # Linear attention (gated delta net) on every other layer, full attention with an output
+        # gate on the rest; a quarter of each head rotated; a sigmoid-gated shared expert.
+        return transformers.Qwen3NextConfig(
+            **common,
+            **moe,
+            num_experts=TINY_EXPERTS,
+            moe_intermediate_size=expert_ffn,
+            shared_expert_intermediate_size=spec.intermediate // 2,
+            norm_topk_prob=True,
+            # What full_attention_interval=2 gives, stated as the saved config.json states it.
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)],
+            linear_num_key_heads=spec.num_kv_heads,
+            linear_num_value_heads=spec.heads,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_conv_kernel_dim=4,
+        )
     if arch == "mixtral":
         common["intermediate_size"] = expert_ffn
         return transformers.MixtralConfig(**common, **moe, num_local_experts=TINY_EXPERTS)
@@ -363,6 +390,19 @@ def _spread_routing(model: Any, seed: int) -> None:
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
 
 
+def _vary_norms(model: Any, seed: int) -> None:
+    """Qwen3-Next's norms scale by (1 + weight) from weight 0 (the gated delta net's output norm
+    by its weight, from 1): drawn around those, so a forward that forgot the offset would differ."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            if name.endswith("norm.weight"):
+                base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+                tensor.copy_(base + torch.randn(tensor.shape, generator=gen) * 0.1)
+
+
 def _add_mtp_layers(spec: TinyModelSpec, staging: Path) -> None:
     """Rewrite a checkpoint saved with spec.layers + N decoder layers into one with N MTP layers:
     its last N layers become the MTP layers' transformer layers, under the family's names, with
@@ -447,6 +487,8 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if spec.arch in MOE_ARCHES:
         _spread_routing(model, spec.seed)
+    if spec.arch == "qwen3_next":
+        _vary_norms(model, spec.seed)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:

@@ -4,7 +4,8 @@ through mbridge, logits parity.
 For each layout (DP=2, TP=2, PP=2; EP=2 for the MoE families) and family (`FAMILIES`: dense Llama, Qwen2 with qkv bias, Qwen3
 with qk-norm, tied and untied, GLM-4 with sandwich norms, fused gate_up_proj and interleaved partial
 RoPE; MoE Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2; DeepSeek-V3 with MLA + MoE, and its kin
-GLM-4.7-Flash and Kimi-K2): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
+GLM-4.7-Flash and Kimi-K2; Qwen3-Next with gated-DeltaNet linear attention, transformers' own tiny
+model): build the actor from HF, export back to HF names (bit-exact check on every tensor), compare
 logits with transformers, and at PP=2 write an HF directory with save_hf and compare it with the
 source. Results go to WORK_DIR/results/rank{N}.json.
 """
@@ -65,6 +66,7 @@ MOE_ARCHES = (
     "minimax_m2",
     "glm4_moe_lite",
     "kimi_k2",
+    "qwen3_next",
 )
 # Family name -> TinyModelSpec fields (tether init-model's families).
 FAMILIES: dict[str, dict[str, object]] = {
@@ -98,6 +100,9 @@ FAMILIES: dict[str, dict[str, object]] = {
     "glm4_moe_lite": {"arch": "glm4_moe_lite"},
     "kimi_k2": {"arch": "kimi_k2"},
     "glm4_moe_lite_mtp_built": {"arch": "glm4_moe_lite", "mtp_layers": 1},
+    # Qwen3-Next: gated-DeltaNet linear attention and gated full attention, zero-centred norms; its
+    # tiny model is transformers' own (common.HF_WRITTEN).
+    "qwen3_next": {"arch": "qwen3_next"},
 }
 # Families built with MTP layers: their MegatronConfig flags.
 MTP_FLAGS: dict[str, dict[str, object]] = {
@@ -163,7 +168,16 @@ CONFIG_CHANGES: dict[str, dict[str, object]] = {
 # Families also trained for two SFT steps per layout: loss and grad norm at TP=2 (with sequence
 # parallelism) and PP=2 must equal DP=2's (experts' TP shards counted once, MLA's shared RoPE key
 # summed over TP, GLM-4's sequence-parallel output norms' gradients summed over TP).
-TRAINED = ("qwen3_moe", "deepseek_v3", "glm4", "mimo_mtp", "mimo_mtp_frozen", "qwen3", "minimax_m2")
+TRAINED = (
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4",
+    "mimo_mtp",
+    "mimo_mtp_frozen",
+    "qwen3",
+    "minimax_m2",
+    "qwen3_next",
+)
 # Families built with --sequence-parallel at TP=2: MoE (Megatron requires it) and GLM-4 (slime's
 # GLM-4-9B script runs with it).
 SEQUENCE_PARALLEL = ("glm4",)

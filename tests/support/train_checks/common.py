@@ -29,6 +29,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
+def _write_qwen3_next(path: Path, seed: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for support.*
+    from support.qwen3_next_model import write_qwen3_next
+
+    write_qwen3_next(path, seed=seed)
+
+
+# Families whose tiny model transformers builds here (tests/support), not tether's init-model.
+HF_WRITTEN: dict[str, Callable[[Path, int], None]] = {"qwen3_next": _write_qwen3_next}
+
+
 def make_models(
     root: Path,
     layers: int = 2,
@@ -44,7 +55,10 @@ def make_models(
     for i, (name, kw) in enumerate((families or FAMILIES).items()):
         path = root / name
         if not (path / "config.json").exists():
-            write_tiny_model(path, TinyModelSpec(layers=layers, seed=i, **kw))
+            if kw.get("arch") in HF_WRITTEN:
+                HF_WRITTEN[str(kw["arch"])](path, seed=i)
+            else:
+                write_tiny_model(path, TinyModelSpec(layers=layers, seed=i, **kw))
             if config_changes and name in config_changes:
                 config = json.loads((path / "config.json").read_text())
                 (path / "config.json").write_text(json.dumps({**config, **config_changes[name]}))
