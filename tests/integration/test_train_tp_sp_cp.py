@@ -37,6 +37,7 @@ def test_tp2_sp_cp2_logits_equal_transformers_and_weights_round_trip(
             "cp": 2,
             "dp": 1,
             "sequence_parallel": True,
+            "etp": 2,  # expert TP follows TP unless set apart
         }
         assert value(rank_results, f"dp4/{family}/layout")["dp"] == RANKS
         assert value(rank_results, f"tp2cp2/{family}/logits") < 1e-5

@@ -1,4 +1,4 @@
-"""In-process units of Qwen3-Next's building blocks (`tether.train.model.qwen3_next`, `spec`): the
+"""In-process units of Qwen3-Next's building blocks (`tether.train.model.families.qwen3_next`, `spec`): the
 zero-centred RMSNorm and the gated output norm against transformers' modules, Megatron's
 gated delta rule (its pure-torch path, given without flash-linear-attention) against transformers',
 the HF ⇄ Megatron layouts of linear attention's projections and of the gated q_proj (exact, at TP 1
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tether.runtime.errors import ConfigError
-from tether.train.model import qwen3_next
+from tether.train.model.families import qwen3_next
 from tether.train.model.hf_config import check_parallel, load_arch
 from tether.train.model.spec import SequenceParallelTorchNorm, ZeroCenteredRMSNorm
 

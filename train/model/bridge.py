@@ -36,12 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tether.train.model.glm4 import glm4_bridge_class, with_post_sublayer_norms
+from tether.train.model.families.glm4 import glm4_bridge_class, with_post_sublayer_norms
 from tether.train.model.hf_config import MLA_MODEL_TYPES, ModelArch, transformer_shape
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
-from tether.train.model.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
-from tether.train.model.qwen3_next import qwen3_next_bridge_class, with_gated_delta_net
+from tether.train.model.families.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
+from tether.train.model.families.qwen3_next import qwen3_next_bridge_class, with_gated_delta_net
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")

@@ -23,7 +23,7 @@ from tether.train.model.custom_provider import provide_chunk
 from tether.train.model.hf_config import ModelArch, load_arch
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
-from tether.train.model.qwen3_next import mark_gated_delta_net_params
+from tether.train.model.families.qwen3_next import mark_gated_delta_net_params
 from tether.train.model.value_head import attach_value_head
 from tether.train.parallel.topology import Topology
 from tether.train.state.param_freeze import apply_freeze

@@ -24,7 +24,7 @@ DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo")
 # loads and converts all three with its DeepSeek code.
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "kimi_k2")
 # qwen3_next: Qwen2-MoE's experts under gated full attention and gated-DeltaNet linear attention
-# (tether.train.model.qwen3_next).
+# (tether.train.model.families.qwen3_next).
 MOE_MODEL_TYPES = (
     "qwen2_moe",
     "qwen3_moe",
@@ -51,7 +51,7 @@ QWEN3_NEXT_SPEC = "slime_plugins.models.qwen3_next"
 _FAMILY_SPECS = {MINIMAX_M2_SPEC: ("minimax_m2", "MiniMax-M2"), QWEN3_NEXT_SPEC: ("qwen3_next", "Qwen3-Next")}
 
 # Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
-# (GLM-4 dense was here until its sandwich norms were built: tether.train.model.glm4.)
+# (GLM-4 dense was here until its sandwich norms were built: tether.train.model.families.glm4.)
 REFUSED_MODEL_TYPES: dict[str, str] = {}
 
 # Megatron's llama3 RoPE scaling hard-codes these; other values cannot be represented.
@@ -94,7 +94,7 @@ class ModelArch:
     """RoPE rotates adjacent pairs (GLM-4 dense: Megatron's --rotary-interleaved), not the two halves."""
     qk_norm_full: bool = False
     """The q and k norms span all heads (MiniMax-M2's q_norm/k_norm), not one head:
-    tether.train.model.minimax_m2."""
+    tether.train.model.families.minimax_m2."""
     post_sublayer_norms: bool = False
     """GLM-4 dense's sandwich norms: attention's and the MLP's outputs are normalized again before
     the residual add (HF post_self_attn_layernorm / post_mlp_layernorm; Megatron's
@@ -127,7 +127,7 @@ class ModelArch:
     """MLA's YaRN rope scaling, as (MLATransformerConfig field, value) pairs; None: plain RoPE."""
     mtp_layers: int = 0
     """Multi-token-prediction layers the checkpoint holds (num_nextn_predict_layers; MTP_MODEL_TYPES)."""
-    # Qwen3-Next (tether.train.model.qwen3_next).
+    # Qwen3-Next (tether.train.model.families.qwen3_next).
     linear_attention: tuple[int, ...] | None = None
     """Per layer 1 where the token mixer is gated-DeltaNet linear attention, 0 where it is full
     attention (HF layer_types; Megatron's linear_attention_freq). None: full attention throughout."""
