@@ -44,6 +44,9 @@ COMMANDS: dict[str, Command] = {
     "weights": Command("tether.sync.cli", "Operator tools for published weights: diff, apply, verify."),
     "agent": Command("tether.runtime.process.agent", "Run a node agent that starts processes for a head."),
     "plot": Command("tether.commands.plot", "Write PNG curves from a run directory's metrics."),
+    "status": Command(
+        "tether.commands.status", "Print a run's nodes, engines, trainer ranks and step (live or ended)."
+    ),
     "convert": Command(
         "tether.commands.convert", "Convert checkpoints: hf-to-megatron, megatron-to-hf (as slime's tools)."
     ),

@@ -216,7 +216,20 @@ def yaml_sections() -> str:
     return _table(("section", "holds", "keys"), rows)
 
 
+def status_columns() -> str:
+    """The columns `tether status` prints, table by table (tether.records.run_status.COLUMNS)."""
+    from tether.records.run_status import COLUMNS
+
+    rows = [
+        (f"{table}", f"`{column}`", _cell(meaning))
+        for table, columns in COLUMNS.items()
+        for column, meaning in columns.items()
+    ]
+    return _table(("table", "column", "meaning"), rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "status-columns": status_columns,
     "slime-hooks": slime_hooks,
     "slime-refused": slime_refused,
     "slime-flags": slime_flags,

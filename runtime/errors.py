@@ -190,3 +190,13 @@ class HeartbeatLost(RuntimeError):
         self.name = name
         self.reason = reason
         super().__init__(f"{name}: heartbeat lost ({reason})")
+
+
+class NodeLost(RuntimeError):
+    """A node's agent is lost (killed, frozen or cut off past the heartbeat tolerance): nothing
+    can start or stop there until an agent registers for the node again."""
+
+    def __init__(self, node: str, reason: str):
+        self.node = node
+        self.reason = reason
+        super().__init__(f"node {node!r} is lost ({reason})")

@@ -720,9 +720,11 @@ BUILT_LAYER_SPECS: dict[tuple[str, str], str] = {
     # Gated-DeltaNet linear attention and gated full attention; the Hugging Face config must be
     # Qwen3-Next's (hf_config.check_architecture_flags). tether builds Megatron's GatedDeltaNet.
     ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): "Qwen3-Next's layers",
+    # The same layers under Qwen3.5's checkpoint names, dense or MoE; the Hugging Face config must be
+    # Qwen3.5's (hf_config.check_architecture_flags).
+    ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): "Qwen3.5's layers",
 }
 UNBUILT_LAYER_SPECS: dict[str, str] = {
-    "slime_plugins.models.qwen3_5": "Qwen3.5's gated delta-net (linear attention) layers are not built",
     "slime_plugins.models.glm5.glm5": "GLM-5's DeepSeek sparse attention (indexer) layers are not built",
 }
 
@@ -788,6 +790,7 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "moe_router_topk",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
     "moe_layer_freq",
     "moe_router_score_function",
     "moe_router_num_groups",
@@ -1020,6 +1023,14 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         Literal["allgather", "alltoall", "flex"],
         Meta(description="How tokens reach their experts' ranks (flex needs DeepEP/HybridEP on GPUs)."),
     ] = "allgather"
+    qwen_gdn_backend: Annotated[
+        Literal["fla", "flashqla"],
+        Meta(
+            description="Kernel of the chunked gated delta rule in Qwen3-Next's and Qwen3.5's linear attention "
+            "(slime's flag). fla: flash-linear-attention's where it is installed, else Megatron's pure-torch "
+            "rule (the same recurrence; CPU ranks); flashqla: FlashQLA's (needs the flash_qla module and CUDA)."
+        ),
+    ] = "fla"
     moe_enable_deepep: Annotated[
         bool,
         Meta(
@@ -1124,7 +1135,8 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "--post-self-attn-layernorm/--post-mlp-layernorm norms) and MiniMax-M2 spec "
             "(slime_plugins.models.minimax_m2 get_minimax_m2_layer_spec, for a minimax_m2 checkpoint: "
             "QK norms over all heads) and Qwen3-Next spec (slime_plugins.models.qwen3_next "
-            "get_qwen3_next_spec, for a qwen3_next checkpoint: gated-DeltaNet linear attention) are what "
+            "get_qwen3_next_spec, for a qwen3_next checkpoint: gated-DeltaNet linear attention) and Qwen3.5 "
+            "spec (slime_plugins.models.qwen3_5 get_qwen3_5_spec, for a qwen3_5 or qwen3_5_moe checkpoint) are what "
             "it builds and are accepted; other specs are refused naming the module."
         ),
     ] = None
@@ -1167,6 +1179,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     moe_shared_expert_intermediate_size: Annotated[
         int | None, Meta(description="FFN size of the shared experts (all of them together).")
     ] = None
+    moe_shared_expert_gate: Annotated[
+        bool,
+        Meta(
+            description="The shared experts' output is gated per token by a sigmoid (Qwen2-MoE's, Qwen3-Next's "
+            "and Qwen3.5's shared_expert_gate)."
+        ),
+    ] = False
     moe_layer_freq: Annotated[
         str | None,
         Meta(description="MoE layer pattern: N (every N-th layer) or a list such as [0]*1+[1]*2."),

@@ -31,9 +31,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "--megatron-deepgemm-forward-modules": "no DeepGEMM FP8 forward",
     "--megatron-deepgemm-moe-forward-layers": "no DeepGEMM FP8 forward",
     "--megatron-deepgemm-moe-forward-modules": "no DeepGEMM FP8 forward",
-    "--qwen-gdn-backend": "tether builds Qwen3-Next's linear attention as Megatron's GatedDeltaNet, which "
-    "runs flash-linear-attention's chunked kernel where it is installed and Megatron's pure-torch rule "
-    "otherwise; slime's choice among its own GDN kernels is not implemented",
     # data and rollout plumbing slime has around Ray
     "--rollout-data-transport": "Samples move over tether's ZeroMQ RPC; no Ray/NIXL transport",
     "--use-distributed-post": "needs Ray",

@@ -8,6 +8,14 @@ SIGSTOPped engine only dies by the latter) → start it again on the same device
 bring it to the version the others serve → route to it again. More than
 --max-engine-restarts restarts of one engine end the run with an error naming it.
 
+Recovery when the engine's node is lost (its agent stops answering heartbeats, see
+Supervisor): the engine is out of routing as above, an `engine_lost` event names the node, and
+the run goes on with the other engines; this engine waits — not counted as a restart, and not
+holding up `settled` — until an agent registers for the node again, then is started there,
+brought to the served version and routed to (`engine_rejoined`, with that version).
+An exit reported as its node's loss takes this path even when the node's agent is back
+already (one that gave the head up registers again at once).
+
 Under --colocate the engines give their memory to the trainer every step: `memory` (one
 EngineMemory) sends each release and resume, and a released engine's /health_generate probe is
 held back (it cannot generate, and SGLang releases only an idle engine); its process exit is
@@ -30,8 +38,8 @@ from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.engine_api.launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
 from tether.rollout.engine_api.memory import ALL_TAGS, EngineMemory, MemoryTag
 from tether.rollout.routing.router import Router
-from tether.runtime.errors import ConfigError, HeartbeatLost
-from tether.runtime.process.supervisor import ManagedProcess, Supervisor
+from tether.runtime.errors import ConfigError, HeartbeatLost, NodeLost
+from tether.runtime.process.supervisor import NODE_LOST, ManagedProcess, Supervisor
 from tether.runtime.rpc.liveness import LivenessMonitor
 
 log = logging.getLogger(__name__)
@@ -85,6 +93,7 @@ class EnginePool:
         self._retired: list[EngineClient] = []
         self._monitors: list[asyncio.Task[None]] = []
         self._recovering: set[str] = set()
+        self.lost: dict[str, str] = {}  # engine → the node it waits for
         self._recovery_changed = asyncio.Event()
         self._stack = contextlib.AsyncExitStack()
         self._tg: asyncio.TaskGroup | None = None
@@ -118,7 +127,8 @@ class EnginePool:
 
     @property
     def urls(self) -> list[str]:
-        return [launch.url for launch in self.launches.values()] + self.external
+        """The engines weight syncs go to: all but those waiting for their lost node."""
+        return [launch.url for name, launch in self.launches.items() if name not in self.lost] + self.external
 
     @property
     def fault_tolerant(self) -> bool:
@@ -183,6 +193,22 @@ class EnginePool:
         self.run_dir.event("sglang_router_ready", url=url)
         return url
 
+    def states(self) -> dict[str, tuple[str, int | None, int | None]]:
+        """Engine name → (state, version served, requests in flight) now, for `tether status`:
+        `lost` while its node is, `restarting` while it is replaced, else `serving`."""
+        load = {s.url: s.in_flight for s in self.router.stats()} if self.router is not None else {}
+        found: dict[str, tuple[str, int | None, int | None]] = {}
+        for name, launch in self.launches.items():
+            if name in self.lost:
+                found[name] = ("lost", None, None)
+            elif name in self._recovering:
+                found[name] = ("restarting", None, None)
+            else:
+                found[name] = ("serving", self.served_version, load.get(launch.url))
+        for url in self.external:
+            found[url] = ("serving", self.served_version, load.get(url))
+        return found
+
     # ----- fault tolerance -----
     async def start_monitoring(self, router: Router, catch_up: CatchUp) -> None:
         """Watch every engine this pool started (with --use-fault-tolerance)."""
@@ -226,6 +252,19 @@ class EnginePool:
             detected = loop.time()
             if exited in done and not exited.cancelled():
                 info = exited.result()
+                if info.reason.startswith(NODE_LOST):
+                    # Lost with its node, though an agent may be back already (one that gave the
+                    # head up re-registers at once): not an engine fault, not a restart.
+                    self._unroute(name)
+                    try:
+                        for proc in self.procs[name]:  # its parts on other nodes, if any
+                            if proc.running:
+                                await self.sup.stop(proc.name, grace=HUNG_ENGINE_GRACE)
+                        await self._rejoin(name, NodeLost(info.node, info.reason[len(NODE_LOST) + 2 :]))
+                    except BaseException as exc:
+                        self._failures.put_nowait(exc)
+                        return
+                    continue
                 reason, detection_s = (
                     f"exited ({info.returncode if info.signal is None else info.signal})",
                     0.0,
@@ -237,6 +276,12 @@ class EnginePool:
                 detection_s = detected - last_ok
             try:
                 await self._recover(name, reason, detection_s)
+            except NodeLost as lost:  # the run goes on without it until its node is back
+                try:
+                    await self._rejoin(name, lost)
+                except BaseException as exc:
+                    self._failures.put_nowait(exc)
+                    return
             except BaseException as exc:  # the run cannot go on without this engine
                 self._failures.put_nowait(exc)
                 return
@@ -277,6 +322,44 @@ class EnginePool:
             self._recovering.discard(name)
             self._recovery_changed.set()
 
+    async def _rejoin(self, name: str, lost: NodeLost) -> None:
+        """Wait for `lost.node` to have an agent again, then start `name` there (again, should
+        the node be lost once more while it starts)."""
+        while True:
+            self.lost[name] = lost.node
+            self.run_dir.event("engine_lost", engine=name, node=lost.node, reason=lost.reason)
+            log.warning("%s is lost with node %r; the run goes on without it", name, lost.node)
+            await self.sup.wait_for_node(lost.node)
+            del self.lost[name]
+            self._recovering.add(name)
+            self._recovery_changed.set()
+            started = time.monotonic()
+            try:
+                await self._start_and_route(name)
+            except NodeLost as again:
+                lost = again
+                continue
+            finally:
+                self._recovering.discard(name)
+                self._recovery_changed.set()
+            self.run_dir.event(
+                "engine_rejoined",
+                engine=name,
+                node=lost.node,
+                restart_s=time.monotonic() - started,
+                version=self.served_version,
+            )
+            return
+
+    def _node_lost(self, name: str) -> NodeLost | None:
+        """A NodeLost for the first node of engine `name` that is lost now, if any."""
+        states = self.sup.node_states()
+        for spec in self.launches[name].specs:
+            state = states.get(spec.node)
+            if state is not None and state["state"] == "lost":
+                return NodeLost(spec.node, str(state["reason"]))
+        return None
+
     async def _replace(self, name: str, reason: str, detection_s: float) -> None:
         ft = self.cfg.fault_tolerance
         count = self.restarts[name] = self.restarts.get(name, 0) + 1
@@ -289,7 +372,28 @@ class EnginePool:
                 f"{name} failed {count} times ({reason}); --max-engine-restarts={ft.max_engine_restarts} is used up"
             )
         started = time.monotonic()
-        assert self.router is not None and self.catch_up is not None
+        self._unroute(name)
+        for proc in self.procs[name]:
+            if proc.running:
+                await self.sup.stop(proc.name, grace=HUNG_ENGINE_GRACE)
+        try:
+            await self._start_and_route(name)
+        except NodeLost:
+            self.restarts[name] -= 1  # its node's fault, not the engine's
+            raise
+        restart_s = time.monotonic() - started
+        self.metrics.update(
+            {
+                "ft/engine_restarts": float(sum(self.restarts.values())),
+                "ft/last_detection_s": detection_s,
+                "ft/last_restart_s": restart_s,
+            }
+        )
+        self.run_dir.event("engine_restarted", engine=name, restart_s=restart_s, version=self.served_version)
+
+    def _unroute(self, name: str) -> None:
+        """Stop routing to engine `name` (if it is routed)."""
+        assert self.router is not None
         routed = next((c for c in self.router.engines if c.url == self.launches[name].url), None)
         if routed is not None:
             self.router.remove_engine(routed.name)
@@ -298,11 +402,22 @@ class EnginePool:
             # clean engine fault into an unrelated error.
             routed.retire(abandon_in_flight=True)
             self._retired.append(routed)
-        for proc in self.procs[name]:
-            if proc.running:
-                await self.sup.stop(proc.name, grace=HUNG_ENGINE_GRACE)
+
+    async def _start_and_route(self, name: str) -> None:
+        """Start engine `name` on its devices, bring it to the served version, route to it.
+        Raises NodeLost when its node is (or goes) away meanwhile."""
+        assert self.router is not None and self.catch_up is not None
+        lost = self._node_lost(name)
+        if lost is not None:
+            raise lost
         launch = self.launches[name]
-        self.procs[name] = await start_engine(self.sup, launch, restartable=True)
+        try:
+            self.procs[name] = await start_engine(self.sup, launch, restartable=True)
+        except Exception as exc:
+            lost = self._node_lost(name)
+            if lost is not None:  # e.g. its readiness failed as the node went
+                raise lost from exc
+            raise
         self.memory.restarted(launch.url)  # the new process holds all of its memory
         if self.releases_memory and not self.resident():
             # The others gave their memory to the trainer: so does this one until the next sync.
@@ -314,17 +429,15 @@ class EnginePool:
             request_timeout=self.cfg.rollout.engine_request_timeout_seconds,
             api_key=self.api_key,
         )
-        await self.catch_up(client)  # the current version before the first request
+        try:
+            await self.catch_up(client)  # the current version before the first request
+        except Exception as exc:
+            await client.close()
+            lost = self._node_lost(name)
+            if lost is not None:
+                raise lost from exc
+            raise
         self.router.add_engine(client)
-        restart_s = time.monotonic() - started
-        self.metrics.update(
-            {
-                "ft/engine_restarts": float(sum(self.restarts.values())),
-                "ft/last_detection_s": detection_s,
-                "ft/last_restart_s": restart_s,
-            }
-        )
-        self.run_dir.event("engine_restarted", engine=name, restart_s=restart_s, version=self.served_version)
 
 
 def check_records_routed_experts(url: str, server_info: dict[str, object]) -> None:

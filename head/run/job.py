@@ -33,6 +33,7 @@ from tether.rollout.data.source import DataSource
 from tether.rollout.engine_api.auth import run_key
 from tether.rollout.routing.router import Router
 from tether.run.engine_pool import EnginePool, EngineRestartsExhausted
+from tether.run.live_status import live_status
 from tether.run.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
 from tether.run.nodes import node_names, remote_nodes, used_nodes
 from tether.run.ports import PortClaims, plan_with_free_ports
@@ -193,6 +194,7 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                     heartbeat=control_heartbeat(cfg),
                 )
             )
+            sup.status_provider = live_status(sup, plan, names, holder)  # `tether status`
             write_bytes_atomic(run_path / "head_address", sup.address.encode())
             remote = remote_nodes(plan, names)
             if remote:

@@ -3,8 +3,15 @@
 `tether agent --head tcp://HOST:PORT [--node-name N] [--bind-host H]` runs one per node
 (srun, systemd or ssh start it; the run secret comes in `TETHER_SECRET`). It registers the
 node's inventory with the head, serves `NodeAgent`'s methods over RPC, forwards every exit
-to the head, and heartbeats both ways; when the head stops answering it stops its processes
-and exits. On a single machine the head runs the same `NodeAgent` class inside itself.
+to the head, and heartbeats both ways. On a single machine the head runs the same `NodeAgent`
+class inside itself.
+
+Dropped by the head (its heartbeat answered "not registered": the head gave it up while it was
+frozen or cut off) or giving the head up itself (no answer for the heartbeat tolerance), the
+agent stops its processes — the head has written them off, and they may hold ports — and
+registers again, once the head answers, naming its last registration. The head then starts
+its engines again. A head that does not answer within `--rejoin-timeout` seconds is gone: the
+agent exits 3 (EXIT_HEAD_LOST).
 
 Every process runs under `tether.runtime.process.shim` in its own session and process group, with
 its output in `<run_dir>/logs/<name>.log`, and with its gloo and NCCL sockets on the interface
@@ -27,7 +34,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tether.runtime.errors import ConfigError, HeartbeatLost, exit_on_user_error
 from tether.runtime.netif import socket_ifname_env
@@ -36,6 +43,9 @@ from tether.runtime.process.spec import ExitInfo, ProcessSpec, log_path, read_lo
 from tether.runtime.process.zygote_client import ZYGOTE_LOG, ZygoteChild, ZygoteClient, ZygoteUnavailable
 from tether.runtime.rpc.liveness import LivenessMonitor
 from tether.runtime.rpc.secret import SECRET_ENV, secret_to_env
+
+if TYPE_CHECKING:
+    from tether.runtime.rpc.actors import ActorHandle
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +307,103 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--run-dir", default=None, help="Run directory for logs (default: the head's).")
     parser.add_argument("--grace", type=float, default=10.0, help="Seconds between SIGTERM and SIGKILL.")
+    parser.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        default=300.0,
+        help="Seconds to wait for a head it lost to answer again, and then register again, before "
+        "exiting 3 (0: exit at once).",
+    )
+
+
+class AgentDropped(Exception):
+    """The head no longer has this agent registered (it counted the node as lost)."""
+
+
+@dataclass
+class _Membership:
+    """This agent's registration with the head, kept up for as long as the agent runs."""
+
+    head: ActorHandle
+    agent: NodeAgent
+    address: str  # where the agent serves
+    setup: dict[str, Any]  # the head's heartbeat settings
+    rejoin_timeout: float
+    token: int | None = None
+    detached: bool = False
+    """Between giving the registration up and registering again: exits are not reported."""
+
+    async def register(self) -> None:
+        self.token = int(
+            await self.head.call(
+                "register_agent",
+                self.agent.node,
+                self.address,
+                await self.agent.inventory(),
+                self.token,
+                timeout=30.0,
+            )
+        )
+
+    async def keep(self) -> None:
+        """Stay registered: on being dropped or losing the head, stop every process and register
+        again. Raises HeartbeatLost once the head has not answered for --rejoin-timeout."""
+        while True:
+            try:
+                await self._watch()
+            except* (HeartbeatLost, AgentDropped) as group:
+                why: BaseException = group.exceptions[0]
+            if isinstance(why, HeartbeatLost) and self.rejoin_timeout <= 0:
+                raise why
+            log.error("agent %r: %s; stopping its processes to register again", self.agent.node, why)
+            self.detached = True
+            await self.agent.stop_all()
+            await self._reach_head(why)
+            await self.register()
+            self.detached = False
+            log.info("agent %r registered again (registration %d)", self.agent.node, self.token)
+
+    async def _watch(self) -> None:
+        """Heartbeats to the head until it stops answering (HeartbeatLost) or says this
+        registration is gone (AgentDropped)."""
+        dropped = asyncio.Event()
+        node, token, timeout = self.agent.node, self.token, float(self.setup["timeout"])
+
+        async def heartbeat() -> None:
+            if not await self.head.call("agent_heartbeat", node, token, timeout=timeout):
+                dropped.set()
+
+        async def until_dropped() -> None:
+            await dropped.wait()
+            raise AgentDropped(f"the head no longer has registration {token} of node {node!r}")
+
+        monitor = LivenessMonitor(
+            heartbeat,
+            interval=self.setup["interval"],
+            timeout=timeout,
+            first_wait=self.setup["interval"],
+            misses=int(self.setup.get("misses", 3)),
+            name="head",
+        )
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(monitor.run())
+            tg.create_task(until_dropped())
+
+    async def _reach_head(self, why: BaseException) -> None:
+        """Return once the head answers a ping; HeartbeatLost after --rejoin-timeout."""
+        timeout = float(self.setup["timeout"])
+        try:
+            async with asyncio.timeout(self.rejoin_timeout):
+                while True:
+                    try:
+                        await self.head.ping(timeout=timeout)
+                        return
+                    except Exception:  # unreachable still (or the connection is being remade)
+                        await asyncio.sleep(float(self.setup["interval"]))
+        except TimeoutError:
+            raise HeartbeatLost(
+                "head", f"{why}; no answer within --rejoin-timeout={self.rejoin_timeout:g} s"
+            ) from None
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -313,6 +420,9 @@ async def serve(args: argparse.Namespace) -> int:
     async with head:
 
         async def report_exit(info: ExitInfo) -> None:
+            if membership.detached:
+                # Stopped as the registration was given up: the head counts them lost with it.
+                return
             await head.call("process_exited", info, timeout=30.0)
 
         setup = await head.call("agent_setup", timeout=30.0)
@@ -324,18 +434,9 @@ async def serve(args: argparse.Namespace) -> int:
             agent,
             RpcServer(agent, f"tcp://{bind_host}:0", secret, name=f"agent:{args.node_name}") as server,
         ):
-            await head.call(
-                "register_agent", args.node_name, server.address, await agent.inventory(), timeout=30.0
-            )
+            membership = _Membership(head, agent, server.address, setup, float(args.rejoin_timeout))
+            await membership.register()
             log.info("agent %r serving on %s for head %s", args.node_name, server.address, args.head)
-            monitor = LivenessMonitor(
-                head.ping,
-                interval=setup["interval"],
-                timeout=setup["timeout"],
-                first_wait=setup["interval"],
-                misses=int(setup.get("misses", 3)),
-                name="head",
-            )
 
             async def until_shutdown() -> None:
                 await agent.shutdown_requested.wait()
@@ -349,7 +450,7 @@ async def serve(args: argparse.Namespace) -> int:
                 async with handle_signals(no_checkpoint) as stop, asyncio.TaskGroup() as tg:
                     tg.create_task(stop.raise_when_requested())
                     tg.create_task(until_shutdown())
-                    tg.create_task(monitor.run())
+                    tg.create_task(membership.keep())
             except* StopRequested:
                 rc = 0
             except* HeartbeatLost as group:

@@ -36,12 +36,28 @@ Every exit is recorded in the run directory's events.jsonl as a `process_exit` e
 node, pid, exit code or signal, whether the owner had stopped it (`expected`) and how
 (`stopped_by`: "request" when it was asked and exited by itself, "signal" when it was sent
 SIGTERM/SIGKILL, null when it ended on its own).
+
+A node whose agent stops answering heartbeats is lost: its processes are reported exited
+(reason "node agent lost"), a `node_lost` event is recorded, and starting anything there
+raises NodeLost until an agent registers under the node's name again (`node_joined`,
+`rejoined: true`); `wait_for_node` waits for that. A registration under a registered node's
+name is refused while the registered agent still answers, and replaces it (lost) otherwise:
+an agent restarted at once after a SIGKILL need not wait for the heartbeats to run out.
+
+An agent that was lost but still runs (its processes were SIGSTOPped, or its link was down,
+past the tolerance) learns it from its own heartbeat, `agent_heartbeat(node, token)`, which
+answers False once its registration is gone; or it gives the head up itself. Either way it
+stops its processes and registers again, passing the token of its last registration
+(`previous`): a registration that names the registered agent's token replaces it at once (it
+is that agent, back, with its processes stopped). An exit report from a lost agent's process
+(its pid is not that of the process now running under the name) is ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -52,7 +68,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tether.runtime.errors import ActorDied, HeartbeatLost
+from tether.runtime.errors import ActorDied, HeartbeatLost, NodeLost
 from tether.runtime.process.agent import NodeAgent
 from tether.runtime.process.spec import ExitInfo, ProcessSpec, log_path, read_log_tail
 from tether.runtime.rpc.actors import ActorHandle, RpcServer, connect
@@ -61,6 +77,7 @@ from tether.runtime.rpc.liveness import LivenessMonitor
 log = logging.getLogger(__name__)
 
 LOCAL = "local"
+NODE_LOST = "node agent lost"  # how the exit reason of a lost node's process begins
 READY_POLL_MAX = 0.1  # seconds between readiness checks of a starting process, at most
 
 
@@ -71,6 +88,11 @@ class Heartbeat(msgspec.Struct, frozen=True):
     timeout: float = 3.0
     first_wait: float = 1.0
     misses: int = 3  # consecutive missed heartbeats before a peer counts as lost
+
+    @property
+    def tolerance(self) -> float:
+        """Seconds, at most, from a peer's last answer until it counts as lost."""
+        return self.misses * (self.interval + self.timeout)
 
 
 def exit_error(info: ExitInfo) -> ActorDied:
@@ -88,11 +110,13 @@ class _Agent(Protocol):
 class _RemoteAgent:
     """The head's side of a registered node agent."""
 
-    def __init__(self, node: str, handle: ActorHandle, inventory: dict[str, Any]) -> None:
+    def __init__(self, node: str, handle: ActorHandle, inventory: dict[str, Any], token: int) -> None:
         self.node = node
         self.handle = handle
         self.inventory = inventory
+        self.token = token  # this registration's, which the agent's heartbeats name
         self.monitor: asyncio.Task[None] | None = None
+        self.lost = asyncio.Event()
 
     async def start_process(self, spec: ProcessSpec) -> int:
         return int(await self.handle.call("start_process", spec, timeout=60.0))
@@ -143,8 +167,18 @@ class _HeadService:
             "misses": hb.misses,
         }
 
-    async def register_agent(self, node: str, address: str, inventory: dict[str, Any]) -> None:
-        await self._sup._register_agent(node, address, inventory)
+    async def register_agent(
+        self, node: str, address: str, inventory: dict[str, Any], previous: int | None = None
+    ) -> int:
+        """Register `node`'s agent; returns the registration's token. `previous`: the token of
+        this agent's last registration, when it registers again after it was dropped."""
+        return await self._sup._register_agent(node, address, inventory, previous)
+
+    async def agent_heartbeat(self, node: str, token: int) -> bool:
+        """The agent's heartbeat: False once registration `token` of `node` is gone (the
+        agent was lost), which tells it to stop its processes and register again."""
+        agent = self._sup._agents.get(node)
+        return agent is not None and agent.token == token
 
     async def process_exited(self, info: ExitInfo) -> None:
         self._sup._on_process_exit(info)
@@ -162,6 +196,14 @@ class _HeadService:
             raise KeyError(f"no process named {name!r} is starting")
         if not starting.ready.done():
             starting.ready.set_result(address)
+
+    async def status(self) -> dict[str, Any]:
+        """The run as the head sees it now (`tether status`): its nodes, and what the run's
+        status provider adds (engines, trainer ranks, step)."""
+        found: dict[str, Any] = {"nodes": self._sup.node_states()}
+        if self._sup.status_provider is not None:
+            found.update(await self._sup.status_provider())
+        return found
 
 
 @dataclass
@@ -204,7 +246,11 @@ class Supervisor:
         self._zygote = zygote
         self._procs: dict[str, ManagedProcess] = {}
         self._agents: dict[str, _RemoteAgent] = {}
+        self._lost: dict[str, str] = {}  # node → why its agent was lost (until one registers again)
+        self._tokens = itertools.count(1)  # agent registrations
         self._agent_changed = asyncio.Event()
+        self.status_provider: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        """What the `status` control call adds to the nodes (the run sets it)."""
         self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
         self._announcing: dict[str, _Announcing] = {}
         self._stack = contextlib.AsyncExitStack()
@@ -288,13 +334,33 @@ class Supervisor:
             log.exception("stopping %r failed", name)
 
     # -- agents ---------------------------------------------------------------------------
-    async def _register_agent(self, node: str, address: str, inventory: dict[str, Any]) -> None:
-        if node == LOCAL or node in self._agents:
-            raise ValueError(f"node name {node!r} is already taken; give the agent another --node-name")
+    async def _register_agent(
+        self, node: str, address: str, inventory: dict[str, Any], previous: int | None = None
+    ) -> int:
+        if node == LOCAL:
+            raise ValueError(
+                f"node name {node!r} is reserved for the head's own node; give the agent another --node-name"
+            )
+        old = self._agents.get(node)
+        if old is not None and previous is not None and previous == old.token:
+            # The registered agent itself, back after giving the head up: its processes are stopped.
+            self._lose_agent(old, "its agent lost the head and registered again")
+            await old.handle.close()
+        elif old is not None:
+            try:
+                await old.handle.ping(timeout=self.heartbeat.timeout)
+            except Exception as exc:  # the registered agent is gone: this one replaces it
+                self._lose_agent(old, f"replaced by a new agent from {address} ({type(exc).__name__})")
+                await old.handle.close()
+            else:
+                raise ValueError(f"node name {node!r} is already taken; give the agent another --node-name")
         assert self._tg is not None
         handle = await connect(address, self._secret, name=f"agent:{node}", timeout=30.0)
-        agent = _RemoteAgent(node, handle, inventory)
+        agent = _RemoteAgent(node, handle, inventory, next(self._tokens))
         self._agents[node] = agent
+        rejoined = self._lost.pop(node, None) is not None
+        if rejoined:
+            self._record({"event": "node_joined", "node": node, "address": address, "rejoined": True})
         hb = self.heartbeat
         monitor = LivenessMonitor(
             handle.ping,
@@ -307,36 +373,66 @@ class Supervisor:
         agent.monitor = self._tg.create_task(self._watch_agent(agent, monitor))
         self._agent_changed.set()
         log.info("node %r registered from %s", node, address)
+        return agent.token
 
-    async def wait_for_agents(self, nodes: list[str], timeout: float) -> None:  # noqa: ASYNC109  # the API takes per-call timeouts
-        """Wait until every node in `nodes` has a registered agent."""
+    async def wait_for_agents(self, nodes: list[str], timeout: float | None) -> None:  # noqa: ASYNC109  # the API takes per-call timeouts
+        """Wait until every node in `nodes` has a registered agent (`timeout` None: for ever)."""
         async with asyncio.timeout(timeout):
             while any(n != LOCAL and n not in self._agents for n in nodes):
                 self._agent_changed.clear()
                 await self._agent_changed.wait()
 
+    async def wait_for_node(self, node: str) -> None:
+        """Return once `node` has a registered agent (at once for this machine's node)."""
+        await self.wait_for_agents([node], None)
+
+    def node_states(self) -> dict[str, dict[str, Any]]:
+        """Node name → {"state": "up" | "lost", "reason"} for this machine, every registered agent
+        and every node lost since."""
+        states: dict[str, dict[str, Any]] = {LOCAL: {"state": "up", "reason": ""}}
+        states.update({node: {"state": "up", "reason": ""} for node in self._agents})
+        states.update({node: {"state": "lost", "reason": why} for node, why in self._lost.items()})
+        return states
+
     async def _watch_agent(self, agent: _RemoteAgent, monitor: LivenessMonitor) -> None:
         try:
             await monitor.run()
         except HeartbeatLost as lost:
-            log.error("%s; its processes are lost", lost)
-            self._agents.pop(agent.node, None)
-            for proc in list(self._procs.values()):
-                if proc.node == agent.node and proc.running:
-                    self._on_process_exit(
-                        ExitInfo(
-                            name=proc.name,
-                            node=agent.node,
-                            pid=proc.pid,
-                            reason=f"node agent lost: {lost.reason}",
-                        )
-                    )
+            if self._agents.get(agent.node) is agent:
+                self._lose_agent(agent, lost.reason)
             await agent.handle.close()
+
+    def _lose_agent(self, agent: _RemoteAgent, reason: str) -> None:
+        """`agent`'s node is lost: report its processes exited, then fail the calls still waiting
+        on it (whoever waits sees the exits first)."""
+        log.error("node %r lost (%s); its processes are lost", agent.node, reason)
+        self._agents.pop(agent.node, None)
+        self._lost[agent.node] = reason
+        agent.lost.set()
+        if agent.monitor is not None and agent.monitor is not asyncio.current_task():
+            agent.monitor.cancel()
+        names = [p.name for p in self._procs.values() if p.node == agent.node and p.running]
+        self._record({"event": "node_lost", "node": agent.node, "reason": reason, "processes": names})
+        for name in names:
+            proc = self._procs[name]
+            self._on_process_exit(
+                ExitInfo(name=name, node=agent.node, pid=proc.pid, reason=f"{NODE_LOST}: {reason}")
+            )
+        self._agent_changed.set()
+
+    async def _verdict(self, agent: _RemoteAgent) -> None:
+        """Wait, within the heartbeat tolerance, for `agent` to count as lost (a call to it just
+        failed on a lost connection); return either way."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.heartbeat.tolerance + self.heartbeat.first_wait):
+                await agent.lost.wait()
 
     def _agent(self, node: str) -> _Agent:
         if node == LOCAL:
             assert self._local is not None
             return self._local
+        if node in self._lost:
+            raise NodeLost(node, self._lost[node])
         agent = self._agents.get(node)
         if agent is None:
             known = ", ".join([LOCAL, *self._agents]) or LOCAL
@@ -351,6 +447,8 @@ class Supervisor:
         proc = self._procs.get(info.name)
         if proc is None or not proc.running:
             return
+        if info.pid and proc.pid and info.pid != proc.pid:
+            return  # a late report from a lost agent, about the process its name had before
         proc.exit.set_result(info)
         self._record_exit(proc, info)
         if proc.monitor is not None:
@@ -373,9 +471,8 @@ class Supervisor:
             self._on_exit_cb(info)
 
     def _record_exit(self, proc: ManagedProcess, info: ExitInfo) -> None:
-        """One `process_exit` line in events.jsonl (one write of a whole line, as the head's)."""
+        """One `process_exit` line in events.jsonl."""
         record = {
-            "time": time.time(),
             "event": "process_exit",
             "name": info.name,
             "node": info.node,
@@ -386,11 +483,15 @@ class Supervisor:
             "stopped_by": proc.stopped_by,
             "reason": info.reason,
         }
+        self._record(record)
+
+    def _record(self, record: dict[str, Any]) -> None:
+        """One line in events.jsonl (one write of a whole line, as the head's)."""
         try:
             with open(self.run_dir / "events.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({"time": time.time(), **record}) + "\n")
         except OSError as exc:  # a record is not worth failing the run's bookkeeping over
-            log.warning("could not record the exit of %r: %s", info.name, exc)
+            log.warning("could not record %s: %s", record.get("event"), exc)
 
     async def start(
         self,
@@ -425,13 +526,17 @@ class Supervisor:
         self._procs[spec.name] = proc
         try:
             proc.pid = await agent.start_process(spec)
-        except BaseException:
+        except BaseException as exc:
             # Not started (or cancelled on the way, e.g. a stop signal during start-up): nothing
             # of ours to stop, and no one may wait for its exit forever.
             if self._procs.get(spec.name) is proc:
                 del self._procs[spec.name]
             if not proc.exit.done():
                 proc.exit.set_result(ExitInfo(name=spec.name, node=spec.node, pid=0, reason="never started"))
+            if isinstance(exc, ActorDied) and isinstance(agent, _RemoteAgent):
+                await self._verdict(agent)  # a dead connection: the heartbeats say whether the node is
+            if isinstance(exc, Exception) and spec.node in self._lost:
+                raise NodeLost(spec.node, self._lost[spec.node]) from exc
             raise
         try:
             async with asyncio.timeout(ready_timeout):
@@ -454,6 +559,8 @@ class Supervisor:
                 reason=f"not ready within {ready_timeout:g} s",
             ) from None
         if proc.exit.done():
+            if spec.node in self._lost:  # not the process's fault: its node went while it started
+                raise NodeLost(spec.node, self._lost[spec.node]) from exit_error(proc.exit.result())
             raise exit_error(proc.exit.result())
         return proc
 

@@ -1,6 +1,8 @@
 """`tether run` end to end on CPU with Mixture-of-Experts models: a tiny qwen3_moe, a tiny
 deepseek_v3-style model (multi-latent attention + MoE with shared experts and grouped routing)
-and a tiny minimax_m2 (QK norms over all heads, partial RoPE, biased sigmoid routing),
+a tiny minimax_m2 (QK norms over all heads, partial RoPE, biased sigmoid routing) and a tiny
+Qwen3.5-MoE as published (a vision-language checkpoint with fused experts; gated-DeltaNet linear
+attention split over TP, its output norm sequence-parallel),
 trained through Megatron with distributed weight sync to the CPU engine (qwen3_moe in slime's MoE
 layout: TP=2 with its experts at ETP=1, split by EP=2). At every step the
 engine's log-probs of the sampled tokens equal the trainer's (check_run), so the engine serves
@@ -25,10 +27,10 @@ ETP1 = (
     *("--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"),
     *("--moe-token-dispatcher-type", "alltoall"),
 )
-LAYOUT = {"qwen3_moe": ETP1, "deepseek_v3": (), "minimax_m2": ()}
+LAYOUT = {"qwen3_moe": ETP1, "deepseek_v3": (), "minimax_m2": (), "qwen3_5_moe": ETP1}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "minimax_m2", "qwen3_5_moe"])
 def test_moe_model_trains_with_distributed_sync(tmp_path: Path, run_dir: Path, arch: str) -> None:
     ws = make_workspace(tmp_path / "ws", TinyModelSpec(arch=arch, bpe_merges=0))  # type: ignore[arg-type]
     flags = ["--num-rollout", str(STEPS), "--update-weight-transport", "nccl", *LAYOUT[arch]]

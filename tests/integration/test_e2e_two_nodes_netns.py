@@ -172,6 +172,7 @@ class TwoNodeRun:
         self.env = {**env, SECRET_ENV: secret_to_env(new_secret()), "PYTHONUNBUFFERED": "1"}
         self.head: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
+        self.gone: list[subprocess.Popen[bytes]] = []  # agents this test killed, reaped at the end
 
     def __enter__(self) -> TwoNodeRun:
         try:
@@ -198,14 +199,38 @@ class TwoNodeRun:
         )
         head = address_file.read_text().strip()
         assert head.startswith(f"tcp://{self.two.a}:"), head
+        self.start_agent()
+
+    def start_agent(self) -> None:
+        """`tether agent` for node B, inside B's namespace."""
+        head = (self.run / "head_address").read_text().strip()
         agent = [sys.executable, "-m", "tether", "agent", "--head", head, "--node-name", "node-b"]
-        with open(self.root / "agent.out", "wb") as out:
+        with open(self.root / "agent.out", "ab") as out:
             self.agent = subprocess.Popen(
                 ["ip", "netns", "exec", self.two.namespace, *agent, "--run-dir", str(self.run)],
                 env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
+
+    def kill_agent(self) -> None:
+        """SIGKILL node B's agent (its processes die with it)."""
+        assert self.agent is not None
+        self.agent.kill()
+        self.agent.wait()
+        self.gone.append(self.agent)
+        self.agent = None
+
+    def node_b_processes(self) -> list[psutil.Process]:
+        """B's agent and everything under it (its shims, the engine, a zygote)."""
+        assert self.agent is not None
+        agent = psutil.Process(self.agent.pid)  # `ip netns exec` execs the agent: the same pid
+        return [agent, *agent.children(recursive=True)]
+
+    def link_b(self, up: bool) -> None:
+        """Take B's end of the veth pair down or up (A's end stays up, with A's own routes)."""
+        done = _ip("-n", self.two.namespace, "link", "set", self.two.if_b, "up" if up else "down")
+        assert done.returncode == 0, done.stderr
 
     def _stop(self) -> None:
         """Stop what this run started, by pid: the head first (it stops its agent), then the agent."""
@@ -239,6 +264,12 @@ class TwoNodeRun:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}\n{self.output()}")
             time.sleep(0.2)  # polling files and processes of other processes; the condition is the sync
+
+    def stop_run(self) -> None:
+        """SIGTERM the head, as an operator would: the run stops cleanly, its agent with it."""
+        assert self.head is not None
+        self.head.send_signal(signal.SIGTERM)
+        self.finish()
 
     def finish(self) -> None:
         """The head exits 0 and tells its agent to exit, which then exits 0 too."""
@@ -290,6 +321,23 @@ class TwoNodeRun:
 
     def engine_urls(self) -> list[str]:
         return [e["url"] for e in self.events() if e["event"] == "engine_ready"]
+
+    def seen(self, event: str) -> bool:
+        return any(e["event"] == event for e in self.events())
+
+    def status(self) -> dict[str, Any]:
+        """`tether status --json` of this run, with the run's secret (the live view while it runs)."""
+        done = subprocess.run(
+            [sys.executable, "-m", "tether", "status", str(self.run), "--json"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        found: dict[str, Any] = json.loads(done.stdout)
+        return found
 
 
 def test_disk_sync_and_engine_replaced_on_node_b(nodes: TwoNodes, ws: Workspace, tmp_path: Path) -> None:
@@ -371,3 +419,184 @@ def test_trainer_split_over_both_nodes(nodes: TwoNodes, ws: Workspace, tmp_path:
     assert [hosts[n["node"]] for n in plan["train_groups"][0]["nodes"]] == ["node-a", "node-b"]
     engine_log = (run.run / "logs" / "engine0.log").read_text()
     assert "group 'tether-weights-pp0-" in engine_log and "group 'tether-weights-pp1-" in engine_log
+
+
+def both_synced(run: TwoNodeRun) -> int:
+    """Syncs since engine1 rejoined that reached both engines."""
+    path = run.run / "ledger.jsonl"
+    rejoined = [e["time"] for e in run.events() if e["event"] == "engine_rejoined"]
+    if not rejoined or not path.exists():
+        return 0
+    return sum(len(e["engine_versions"]) == 2 and e["finished_at"] > rejoined[0] for e in jsonl(path))
+
+
+def node_loss_flags(tmp_path: Path) -> list[str]:
+    """engine0 on A, engine1 on B, disk sync; node agents lost after 2 missed heartbeats (8 s at
+    most, the tolerance), engines counted hung only after 10 s without an answer: B's engine is
+    lost with its node, not before it as a hung engine."""
+    flags = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--heartbeat-misses", "2"]
+    flags += ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "weights")]
+    flags += ["--use-fault-tolerance", "--rollout-health-check-interval", "1"]
+    flags += ["--rollout-health-check-timeout", "10", "--max-engine-restarts", "2"]
+    # A sync caught mid-call to B fails after this long, and is retried without B.
+    flags += ["--update-weight-request-timeout", "20"]
+    return flags
+
+
+TOLERANCE = 2 * (1.0 + 3.0)  # --heartbeat-misses 2 × (interval + timeout of a heartbeat)
+
+
+def signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            continue
+
+
+def test_engine_node_frozen_past_the_tolerance(nodes: TwoNodes, ws: Workspace, tmp_path: Path) -> None:
+    """Node B's agent and engine SIGSTOPped until the head has counted B lost, then SIGCONTed:
+    the same agent learns from its next heartbeat that it was dropped, stops its old engine
+    (which held its ports) and registers again; the head starts engine1 there again, caught up
+    to the served version."""
+    with TwoNodeRun(nodes, ws, tmp_path, 100_000, *node_loss_flags(tmp_path)) as run:
+        assert run.agent is not None
+        agent = run.agent
+        run.wait_for("the first step", lambda: run.steps_done() >= 1)
+        (old_engine,) = descendants(agent.pid, CPU_ENGINE)
+        frozen = run.node_b_processes()
+        signal_all(frozen, signal.SIGSTOP)
+        try:
+            run.wait_for("engine1 lost", lambda: run.seen("engine_lost"))
+            lost_at = run.steps_done()
+            run.wait_for("a step without node B", lambda: run.steps_done() > lost_at)
+        finally:
+            signal_all(frozen, signal.SIGCONT)
+        run.wait_for("engine1 rejoined", lambda: run.seen("engine_rejoined"))
+        run.wait_for("two syncs to both engines after it", lambda: both_synced(run) >= 2)
+        assert not old_engine.is_running() or old_engine.status() == psutil.STATUS_ZOMBIE
+        (new_engine,) = descendants(agent.pid, CPU_ENGINE)  # started by the same agent
+        assert new_engine.pid != old_engine.pid
+        run.stop_run()
+    assert run.agent is agent and not run.gone
+    assert "registered again" in (tmp_path / "agent.out").read_text()
+    check_lost_and_rejoined(run, nodes)
+    lost = next(e for e in run.events() if e["event"] == "node_lost")
+    assert "heartbeat" in lost["reason"], lost
+
+
+def test_engine_node_link_down_inside_then_past_the_tolerance(
+    nodes: TwoNodes, ws: Workspace, tmp_path: Path
+) -> None:
+    """B's link down for 2 s, well inside the tolerance: nothing changes (no node or engine
+    lost, no restart, no retried sync) and both engines keep getting every sync. Then down for
+    10 s, past it: B is lost, the run trains on with engine0; once the link is up, B's agent
+    (which gave the head up too and stopped its engine) registers again, and engine1 rejoins
+    at the served version."""
+    with TwoNodeRun(nodes, ws, tmp_path, 100_000, *node_loss_flags(tmp_path)) as run:
+        assert run.agent is not None
+        agent = run.agent
+        run.wait_for("the first step", lambda: run.steps_done() >= 1)
+        down = time.monotonic()
+        run.link_b(up=False)
+        time.sleep(2.0)  # the partition under test, not a wait for anything
+        run.link_b(up=True)
+        healed, steps = time.time(), run.steps_done()
+        run.wait_for(
+            "two steps, and the tolerance passed",
+            lambda: run.steps_done() >= steps + 2 and time.monotonic() > down + TOLERANCE + 2.0,
+        )
+        quiet = {"node_lost", "node_joined", "engine_lost", "engine_failed", "engine_restarted", "sync_retry"}
+        assert not [e for e in run.events() if e["event"] in quiet]
+        path = run.run / "ledger.jsonl"
+        assert any(len(e["engine_versions"]) == 2 and e["finished_at"] > healed for e in jsonl(path))
+
+        down = time.monotonic()
+        run.link_b(up=False)
+        try:
+            run.wait_for("engine1 lost", lambda: run.seen("engine_lost"))
+            lost_at = run.steps_done()
+            run.wait_for(
+                "a step without node B, 10 s down",
+                lambda: run.steps_done() > lost_at and time.monotonic() > down + 10.0,
+            )
+        finally:
+            run.link_b(up=True)
+        run.wait_for("engine1 rejoined", lambda: run.seen("engine_rejoined"))
+        run.wait_for("two syncs to both engines after it", lambda: both_synced(run) >= 2)
+        run.stop_run()
+    assert run.agent is agent and not run.gone  # B's agent stayed up and registered again
+    assert "registered again" in (tmp_path / "agent.out").read_text()
+    check_lost_and_rejoined(run, nodes)
+
+
+def test_engine_node_lost_and_rejoined(nodes: TwoNodes, ws: Workspace, tmp_path: Path) -> None:
+    """Node B (one of the two engines) loses its agent to SIGKILL mid-run: the head marks B and its
+    engine lost, the run trains on with the engine on A, and once an agent for B registers again
+    the engine is started there, brought to the served version and routed to. `tether status`
+    shows the loss live, and the end from the records. The run is long and stopped by SIGTERM
+    once the engine has served after rejoining: how fast steps go does not matter."""
+    flags = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2"]  # engine0 on A, engine1 on B
+    flags += ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "weights")]
+    flags += ["--use-fault-tolerance", "--rollout-health-check-interval", "0.5"]
+    flags += ["--rollout-health-check-timeout", "2", "--max-engine-restarts", "1"]
+    with TwoNodeRun(nodes, ws, tmp_path, 100_000, *flags) as run:
+        run.wait_for("the first step", lambda: run.steps_done() >= 1)
+        run.kill_agent()
+        run.wait_for("engine1 lost", lambda: run.seen("engine_lost"))
+        lost_at = run.steps_done()
+        run.wait_for("a step without node B", lambda: run.steps_done() > lost_at)
+        live = run.status()
+        assert live["source"] == "live" and live["state"] == "running", live
+        assert {n["node"]: n["state"] for n in live["nodes"]} == {"node-a": "up", "node-b": "lost"}, live
+        assert {e["engine"]: e["state"] for e in live["engines"]} == {"engine0": "serving", "engine1": "lost"}
+        run.start_agent()
+        run.wait_for("engine1 rejoined", lambda: run.seen("engine_rejoined"))
+        run.wait_for("two syncs to both engines after it", lambda: both_synced(run) >= 2)
+        run.stop_run()
+    check_lost_and_rejoined(run, nodes)
+
+
+def check_lost_and_rejoined(run: TwoNodeRun, nodes: TwoNodes) -> None:
+    """From the records of a run stopped by SIGTERM: every step trained once, no sample twice;
+    node B lost once and back once; engine1 lost with it (not a restart) and rejoined at the
+    version then served; steps trained meanwhile, and after it every sync reached both engines."""
+    evs = run.events()
+    kinds = [e["event"] for e in evs]
+    assert kinds[-1] == "stopped" and "failed" not in kinds
+    # Every step trained once, no sample twice, every trained group whole.
+    records = jsonl(run.run / "samples.jsonl")
+    steps = len(records)
+    assert [r["step"] for r in records] == list(range(steps))
+    indices = [s[0] for r in records for s in r["samples"]]
+    assert len(indices) == len(set(indices)), "a sample was trained twice"
+    assert len({s[1] for r in records for s in r["samples"]}) * 4 == len(indices)
+    # B was lost once and came back; engine1 went with it (not counted as a restart) and rejoined.
+    nodes_seen = [(e["event"], e["node"]) for e in evs if e["event"] in ("node_lost", "node_joined")]
+    assert nodes_seen == [("node_lost", "node-b"), ("node_joined", "node-b")], nodes_seen
+    (lost,) = [e for e in evs if e["event"] == "engine_lost"]
+    (rejoined,) = [e for e in evs if e["event"] == "engine_rejoined"]
+    assert (lost["engine"], lost["node"], rejoined["engine"]) == ("engine1", "node-b", "engine1")
+    assert not any(e["event"] == "engine_restarted" for e in evs)
+    # Steps trained while engine1 was away: the rollout went on with engine0 alone.
+    syncs = [e for e in evs if e["event"] == "weight_sync"]
+    assert any(lost["time"] < e["time"] < rejoined["time"] for e in syncs), "no step while B was lost"
+    # It rejoined at the version then served, caught up before its first request ...
+    served = max((e["version"] for e in syncs if e["time"] < rejoined["time"]), default=0)
+    assert rejoined["version"] == served >= 1
+    assert any(
+        e["event"] == "engine_caught_up" and e["engine"] == "engine1" and e["version"] == served
+        for e in evs
+        if lost["time"] < e["time"] <= rejoined["time"]
+    )
+    # ... and every sync reached each routed engine, both again after the rejoin.
+    ledger = jsonl(run.run / "ledger.jsonl")
+    assert [e["version"] for e in ledger] == list(range(1, len(ledger) + 1)) and len(ledger) >= steps - 1
+    assert all(set(e["engine_versions"].values()) == {e["version"]} for e in ledger)
+    assert len(ledger[-1]["engine_versions"]) == 2
+    urls = [e["url"] for e in evs if e["event"] == "engine_ready" and e["engine"] == "engine1"]
+    assert urls and all(u.startswith(f"http://{nodes.b}:") for u in urls), urls
+    # After the end, `tether status` reads the records: stopped, B back up, every step trained.
+    ended = run.status()
+    assert (ended["source"], ended["state"], ended["step"]) == ("records", "stopped", steps - 1), ended
+    assert {n["node"]: n["state"] for n in ended["nodes"]} == {"node-a": "up", "node-b": "up"}

@@ -1097,7 +1097,15 @@ def test_router_front_forwards_openai(engine: Engine) -> None:
 
 FAMILIES = list(ARCHES)
 # Four layers where the first stays dense (first_k_dense_replace=1), so both kinds are served.
-FAMILY_LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4, "qwen3_next": 4}
+FAMILY_LAYERS = {
+    "deepseek_v3": 4,
+    "glm4_moe": 4,
+    "glm4_moe_lite": 4,
+    "kimi_k2": 4,
+    "qwen3_next": 4,
+    "qwen3_5": 4,
+    "qwen3_5_moe": 4,
+}
 SGLANG_CPU_CANNOT = {
     "deepseek_v3": "SGLang 0.5.23's CPU rotary embedding (get_rope_cpu, used by its MLA attention) "
     "asserts that rope_scaling is set; DeepSeek-V3 checkpoints carry yarn, the tiny model has none",
@@ -1120,6 +1128,11 @@ SGLANG_CPU_CANNOT = {
     "qwen3_next": "SGLang's Qwen3-Next (models/qwen3_next.py) runs its gated delta net through "
     "the hybrid linear-attention backend's FLA Triton kernels (chunk_gated_delta_rule, causal "
     "conv1d, the gated RMSNorm), which find no driver on CPU (read from its source; not started here)",
+    "qwen3_5": "SGLang's Qwen3.5 (models/qwen3_5.py) runs its gated delta net through the same hybrid "
+    "linear-attention backend as Qwen3-Next (FLA Triton kernels), which finds no driver on CPU "
+    "(read from its source; not started here)",
+    "qwen3_5_moe": "as qwen3_5: the hybrid linear-attention backend's FLA Triton kernels find no driver "
+    "on CPU (read from its source; not started here)",
 }
 # Variants of a family: the family's tiny model with config.json keys replaced. deepseek_v3_yarn
 # carries YaRN as DeepSeek-V3's own config.json does (`rope_scaling`, `type`), with mscale and
@@ -1183,7 +1196,7 @@ def _family_engine(
     return start_supervised(kind, model_dir, run_dir, sglang_python=python, sglang_args=list(flags))
 
 
-WEIGHT_SYNC_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral", "minimax_m2"]
+WEIGHT_SYNC_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral", "minimax_m2", "qwen3_5_moe"]
 # Real SGLang starts in tens of seconds on CPU: a family whose weight-sync case below already
 # compares its greedy tokens and log-probs with transformers is not started a second time for it.
 GREEDY_CASES = [("cpu", arch) for arch in [*FAMILIES, *FAMILY_VARIANTS]] + [

@@ -17,7 +17,7 @@ import pytest
 from support import SUPPORT, support_env
 
 from tether.bench.actors import start_actor
-from tether.runtime.errors import ActorDied, HeartbeatLost
+from tether.runtime.errors import ActorDied, HeartbeatLost, NodeLost
 from tether.runtime.loop import run
 from tether.runtime.process.spec import ExitInfo, ProcessSpec
 from tether.runtime.process.supervisor import Heartbeat, Supervisor
@@ -179,6 +179,14 @@ def test_sigterm_runs_checkpoint_then_stops_children(
     assert wait_gone([pids["actor"], pids["actor_shim"], pids["sleeper_shim"], *pids["sleeper"]], 5.0) == []
 
 
+def spawn_agent(
+    head: str, node: str, env: dict[str, str], stderr: int | None = None
+) -> subprocess.Popen[bytes]:
+    """`tether agent` for `node` (the `started` fixture kills it by pid)."""
+    argv = [sys.executable, "-m", "tether.runtime.process.agent", "--head", head, "--node-name", node]
+    return subprocess.Popen(argv, env=env, start_new_session=True, stderr=stderr)
+
+
 def test_two_agents_as_two_nodes(tmp_path: Path, started: list[subprocess.Popen[bytes]]) -> None:
     secret = new_secret()
 
@@ -217,11 +225,28 @@ def test_two_agents_as_two_nodes(tmp_path: Path, started: list[subprocess.Popen[
                 async with asyncio.timeout(10):
                     await sup.watch()
             assert wait_gone([who1["pid"]], 10.0) == []
-            with pytest.raises(ValueError, match="node='n1': no agent registered"):
+            assert sup.node_states()["n1"]["state"] == "lost"
+            with pytest.raises(NodeLost, match="node 'n1' is lost"):
                 await sup.start(ProcessSpec(name="x", argv=["true"], node="n1"))
+            # A new agent under the same name: the node is back, and runs processes again.
+            started.append(spawn_agent(sup.address, "n1", env))
+            async with asyncio.timeout(30):
+                await sup.wait_for_node("n1")
+            assert sup.node_states()["n1"]["state"] == "up"
+            p = await sup.start(ProcessSpec(name="x", argv=["sh", "-c", "exit 0"], node="n1"))
+            assert (await p.wait()).returncode == 0
+            # While n1's agent answers, another agent may not take its name.
+            started.append(spawn_agent(sup.address, "n1", env, stderr=subprocess.PIPE))
+            assert await asyncio.to_thread(started[3].wait, 30) != 0
+            assert started[3].stderr is not None
+            assert "node name 'n1' is already taken" in started[3].stderr.read().decode()
             await sup.stop("on2")
-        # Leaving the supervisor shuts the remaining agent down.
-        assert started[1].wait(15) == 0
+        # Leaving the supervisor shuts the remaining agents down.
+        assert started[1].wait(15) == 0 and started[2].wait(15) == 0
+        evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        nodes = [(e["event"], e["node"]) for e in evs if e["event"] in ("node_lost", "node_joined")]
+        assert nodes == [("node_lost", "n1"), ("node_joined", "n1")]
+        assert next(e for e in evs if e["event"] == "node_lost")["processes"] == ["on1"]
 
     run(main())
 
@@ -232,7 +257,7 @@ def test_a_stalled_head_keeps_its_agents_within_the_missed_heartbeats(
 ) -> None:
     """The head's event loop blocks for longer than one heartbeat's interval + timeout (as a
     synchronous tokenizer load once did): with 3 misses allowed the agent stays and serves; with
-    1 it gives the head up and exits 3, saying how long it waited."""
+    1 it gives the head up and (with --rejoin-timeout 0) exits 3, saying how long it waited."""
     secret = new_secret()
     hb = Heartbeat(interval=0.3, timeout=0.6, first_wait=0.3, misses=misses)
 
@@ -247,6 +272,8 @@ def test_a_stalled_head_keeps_its_agents_within_the_missed_heartbeats(
                 sup.address,
                 "--node-name",
                 "n1",
+                "--rejoin-timeout",
+                "0",
             ]
             started.append(subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE))  # noqa: ASYNC220  # fixture kills by pid
             await sup.wait_for_agents(["n1"], timeout=30)
@@ -264,6 +291,71 @@ def test_a_stalled_head_keeps_its_agents_within_the_missed_heartbeats(
         assert started[0].stderr is not None
         said = started[0].stderr.read().decode()
         assert "heartbeat(s) in a row missed, no answer for" in said
+
+
+def test_an_agent_that_gave_a_stalled_head_up_registers_again(
+    tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    """With 1 miss allowed and the default --rejoin-timeout, an agent gives a head that stalls
+    up, stops its processes and registers again once the head answers, naming its last
+    registration: the head takes it back (whether or not it had dropped it meanwhile)."""
+    secret = new_secret()
+    hb = Heartbeat(interval=0.3, timeout=0.6, first_wait=0.3, misses=1)
+
+    async def main() -> None:
+        async with Supervisor(tmp_path, secret, grace=1.0, heartbeat=hb) as sup:
+            env = {**os.environ, SECRET_ENV: secret_to_env(secret)}
+            started.append(spawn_agent(sup.address, "n1", env))
+            await sup.wait_for_node("n1")
+            old = await sup.start(
+                ProcessSpec(name="sleeper", argv=["sleep", "600"], node="n1"), restartable=True
+            )
+            await asyncio.sleep(hb.first_wait + hb.interval)  # the agent's heartbeats are running
+            time.sleep(1.5)  # noqa: ASYNC251  # the fault under test: the head's loop stalls
+            assert (await old.wait()).reason.startswith("node agent lost")
+            async with asyncio.timeout(30):
+                await sup.wait_for_node("n1")
+            assert wait_gone([old.pid], 10.0) == []
+            assert started[0].poll() is None
+
+    run(main())
+    evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    nodes = [(e["event"], e["node"]) for e in evs if e["event"] in ("node_lost", "node_joined")]
+    assert nodes == [("node_lost", "n1"), ("node_joined", "n1")]
+
+
+def test_a_frozen_agent_dropped_by_the_head_stops_its_processes_and_registers_again(
+    tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    """An agent SIGSTOPped past the heartbeat tolerance is lost to the head; SIGCONTed, it learns
+    from its next heartbeat that it was dropped, stops the processes the head wrote off, and
+    registers again under its name: the node is back and runs processes."""
+    secret = new_secret()
+
+    async def main() -> None:
+        async with Supervisor(tmp_path, secret, grace=1.0, heartbeat=FAST) as sup:
+            env = {**os.environ, SECRET_ENV: secret_to_env(secret)}
+            started.append(spawn_agent(sup.address, "n1", env))
+            await sup.wait_for_node("n1")
+            old = await sup.start(
+                ProcessSpec(name="sleeper", argv=["sleep", "600"], node="n1"), restartable=True
+            )
+            os.kill(started[0].pid, signal.SIGSTOP)
+            try:
+                assert (await old.wait()).reason.startswith("node agent lost")
+            finally:
+                os.kill(started[0].pid, signal.SIGCONT)
+            async with asyncio.timeout(30):
+                await sup.wait_for_node("n1")
+            assert wait_gone([old.pid], 10.0) == []  # the old process, stopped by its own agent
+            new = await sup.start(ProcessSpec(name="sleeper", argv=["sh", "-c", "exit 0"], node="n1"))
+            assert (await new.wait()).returncode == 0
+            assert started[0].poll() is None  # the same agent, registered again
+
+    run(main())
+    evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    nodes = [(e["event"], e["node"]) for e in evs if e["event"] in ("node_lost", "node_joined")]
+    assert nodes == [("node_lost", "n1"), ("node_joined", "n1")]
 
 
 def test_same_node_actor_falls_back_to_tcp_when_the_socket_path_is_too_long(tmp_path: Path) -> None:

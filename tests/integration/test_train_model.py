@@ -59,6 +59,7 @@ MOE_FAMILIES = [
     "kimi_k2",
     "glm4_moe_lite_mtp_built",
     "qwen3_next",
+    "qwen3_5_moe",
 ]
 FAMILIES = [
     "llama",
@@ -76,6 +77,8 @@ FAMILIES = [
     "glm4_moe_lite",
     "kimi_k2",
     "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
     # Checkpoints carrying multi-token-prediction layers, built without them (no --mtp-num-layers),
     # as slime does: the MTP tensors are neither loaded nor exported (round trip and save_hf
     # compare every other tensor; save_hf's names equal the source's without the MTP ones).
@@ -91,7 +94,6 @@ FAMILIES = [
 ONLY = [f for f in os.environ.get("CHECK_MODEL_FAMILIES", "").split(",") if f]
 # Tests of one family that take no `family` parameter.
 FIXED_FAMILY = {
-    "test_glm4_training_steps_equal_across_layouts": "glm4",
     "test_mtp_training_step_trains_the_mtp_layer": "mimo_mtp",
     "test_mtp_training_is_the_same_at_tp2_and_pp2": "mimo_mtp",
     "test_without_mtp_training_the_mtp_layer_stays_as_loaded": "mimo_mtp_frozen",
@@ -153,7 +155,7 @@ def test_save_hf_writes_the_source_checkpoint_back(
     [
         (lay, fam)
         for lay in ("tp2", "pp2", "ep2")
-        for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2", "qwen3_next")
+        for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2", "qwen3_next", "qwen3_5_moe")
     ]
     + [("ep2ag", "qwen3_moe")]  # Megatron's allgather dispatcher at EP=2: micro-batches padded alike
     # Experts at ETP=1 under TP=2: whole on both TP ranks (their gradients summed over the expert
@@ -174,7 +176,7 @@ def test_moe_training_steps_equal_across_layouts(
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
 
 
-CONTEXT_PARALLEL = ["qwen3", "deepseek_v3", "mimo_mtp"]  # check_model.CONTEXT_PARALLEL
+CONTEXT_PARALLEL = ["qwen3", "deepseek_v3", "mimo_mtp", "qwen3_5"]  # check_model.CONTEXT_PARALLEL
 
 
 @pytest.mark.parametrize("family", CONTEXT_PARALLEL)
@@ -206,13 +208,17 @@ def test_context_parallel_logits_and_training_equal_the_other_layouts(
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_glm4_training_steps_equal_across_layouts(checked: list[dict[str, Any]], layout: str) -> None:
-    # GLM-4 dense at TP=2 with sequence parallelism and at PP=2: two SFT steps' loss and grad norm
-    # equal DP=2's, so the gradients through the norms of attention's and the MLP's outputs (their
-    # weights sequence-parallel at TP=2, summed over TP) are counted once, like every other weight.
+@pytest.mark.parametrize("family", ["glm4", "qwen3_5"])
+def test_dense_training_steps_equal_across_layouts(
+    checked: list[dict[str, Any]], layout: str, family: str
+) -> None:
+    # GLM-4 and Qwen3.5 dense at TP=2 with sequence parallelism and at PP=2: two SFT steps' loss and
+    # grad norm equal DP=2's, so the gradients through GLM-4's norms of attention's and the MLP's
+    # outputs and through Qwen3.5's linear-attention output norm (shared by the value heads TP
+    # splits) are summed over TP once, like every other weight's.
     for rank_results in checked:
-        want = value(rank_results, "dp2/glm4/train")
-        got = value(rank_results, f"{layout}/glm4/train")
+        want = value(rank_results, f"dp2/{family}/train")
+        got = value(rank_results, f"{layout}/{family}/train")
         assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
 

@@ -300,7 +300,8 @@ def hf_routed_experts(model_dir: str, ids: list[int]) -> dict[int, torch.Tensor]
         if (
             type(module).__name__.lower().endswith("router")
         ):  # Qwen/Mixtral TopKRouter, DeepSeek/GLM TopkRouter
-            layer = int(name.split(".")[2])
+            parts = name.split(".")  # model.layers.{i}... (model.language_model.layers.{i}... in Qwen3.5)
+            layer = int(parts[parts.index("layers") + 1])
             hooks.append(
                 module.register_forward_hook(
                     lambda _m, _i, out, layer=layer: got.__setitem__(layer, out[2].view(len(ids), -1))

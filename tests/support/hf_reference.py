@@ -20,11 +20,23 @@ import torch
 
 def load_causal_lm(model_dir: str | Path) -> Any:
     """transformers' causal LM of `model_dir` in float32, in eval mode."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2ForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        Qwen2ForCausalLM,
+    )
     from transformers.utils import logging
 
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    cls = {"mimo": Qwen2ForCausalLM, "kimi_k2": DeepseekV3ForCausalLM}.get(model_type, AutoModelForCausalLM)
+    cls = {
+        "mimo": Qwen2ForCausalLM,
+        "kimi_k2": DeepseekV3ForCausalLM,
+        # Qwen3.5 as published is a vision-language model; text-only input gives the text logits.
+        "qwen3_5": AutoModelForImageTextToText,
+        "qwen3_5_moe": AutoModelForImageTextToText,
+    }.get(model_type, AutoModelForCausalLM)
     verbosity = logging.get_verbosity()
     # The load report lists every MTP tensor it leaves out (and a relabelled family's model_type).
     logging.set_verbosity_error()

@@ -51,8 +51,10 @@ def test_slimes_glm4_layer_spec_is_accepted_and_other_plugin_specs_are_refused_b
     # slime's GLM-4 spec is the GPT layer with the post-sublayer norms tether builds from the flags.
     cfg = resolve(["--spec", "slime_plugins.models.glm4", "get_glm_spec"])
     assert cfg.megatron.spec == ["slime_plugins.models.glm4", "get_glm_spec"]
-    with pytest.raises(ConfigError, match=r"'slime_plugins\.models\.qwen3_5'.*gated delta-net") as err:
-        resolve(["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec"])
+    cfg = resolve(["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec"])  # Qwen3.5's layers
+    assert cfg.megatron.spec == ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]
+    with pytest.raises(ConfigError, match=r"'slime_plugins\.models\.glm5\.glm5'.*sparse attention") as err:
+        resolve(["--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec"])
     assert err.value.key == "--spec"
     with pytest.raises(ConfigError, match="module and a function"):
         resolve(["--spec", "slime_plugins.models.glm4"])

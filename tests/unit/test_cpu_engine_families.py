@@ -29,6 +29,7 @@ from tether.rollout.cpu_engine.modeling.model import (
     TinyLM,
     WeightMismatch,
     read_safetensors_dir,
+    unfuse_experts,
 )
 from tether.rollout.cpu_engine.sampling import SamplingParams
 from tether.rollout.cpu_engine.scheduler import Request, Scheduler
@@ -39,7 +40,15 @@ from tether.runtime.errors import ConfigError
 ARCHES = list(tiny_model.ARCHES)
 MOE_ARCHES = sorted(tiny_model.MOE_ARCHES)
 # Four layers where layer 0 stays dense, so both kinds of layer are served (and split at PP=2).
-LAYERS = {"deepseek_v3": 4, "glm4_moe": 4, "glm4_moe_lite": 4, "kimi_k2": 4, "qwen3_next": 4}
+LAYERS = {
+    "deepseek_v3": 4,
+    "glm4_moe": 4,
+    "glm4_moe_lite": 4,
+    "kimi_k2": 4,
+    "qwen3_next": 4,
+    "qwen3_5": 4,
+    "qwen3_5_moe": 4,
+}
 # Families that keep layer 0 dense (first_k_dense_replace=1, GLM-4.7-Flash's mlp_layer_types).
 DENSE_FIRST = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2")
 TOL = 1e-5
@@ -370,7 +379,18 @@ def test_unsupported_configs_are_refused_by_name(
 
 
 @pytest.mark.parametrize(
-    "arch", ["deepseek_v3", "glm4_moe_lite", "mixtral", "glm4", "qwen2_moe", "minimax_m2", "qwen3_next"]
+    "arch",
+    [
+        "deepseek_v3",
+        "glm4_moe_lite",
+        "mixtral",
+        "glm4",
+        "qwen2_moe",
+        "minimax_m2",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_moe",
+    ],
 )
 def test_weight_updates_take_the_families_names(family: Callable[..., Path], arch: str) -> None:
     """A full load of another seed's checkpoint (the disk path), a partial update of a few
@@ -411,8 +431,8 @@ def test_weight_updates_take_the_families_names(family: Callable[..., Path], arc
     }
     assert picked
     model.load(dict(decode_named_tensors(encode_named_tensors(list(picked.items()), []))), complete=False)
-    for name, tensor in picked.items():
-        assert torch.equal(model.params[name], tensor), name
+    for name, tensor in unfuse_experts(picked).items():  # a fused experts tensor by each expert's
+        assert torch.equal(model.params[cfg.canonical(name)], tensor), name
     with pytest.raises(WeightMismatch, match="unknown parameter name"):
         # Experts 0-3 exist (on MoE layers only); a fifth is no parameter of any family.
         model.load({"model.layers.1.mlp.experts.4.gate_proj.weight": torch.zeros(32, 64)}, complete=False)
@@ -640,7 +660,7 @@ def event_loop_runner() -> Iterator[Callable[[Any], Any]]:
         loop.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe"])
 def test_scheduler_returns_routed_experts_like_sglang(
     family: Callable[..., Path], arch: str, event_loop_runner: Callable[[Any], Any]
 ) -> None:

@@ -854,6 +854,216 @@ GLM47_FLASH = [
     "--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.2",
 ]  # fmt: skip
 
+# --- Qwen3.5 and Qwen3-Next: gated-DeltaNet linear attention under slime's layer-spec plugins ------
+
+
+def _qwen3_5_config(text: dict[str, object], out_hidden_size: int, moe: bool = False) -> dict[str, object]:
+    """config.json as Qwen publishes a Qwen3.5 checkpoint: a vision-language model (top-level
+    model_type qwen3_5 / qwen3_5_moe) whose decoder's fields sit under text_config (three gated-DeltaNet
+    layers to one gated full-attention layer, mRoPE over a quarter of each head, one MTP layer) beside
+    its vision tower; tie_word_embeddings at the top. `text`: the sizes of this one."""
+    layers = int(str(text["num_hidden_layers"]))
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attn_output_gate": True,
+            "eos_token_id": 248044,
+            "full_attention_interval": 4,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+            * (layers // 4),
+            "head_dim": 256,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_value_head_dim": 128,
+            "mamba_ssm_dtype": "float32",
+            "max_position_embeddings": 262144,
+            "mtp_num_hidden_layers": 1,
+            "mtp_use_dedicated_embeddings": False,
+            "partial_rotary_factor": 0.25,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "mrope_interleaved": True,
+                "mrope_section": [11, 11, 10],
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 10000000,
+                "rope_type": "default",
+            },
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "vocab_size": 248320,
+            **text,
+        },
+        "vision_config": {
+            "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+            "deepstack_visual_indexes": [],
+            "depth": 27,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 1152,
+            "in_channels": 3,
+            "initializer_range": 0.02,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "num_position_embeddings": 2304,
+            "out_hidden_size": out_hidden_size,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+HF_CONFIGS["qwen3.5-9B"] = _qwen3_5_config(  # Qwen/Qwen3.5-9B's config.json
+    {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "linear_num_value_heads": 32,
+        "mlp_only_layers": [],
+    },
+    out_hidden_size=4096,
+)
+HF_CONFIGS["qwen3.5-27B"] = _qwen3_5_config(  # Qwen/Qwen3.5-27B's config.json
+    {
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "linear_num_value_heads": 48,
+        "mlp_only_layers": [],
+    },
+    out_hidden_size=5120,
+)
+HF_CONFIGS["qwen3.5-35B-A3B"] = _qwen3_5_config(  # Qwen/Qwen3.5-35B-A3B's config.json
+    {
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "linear_num_value_heads": 32,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    },
+    out_hidden_size=2048,
+    moe=True,
+)
+# Qwen3.6-35B-A3B: Qwen3.5-35B-A3B's architecture, published the same way.
+HF_CONFIGS["qwen3.6-35B-A3B"] = HF_CONFIGS["qwen3.5-35B-A3B"]
+
+# slime: scripts/models/qwen3.5-35B-A3B.sh's MODEL_ARGS (MOE_LAYER_FREQ as its printf writes it for
+# NLAYERS=40, FIRST_K_DENSE_REPLACE=0: [1,...,1]): Qwen3.5's layers through slime's plugin spec.
+QWEN35_35B_A3B_MODEL_ARGS = [
+    "--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec",
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "16",
+    "--num-query-groups", "2", "--kv-channels", "256", "--num-layers", "40", "--hidden-size", "2048",
+    "--ffn-hidden-size", "512", "--use-gated-attention",
+    "--normalization", "RMSNorm", "--apply-layernorm-1p", "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6", "--rotary-percent", "0.25", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "248320", "--rotary-base", "10000000",
+    # moe
+    "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size", "512",
+    "--moe-router-score-function", "softmax", "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "8",
+    "--moe-layer-freq", "[" + ",".join(["1"] * 40) + "]", "--num-experts", "256", "--moe-grouped-gemm",
+    "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    "--moe-aux-loss-coeff", "0",
+    # qwen3.5 specific
+    "--attention-output-gate", "--moe-shared-expert-gate",
+]  # fmt: skip
+
+# slime: scripts/run-qwen3.5-35B-A3B-sft.sh (MODEL_ARGS: scripts/models/qwen3.5-35B-A3B.sh), launched
+# with train_async.py on one node, the trainer only (TP 2, experts at ETP 1 over EP 8, dispatched by
+# DeepEP); BASE_FOLDER=/root (the script requires it set); its EVAL_ARGS is never set and its
+# SPEC_ARGS are commented out (both empty).
+QWEN35_35B_A3B_SFT = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8",
+    # MODEL_ARGS
+    *QWEN35_35B_A3B_MODEL_ARGS,
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3.5-35B-A3B", "--ref-load", "/root/Qwen3.5-35B-A3B_torch_dist",
+    "--load", "/root/Qwen3.5-35B-A3B_slime/", "--save", "/root/Qwen3.5-35B-A3B_slime/",
+    "--save-interval", "20",
+    # SFT_ARGS
+    "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
+    "--prompt-data", "/root/openhermes2_5.parquet", "--input-key", "messages", "--rollout-shuffle",
+    "--num-epoch", "3", "--rollout-batch-size", "128", "--global-batch-size", "128",
+    "--loss-type", "sft_loss", "--loss-mask-type", "qwen3_5", "--calculate-per-token-loss",
+    "--disable-compute-advantages-and-returns", "--debug-train-only",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-5", "--lr-decay-style", "cosine", "--min-lr", "1e-6",
+    "--lr-warmup-fraction", "0.1", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    "--use-distributed-optimizer", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+    "--use-precision-aware-optimizer",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
+]  # fmt: skip
+
+# slime: examples/fully_async/run-qwen3.5-9B-fully_async.sh (train_async.py; MODEL_ARGS:
+# scripts/models/qwen3.5-9B.sh), NUM_GPUS=8, ACTOR_GPUS=4 (ROLLOUT_GPUS=4), MODEL_DIR and DATA_PATH at
+# their defaults.
+QWEN35_9B_FULLY_ASYNC = [
+    "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4",
+    # MODEL_ARGS
+    "--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec",
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "16",
+    "--num-query-groups", "4", "--kv-channels", "256", "--num-layers", "32", "--hidden-size", "4096",
+    "--ffn-hidden-size", "12288", "--use-gated-attention",
+    "--normalization", "RMSNorm", "--apply-layernorm-1p", "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6", "--rotary-percent", "0.25", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "248320", "--rotary-base", "10000000", "--attention-output-gate",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/models/Qwen3.5-9B", "--ref-load", "/root/models/Qwen3.5-9B_torch_dist",
+    "--save", "/tmp/slime_fully_async_demo/", "--save-interval", "9999",
+    # ROLLOUT_ARGS
+    "--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+    "--prompt-data", "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl",
+    "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
+    "--rm-type", "deepscaler",
+    "--num-rollout", "3", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
+    "--rollout-max-response-len", "2048", "--rollout-temperature", "1",
+    "--global-batch-size", "32", "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "1", "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.7",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
 # script path in slime -> (its arguments, the model its MODEL_ARGS describe)
 SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scripts/run-qwen3-30B-A3B.sh": (QWEN3_30B_A3B, "qwen3-30B-A3B"),
@@ -871,6 +1081,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
     "scripts/low_precision/run-qwen3-30B-A3B-int4.sh": (QWEN3_30B_A3B_INT4, "qwen3-30B-A3B"),
     "scripts/run-moonlight-16B-A3B.sh": (MOONLIGHT_16B_A3B, "moonlight-16B-A3B"),
     "scripts/low_precision/run-moonlight-16B-A3B-int4.sh": (MOONLIGHT_16B_A3B_INT4, "moonlight-16B-A3B"),
+    "scripts/run-qwen3.5-35B-A3B-sft.sh": (QWEN35_35B_A3B_SFT, "qwen3.5-35B-A3B"),
+    "examples/fully_async/run-qwen3.5-9B-fully_async.sh": (QWEN35_9B_FULLY_ASYNC, "qwen3.5-9B"),
 }
 
 # Flags whose values are paths, and what the test puts there instead.
@@ -958,13 +1170,25 @@ def search_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def multi_agent_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Stand-ins for the multi-agent example's modules (imported as examples.multi_agent.*): the
-    generate hook of rollout_with_multi_agents.py and the agent system it loads, their signatures."""
-    package = tmp_path / "multi_agent_hooks" / "examples" / "multi_agent"
+def example_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Stand-ins for the examples' modules the scripts name (imported as examples.*): the multi-agent
+    example's generate hook (rollout_with_multi_agents.py) and the agent system it loads, and the coding
+    agent example's generate hook (coding_agent_rl/generate.py), their signatures."""
+    package = tmp_path / "example_hooks" / "examples" / "multi_agent"
     package.mkdir(parents=True)
     (package.parent / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
+    coding_agent = package.parent / "coding_agent_rl"
+    coding_agent.mkdir()
+    (coding_agent / "__init__.py").write_text("")
+    (coding_agent / "generate.py").write_text(
+        textwrap.dedent(
+            """
+            async def generate(args, base_sample, sampling_params, evaluation=False):
+                return [base_sample]
+            """
+        )
+    )
     (package / "rollout_with_multi_agents.py").write_text(
         textwrap.dedent(
             """
@@ -989,7 +1213,7 @@ def multi_agent_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_slime_script_plans_unchanged(
-    script: str, tmp_path: Path, search_hooks: None, multi_agent_hooks: None
+    script: str, tmp_path: Path, search_hooks: None, example_hooks: None
 ) -> None:
     argv, model = SCRIPTS[script]
     cfg, plan = plan_for(with_local_paths(argv, model, tmp_path))
@@ -1681,6 +1905,201 @@ MINIMAX_M2 = [
     "--attention-softmax-in-fp32", "--attention-backend", "flash",
 ]  # fmt: skip
 
+# slime: scripts/run-qwen3.5-27B.sh (MODEL_ARGS: scripts/models/qwen3.5-27B.sh) at its defaults: 4
+# colocated nodes (ACTOR_NUM_NODES=4; TP 4, PP 2, CP_SIZE=4), engines of 2 GPUs serving the checkpoint's
+# MTP layer as the EAGLE draft; BASE_FOLDER=/root (the script requires it set); its WANDB_ARGS are
+# commented out (empty).
+QWEN35_27B = [
+    "--actor-num-nodes", "4", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec",
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "24",
+    "--num-query-groups", "4", "--kv-channels", "256", "--num-layers", "64", "--hidden-size", "5120",
+    "--ffn-hidden-size", "17408", "--use-gated-attention",
+    "--normalization", "RMSNorm", "--apply-layernorm-1p", "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6", "--rotary-percent", "0.25", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "248320", "--rotary-base", "10000000", "--attention-output-gate",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3.5-27B", "--ref-load", "/root/Qwen3.5-27B_torch_dist/",
+    "--load", "/root/Qwen3.5-27B_slime/", "--save", "/root/Qwen3.5-27B_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "32768", "--rollout-temperature", "1.0", "--global-batch-size", "64",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "0.2",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+    "--decoder-last-pipeline-num-layers", "30", "--context-parallel-size", "4",
+    "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--calculate-per-token-loss", "--max-tokens-per-gpu", "8192",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "32768", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "2", "--sglang-mem-fraction-static", "0.75",
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
+    "--sglang-mamba-scheduler-strategy", "extra_buffer",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+]  # fmt: skip
+
+# slime: scripts/run-qwen3-next-80B-A3B.sh (MODEL_ARGS: scripts/models/qwen3-next-80B-A3B.sh, its
+# MOE_LAYER_FREQ [1,...,1]) at its defaults: 4 colocated nodes (ACTOR_NUM_NODES=4; TP 2, PP 4,
+# CP_SIZE=4, experts at ETP 1 over EP 8, dispatched by DeepEP), engines of 8 GPUs serving the MTP layer
+# as the EAGLE draft; BASE_FOLDER=/root (the script requires it set); its WANDB_ARGS are commented out.
+HF_CONFIGS["qwen3-next-80B-A3B"] = {  # Qwen/Qwen3-Next-80B-A3B-Thinking's config.json
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN3_NEXT_80B_A3B = [
+    "--actor-num-nodes", "4", "--actor-num-gpus-per-node", "8", "--colocate",
+    # MODEL_ARGS
+    "--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec",
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "16",
+    "--num-query-groups", "2", "--kv-channels", "256", "--num-layers", "48", "--hidden-size", "2048",
+    "--ffn-hidden-size", "5120", "--use-gated-attention",
+    "--normalization", "RMSNorm", "--apply-layernorm-1p", "--position-embedding-type", "rope",
+    "--norm-epsilon", "1e-6", "--rotary-percent", "0.25", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "151936", "--rotary-base", "10000000",
+    # moe
+    "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size", "512",
+    "--moe-router-score-function", "softmax", "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "10",
+    "--moe-layer-freq", "[" + ",".join(["1"] * 48) + "]", "--num-experts", "512", "--moe-grouped-gemm",
+    "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    "--moe-aux-loss-coeff", "0",
+    # qwen3 specific
+    "--attention-output-gate", "--moe-shared-expert-gate",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/Qwen3-Next-80B-A3B-Thinking",
+    "--ref-load", "/root/Qwen3-Next-80B-A3B-Thinking_torch_dist",
+    "--load", "/root/Qwen3-Next-80B-A3B-Thinking_slime/", "--save", "/root/Qwen3-Next-80B-A3B-Thinking_slime/",
+    "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "32768", "--rollout-temperature", "1", "--global-batch-size", "64",
+    "--balance-data",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "gspo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "4e-4",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
+    "--decoder-last-pipeline-num-layers", "9", "--context-parallel-size", "4",
+    "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192",
+    # EVAL_ARGS
+    "--eval-interval", "20", "--eval-prompt-data", "aime", "/root/aime-2024/aime-2024.jsonl",
+    "--n-samples-per-eval-prompt", "8", "--eval-max-response-len", "32768", "--eval-top-p", "1",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.8", "--sglang-ep-size", "8",
+    "--sglang-cuda-graph-bs", "1", "2", "4", "8", *[str(n) for n in range(16, 129, 8)],
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
+    "--sglang-max-running-requests", "256",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",
+]  # fmt: skip
+
+# slime: examples/coding_agent_rl/run_qwen36_35b_a3b_swe_8nodes.sh (its MODEL_ARGS inline:
+# scripts/models/qwen3.5-35B-A3B.sh's) at its defaults: 8 colocated nodes (ACTOR_NUM_NODES from
+# MLP_WORKER_NUM unset: 8; TP 2, CP 8, experts at ETP 1 over EP 8, dispatched by DeepEP), 64 rollout
+# GPUs in engines of 8 with DP attention, prompts of MAX_CONTEXT_LEN=96000 tokens, 12000 a CP rank
+# (--max-tokens-per-gpu $((MAX_CONTEXT_LEN / CP_SIZE))). Its generate hook lives in the example's
+# generate.py, which the test stands in for (the SWE_*/ADAPTER_*/E2B_* environment it exports is read
+# by that hook at rollout time, not by train.py). RUN_ROOT is ${SLIME_DIR}/runs/agent_only_<date>.
+QWEN36_35B_A3B_SWE = [
+    "--actor-num-nodes", "8", "--actor-num-gpus-per-node", "8",
+    # MODEL_ARGS
+    *QWEN35_35B_A3B_MODEL_ARGS,
+    # CKPT_ARGS
+    "--hf-checkpoint", "/path/to/Qwen3.6-35B-A3B", "--ref-load", "/path/to/Qwen3.6-35B-A3B_torch_dist",
+    # ROLLOUT_ARGS
+    "--custom-generate-function-path", "examples.coding_agent_rl.generate.generate",
+    "--prompt-data", "/path/to/swe_train.jsonl", "--input-key", "prompt", "--label-key", "label",
+    "--metadata-key", "metadata", "--num-rollout", "100", "--rollout-batch-size", "8",
+    "--n-samples-per-prompt", "8", "--rollout-max-context-len", "96000", "--rollout-max-response-len", "32768",
+    "--rollout-temperature", "1.0", "--rollout-stop-token-ids", "248046", "248044",
+    "--num-steps-per-rollout", "1", "--global-batch-size", "64", "--micro-batch-size", "1",
+    "--save-debug-rollout-data", "/root/slime/runs/agent_only_20260101_000000/rollout_dumps/rollout_{rollout_id}.pt",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # ALGO_ARGS
+    "--advantage-estimator", "grpo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+    "--context-parallel-size", "8", "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--max-tokens-per-gpu", str(96000 // 8), "--log-probs-chunk-size", "1024", "--use-dynamic-batch-size",
+    # SGLANG_ARGS
+    "--rollout-num-gpus", "64", "--rollout-num-gpus-per-engine", "8", "--sglang-mem-fraction-static", "0.75",
+    "--sglang-enable-dp-attention", "--sglang-dp-size", "8", "--sglang-ep-size", "8",
+    "--sglang-enable-dp-lm-head", "--sglang-moe-dense-tp-size", "1",
+    "--sglang-tool-call-parser", "qwen3_coder", "--sglang-reasoning-parser", "qwen3",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash",
+    "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--colocate",
+]  # fmt: skip
+
 # script path in slime -> (its arguments, the model its MODEL_ARGS describe, the 8-GPU nodes it needs)
 MULTI_NODE_SCRIPTS: dict[str, tuple[list[str], str, int]] = {
     "scripts/run-qwen3-235B-A22B.sh": (QWEN3_235B_A22B, "qwen3-235B-A22B", 16),
@@ -1691,11 +2110,14 @@ MULTI_NODE_SCRIPTS: dict[str, tuple[list[str], str, int]] = {
     "scripts/run-kimi-k2-Thinking.sh": (KIMI_K2_THINKING, "kimi-k2-thinking", 32),
     "scripts/low_precision/run-kimi-k2-Thinking-int4.sh": (KIMI_K2_THINKING_INT4, "kimi-k2-thinking", 32),
     "scripts/run-minimax-m2.sh": (MINIMAX_M2, "minimax-m2.5", 16),
+    "scripts/run-qwen3.5-27B.sh": (QWEN35_27B, "qwen3.5-27B", 4),
+    "scripts/run-qwen3-next-80B-A3B.sh": (QWEN3_NEXT_80B_A3B, "qwen3-next-80B-A3B", 4),
+    "examples/coding_agent_rl/run_qwen36_35b_a3b_swe_8nodes.sh": (QWEN36_35B_A3B_SWE, "qwen3.6-35B-A3B", 8),
 }
 
 
 @pytest.mark.parametrize("script", sorted(MULTI_NODE_SCRIPTS))
-def test_multi_node_slime_script_plans_unchanged(script: str, tmp_path: Path) -> None:
+def test_multi_node_slime_script_plans_unchanged(script: str, tmp_path: Path, example_hooks: None) -> None:
     """Each script on as many 8-GPU nodes as it asks for, as written. Those that train with pipeline
     parallelism under --colocate plan too: every stage's weights reach every trainer rank before the
     colocated update (tether.train.checkpoint.export.iter_every_stage), as slime broadcasts them over
@@ -1721,9 +2143,53 @@ def test_multi_node_slime_script_plans_unchanged(script: str, tmp_path: Path) ->
         for engine in plan.engines:  # an engine wider than a node spans nodes, as slime places it
             assert engine.tp_size == per_engine and engine.nnodes == -(-per_engine // 8)
     assert plan.colocate is cfg.cluster.colocate is ("--colocate" in argv)
-    assert cfg.data.rollout_shuffle
+    assert cfg.data.rollout_shuffle is ("--rollout-shuffle" in argv)  # the coding agent's keeps its order
     assert Config.from_json(cfg.to_json()) == cfg
     assert msgspec.json.decode(plan.to_json())["mode"] == plan.mode
+
+
+def test_the_qwen3_next_and_qwen3_5_moe_scripts_train_with_context_parallelism(
+    tmp_path: Path, example_hooks: None
+) -> None:
+    """slime's Qwen3-Next and Qwen3.5-MoE scripts (run-qwen3-next-80B-A3B.sh, run-qwen3.5-35B-A3B-sft.sh,
+    the coding agent's run_qwen36_35b_a3b_swe_8nodes.sh) pass --moe-shared-expert-gate, checked against the
+    checkpoint's shared-expert gate, and train their gated-DeltaNet layers with context parallelism where
+    the script asks for it (CP 4, CP 8)."""
+    tables = {**{s: (*row, 1) for s, row in SCRIPTS.items()}, **MULTI_NODE_SCRIPTS}
+    gated = {s: row for s, row in tables.items() if "--moe-shared-expert-gate" in row[0]}
+    assert sorted(gated) == [
+        "examples/coding_agent_rl/run_qwen36_35b_a3b_swe_8nodes.sh",
+        "scripts/run-qwen3-next-80B-A3B.sh",
+        "scripts/run-qwen3.5-35B-A3B-sft.sh",
+    ]
+    for script, (argv, model, nodes) in gated.items():
+        local = with_local_paths(argv, model, tmp_path / Path(script).stem)
+        cfg, plan = plan_for(local, eight_gpu_nodes(nodes))
+        assert cfg.megatron.moe_shared_expert_gate
+        assert cfg.megatron.context_parallel_size == int(_flag(argv, "--context-parallel-size"))
+        assert (cfg.megatron.moe_token_dispatcher_type, cfg.megatron.moe_enable_deepep) == ("flex", True)
+        actor = plan.train_group("actor")
+        assert actor is not None and actor.world_size == 8 * nodes
+        # colocated engines of 8 GPUs, one a node; the SFT script's trainer alone
+        assert len(plan.engines) == (0 if "--debug-train-only" in argv else nodes)
+
+
+def test_qwen3_5_trains_with_context_parallelism_and_either_gdn_backend(tmp_path: Path) -> None:
+    """slime's run-qwen3.5-27B.sh trains Qwen3.5's gated-DeltaNet layers at CP 4 (under TP 4, PP 2) with
+    slime's default gated delta rule (fla). --qwen-gdn-backend flashqla, slime's other kernel, plans too
+    and is checked on each trainer rank: refused where FlashQLA is not installed, and on CPU ranks."""
+    argv = with_local_paths(QWEN35_27B, "qwen3.5-27B", tmp_path)
+    cfg, _ = plan_for(argv, eight_gpu_nodes(4))
+    m = cfg.megatron
+    assert (m.context_parallel_size, m.qwen_gdn_backend) == (4, "fla")
+    assert m.spec == ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]
+    cfg, _ = plan_for([*argv, "--qwen-gdn-backend", "flashqla"], eight_gpu_nodes(4))
+    check_capabilities(cfg.megatron, Capabilities.full_gpu())
+    without = dataclasses.replace(Capabilities.full_gpu(), flash_qla=False)
+    with pytest.raises(ConfigError, match=r"--qwen-gdn-backend='flashqla': needs the flash_qla module"):
+        check_capabilities(cfg.megatron, without)
+    with pytest.raises(ConfigError, match=r"--qwen-gdn-backend='flashqla': needs CUDA"):
+        check_capabilities(cfg.megatron, Capabilities.cpu())
 
 
 def test_the_glm47_flash_script_is_refused_for_its_expert_layout(tmp_path: Path) -> None:
@@ -1862,4 +2328,4 @@ def test_quantized_checkpoints_are_refused(script: str, tmp_path: Path) -> None:
 
 def test_the_scripts_are_kept() -> None:
     kept = {*SCRIPTS, *MULTI_NODE_SCRIPTS, "scripts/run-glm4.7-30B-A3B.sh"}
-    assert len(kept) == len(SCRIPTS) + len(MULTI_NODE_SCRIPTS) + 1 == 24
+    assert len(kept) == len(SCRIPTS) + len(MULTI_NODE_SCRIPTS) + 1 == 29

@@ -645,8 +645,8 @@ def test_glm4_layers_carry_the_output_norms_under_both_specs(tmp_path: Path) -> 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from tether.train.model.families import glm4 as bridge_glm4
     from tether.train.model import spec as bridge_spec
+    from tether.train.model.families import glm4 as bridge_glm4
 
     arch, b = _open(write_config(tmp_path, **GLM4), 2)
     fields = bridge.config_kwargs(

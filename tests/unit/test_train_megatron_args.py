@@ -955,6 +955,11 @@ PROBES: dict[str, list[Probe]] = {
         flag("--moe-token-dispatcher-type", "alltoall", arch=MOE),
         flag("--moe-token-dispatcher-type", "flex", base=CPU_PLAN, expect="refused", arch=MOE),
     ],
+    # slime's kernel choice for Qwen3-Next/Qwen3.5's linear attention (FlashQLA needs CUDA and flash_qla).
+    "--qwen-gdn-backend": [
+        flag("--qwen-gdn-backend", "flashqla"),
+        flag("--qwen-gdn-backend", "flashqla", base=CPU_PLAN, expect="refused"),
+    ],
     "--moe-enable-deepep": [
         flag("--moe-enable-deepep", base=("--moe-token-dispatcher-type", "flex"), arch=MOE),
         flag("--moe-enable-deepep", expect="refused", arch=MOE),  # not the flex dispatcher
@@ -1132,6 +1137,10 @@ PROBES: dict[str, list[Probe]] = {
     "--qk-layernorm": [flag("--qk-layernorm", expect="refused")],
     # Qwen3-Next's gated full attention (two spellings in slime's scripts) and 1p norms: properties
     # of the checkpoint, refused where the HF config has none.
+    "--moe-shared-expert-gate": [
+        flag("--moe-shared-expert-gate", expect="refused", arch=MOE),
+        flag("--moe-shared-expert-gate", expect="ignored", arch=dataclasses.replace(MOE, moe_shared_expert_gate=True)),
+    ],
     "--attention-output-gate": [
         flag("--attention-output-gate", expect="refused"),
         flag("--attention-output-gate", expect="ignored", arch=QWEN3_NEXT),
@@ -1154,7 +1163,7 @@ PROBES: dict[str, list[Probe]] = {
     "--no-position-embedding": [flag("--no-position-embedding", expect="refused")],
     # slime's GLM-4 plugin spec is the layers tether builds (accepted, nothing to change); others are
     # refused by module (tests/unit/test_config_slime_flags.py).
-    "--spec": [flag("--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec", expect="refused")],
+    "--spec": [flag("--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec", expect="refused")],
     "--attention-backend": [
         flag("--attention-backend", "local"),
         flag("--attention-backend", "flash", base=CPU_PLAN, expect="refused"),
@@ -1207,6 +1216,8 @@ def produced(cfg: Config, arch: ModelArch) -> dict[str, Any]:
         "scheduler": megatron_args.scheduler_kwargs(m, algo),
         "init_distributed": megatron_args.init_distributed_kwargs(m, algo),
         "data_pad_size": megatron_args.data_pad_size(m, tp),  # stamped on the TransformerConfig
+        # What build._prepare hands build_chunk beside the config: the gated delta rule's kernel.
+        "gdn_backend": m.qwen_gdn_backend,
     }
 
 

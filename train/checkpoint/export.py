@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tether.train.model import bridge
 from tether.train.model.build import sync_params
 from tether.train.model.hf_config import ModelArch
+from tether.train.model.hf_convert import HFWeights, in_base_form
 from tether.train.parallel.topology import Topology, collective_device
 
 _END = "__tether_end_of_stage__"
@@ -156,6 +157,10 @@ def save_hf(
     stream = stream_to_rank0(chunks, arch, topo, dtype)
     out: Path | None = None
     if topo.rank == 0:
+        if arch.is_moe or arch.hf_kept_prefixes:
+            # Fused experts and the tensors the trainer does not hold, as the base checkpoint has them.
+            base = HFWeights(base_dir)
+            stream = in_base_form(stream, base, arch.num_experts, arch.hf_kept_prefixes)
         write_hf_checkpoint(stream, Path(out_dir), version=version, base_dir=Path(base_dir))
         out = Path(out_dir)
     else:

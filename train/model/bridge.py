@@ -37,11 +37,18 @@ import torch
 import torch.distributed as dist
 
 from tether.train.model.families.glm4 import glm4_bridge_class, with_post_sublayer_norms
-from tether.train.model.hf_config import MLA_MODEL_TYPES, ModelArch, transformer_shape
+from tether.train.model.families.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
+from tether.train.model.families.qwen3_5 import qwen3_5_bridge_class
+from tether.train.model.families.qwen3_next import qwen3_next_bridge_class, with_gated_delta_net
+from tether.train.model.hf_config import (
+    MLA_MODEL_TYPES,
+    QWEN3_5_MODEL_TYPES,
+    TEXT_ONLY_MODEL_TYPES,
+    ModelArch,
+    transformer_shape,
+)
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
-from tether.train.model.families.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
-from tether.train.model.families.qwen3_next import qwen3_next_bridge_class, with_gated_delta_net
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
@@ -137,6 +144,15 @@ def hf_config(hf_dir: str | Path) -> Any:
         cfg = DeepseekV3Config.from_pretrained(str(hf_dir))
     else:
         cfg = AutoConfig.from_pretrained(str(hf_dir))
+    if model_type in QWEN3_5_MODEL_TYPES and getattr(cfg, "text_config", None) is not None:
+        # Published with a vision tower: mbridge reads the language model's fields (hf_config.language_model_config).
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        cfg = cfg.text_config
+        cfg.tie_word_embeddings = tied
+        if getattr(cfg, "intermediate_size", None) is None:  # MoE: every layer's FFN is the experts'
+            cfg.intermediate_size = cfg.moe_intermediate_size
+    if model_type in TEXT_ONLY_MODEL_TYPES:
+        cfg.model_type = TEXT_ONLY_MODEL_TYPES[model_type]
     params = getattr(cfg, "rope_parameters", None) or {}
     if getattr(cfg, "rope_theta", None) is None and "rope_theta" in params:
         cfg.rope_theta = params["rope_theta"]
@@ -175,6 +191,8 @@ def parallel_states(*, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: i
 def open_bridge(arch: ModelArch, hf: Any, *, dtype: torch.dtype, parallel: Any) -> Any:
     """mbridge's bridge of this family, its config kept as keyword arguments (see `config_kwargs`)."""
     registry = _mbridge_registry()
+    if arch.model_type in QWEN3_5_MODEL_TYPES:  # one class per checkpoint prefix and MLP kind
+        registry[arch.model_type] = qwen3_5_bridge_class(arch.hf_prefix, arch.is_moe)
     if arch.model_type not in registry:
         raise KeyError(f"mbridge 0.15.1 has no bridge for model_type {arch.model_type!r}")
     base = registry[arch.model_type]
@@ -300,6 +318,13 @@ def build_config(arch: ModelArch, fields: dict[str, Any]) -> Any:
         from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     cls = MLATransformerConfig if arch.multi_latent_attention else TransformerConfig
+    cp = int(fields.get("context_parallel_size") or 1)
+    if arch.linear_attention is not None and cp > 1:
+        # megatron-core 0.16 asserts CP == 1 for GatedDeltaNet; tether runs its sequence mixing over
+        # the gathered sequence (families.qwen3_next.over_context), so the config says CP after.
+        config = cls(**{**fields, "context_parallel_size": 1})
+        config.context_parallel_size = cp
+        return config
     return cls(**fields)
 
 
@@ -580,7 +605,7 @@ class WeightBridge:
     def hf_names(self, name: str) -> list[str]:
         if name == "output_layer.weight" and self.arch.tie_word_embeddings:
             # With tied embeddings the last PP stage holds its own copy of the embedding.
-            return ["model.embed_tokens.weight"]
+            return [self.arch.hf_prefix + "embed_tokens.weight"]
         own = mtp_own_hf_name(name, self.arch)
         if own is not None:
             return [own]

@@ -20,10 +20,10 @@ from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.model import bridge, megatron_args, mtp, stateless_adam
 from tether.train.model.capabilities import Capabilities, check_capabilities, uses_transformer_engine_spec
 from tether.train.model.custom_provider import provide_chunk
+from tether.train.model.families.qwen3_next import mark_gated_delta_net_params, select_gdn_backend
 from tether.train.model.hf_config import ModelArch, load_arch
 from tether.train.model.hf_convert import HFWeights
 from tether.train.model.megatron_cpu import quiet_megatron_imports
-from tether.train.model.families.qwen3_next import mark_gated_delta_net_params
 from tether.train.model.value_head import attach_value_head
 from tether.train.parallel.topology import Topology
 from tether.train.state.param_freeze import apply_freeze
@@ -74,18 +74,21 @@ def build_chunk(
     *,
     transformer_engine: bool | None = None,
     train_mtp: bool = False,
+    gdn_backend: str = "fla",
 ) -> Any:
     """This PP stage's GPTModel (embedding on the first stage, norm + output on the last).
 
     `transformer_engine`: build with TE's layers (default: when CUDA and TE are available). The
     block spec follows `config` (dense or MoE per layer, MLA, qk-norm; `bridge.layer_spec`) and
-    `arch` (GLM-4's norms of attention's and the MLP's outputs).
+    `arch` (GLM-4's norms of attention's and the MLP's outputs). `gdn_backend`: --qwen-gdn-backend.
     """
     with quiet_megatron_imports():
         from megatron.core.models.gpt import GPTModel
 
     if transformer_engine is None:
         transformer_engine = Capabilities.detect().transformer_engine
+    if arch.linear_attention is not None:
+        select_gdn_backend(gdn_backend)
     spec = bridge.layer_spec(
         config,
         transformer_engine,
@@ -217,6 +220,7 @@ def _prepare(
             megatron_args.max_sequence_length(arch, megatron),
             transformer_engine=uses_transformer_engine_spec(megatron, caps),
             train_mtp=train_mtp,
+            gdn_backend=megatron.qwen_gdn_backend,
         )
     weights = bridge.WeightBridge(arch, hf_bridge, arch.padded_vocab_size(topo.tp_size), config)
     bridge.attach(chunk, weights)

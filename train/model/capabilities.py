@@ -38,6 +38,8 @@ class Capabilities:
     """Apex's fused weight-gradient accumulation extension (`fused_weight_gradient_mlp_cuda`) imports."""
     deep_ep: bool = False
     """DeepEP's expert-parallel communication library (`deep_ep`) imports (--moe-enable-deepep)."""
+    flash_qla: bool = False
+    """FlashQLA's gated-delta-rule kernels (`flash_qla`) import (--qwen-gdn-backend flashqla)."""
 
     @classmethod
     def cpu(cls) -> Capabilities:
@@ -55,6 +57,7 @@ class Capabilities:
             fused_softmax_kernels=True,
             fused_wgrad_kernels=True,
             deep_ep=True,
+            flash_qla=True,
         )
 
     @classmethod
@@ -73,6 +76,7 @@ class Capabilities:
             fused_softmax_kernels=importable("scaled_masked_softmax_cuda"),
             fused_wgrad_kernels=importable("fused_weight_gradient_mlp_cuda"),
             deep_ep=importable("deep_ep"),
+            flash_qla=importable("flash_qla"),
         )
 
     def missing(self, *, cuda: bool = False, transformer_engine: bool = False) -> str | None:
@@ -109,6 +113,9 @@ def check_capabilities(megatron: MegatronConfig, caps: Capabilities, *, where: s
     if megatron.moe_enable_deepep and (cuda or not caps.deep_ep):
         missing = cuda or "needs the deep_ep module (DeepEP), which is not installed"
         refuse("--moe-enable-deepep", True, missing, "DeepEP's dispatch kernels run on GPUs")
+    if megatron.qwen_gdn_backend == "flashqla" and (cuda or not caps.flash_qla):
+        missing = cuda or "needs the flash_qla module (FlashQLA), which is not installed"
+        refuse("--qwen-gdn-backend", "flashqla", missing, "FlashQLA's gated delta rule runs on GPUs")
     if megatron.moe_token_dispatcher_type == "flex" and cuda:
         refuse(
             "--moe-token-dispatcher-type",

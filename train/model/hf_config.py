@@ -18,7 +18,11 @@ from tether.runtime.errors import ConfigError
 from tether.train.config import stage_layers
 
 # mimo: Qwen2 plus multi-token-prediction layers (built with --mtp-num-layers: tether.train.model.mtp).
-DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo")
+# qwen3_5 / qwen3_5_moe: Qwen3-Next's decoder with linear attention's projections apart (in_proj_qkv,
+# in_proj_z, in_proj_b, in_proj_a), dense or MoE, published as vision-language checkpoints whose
+# language model sits under text_config (tether.train.model.families.qwen3_5).
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo", "qwen3_5")
 # DeepSeek-V3's decoder (multi-latent attention, its sigmoid router, shared experts, dense first
 # layers) under three names: GLM-4.7-Flash and Kimi-K2 (whose config.json is DeepSeek-V3's), as slime
 # loads and converts all three with its DeepSeek code.
@@ -33,9 +37,14 @@ MOE_MODEL_TYPES = (
     "minimax_m2",
     *MLA_MODEL_TYPES,
     "qwen3_next",
+    "qwen3_5_moe",
 )
 # Qwen-MoE routing (softmax, norm_topk_prob) and layer choice (decoder_sparse_step, mlp_only_layers).
-QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next")
+QWEN_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe")
+# Gated-DeltaNet linear attention between gated full-attention layers, zero-centred norms.
+GATED_DELTANET_MODEL_TYPES = ("qwen3_next", *QWEN3_5_MODEL_TYPES)
+# Text-only checkpoints of a family published with a vision tower (transformers' *ForCausalLM).
+TEXT_ONLY_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # Families whose checkpoints carry multi-token-prediction layers (num_nextn_predict_layers):
 # MiMo's under model.mtp_layers.{i}, DeepSeek-V3's (and its kin's) and GLM-4.5's as model.layers.{L + i}.
@@ -47,8 +56,14 @@ MINIMAX_M2_SPEC = "slime_plugins.models.minimax_m2"
 """slime's layer-spec module for MiniMax-M2 (full QK norms): accepted for that family only."""
 QWEN3_NEXT_SPEC = "slime_plugins.models.qwen3_next"
 """slime's layer-spec module for Qwen3-Next (gated-DeltaNet linear attention): that family only."""
-# slime's family-specific layer-spec modules, by the family whose layers they build.
-_FAMILY_SPECS = {MINIMAX_M2_SPEC: ("minimax_m2", "MiniMax-M2"), QWEN3_NEXT_SPEC: ("qwen3_next", "Qwen3-Next")}
+QWEN3_5_SPEC = "slime_plugins.models.qwen3_5"
+"""slime's layer-spec module for Qwen3.5 (dense and MoE): those families only."""
+# slime's family-specific layer-spec modules: the families whose layers they build, and their name.
+_FAMILY_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
+    MINIMAX_M2_SPEC: (("minimax_m2",), "MiniMax-M2"),
+    QWEN3_NEXT_SPEC: (("qwen3_next",), "Qwen3-Next"),
+    QWEN3_5_SPEC: (QWEN3_5_MODEL_TYPES, "Qwen3.5"),
+}
 
 # Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
 # (GLM-4 dense was here until its sandwich norms were built: tether.train.model.families.glm4.)
@@ -141,6 +156,15 @@ class ModelArch:
     attention_output_gate, slime's --attention-output-gate)."""
     zero_centered_norms: bool = False
     """RMSNorms scale by 1 + weight (Megatron's layernorm_zero_centered_gamma, --apply-layernorm-1p)."""
+    linear_attention_split: bool = False
+    """Linear attention's input projections are four HF tensors (Qwen3.5's in_proj_qkv, in_proj_z,
+    in_proj_b, in_proj_a), not Qwen3-Next's two grouped per key head."""
+    hf_prefix: str = "model."
+    """Where the decoder's tensors sit in the HF checkpoint: `model.`, or `model.language_model.` in
+    a checkpoint published with a vision tower (Qwen3.5's, config under text_config)."""
+    hf_kept_prefixes: tuple[str, ...] = ()
+    """HF tensors the trainer does not hold (a vision tower, MTP modules it does not build): kept as
+    the base checkpoint has them and written back with every HF checkpoint tether saves."""
 
     @property
     def is_moe(self) -> bool:
@@ -230,7 +254,7 @@ def check_model_type(model_type: object, path: str | Path) -> str:
     """The family, or a refusal naming why it cannot be built (at plan time and on the ranks)."""
     if model_type in REFUSED_MODEL_TYPES:
         raise ConfigError(f"{path}:model_type", model_type, REFUSED_MODEL_TYPES[str(model_type)])
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in TEXT_ONLY_MODEL_TYPES:
         raise ConfigError(f"{path}:model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return str(model_type)
 
@@ -318,7 +342,7 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -
         out["moe_ffn_hidden_size"] = int(_field(cfg, "moe_intermediate_size", path))
         out["moe_router_pre_softmax"] = not cfg.get("norm_topk_prob", model_type != "qwen2_moe")
         shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-        if model_type in ("qwen2_moe", "qwen3_next") and shared:
+        if model_type in ("qwen2_moe", "qwen3_next", "qwen3_5_moe") and shared:
             out["moe_shared_expert_intermediate_size"] = shared
             out["moe_shared_expert_gate"] = True
         return out
@@ -393,6 +417,21 @@ def _qwen3_next_fields(cfg: dict[str, Any], path: Path, layers: int) -> dict[str
     }
 
 
+def language_model_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The language model's config and where its tensors sit (`ModelArch.hf_prefix`). A Qwen3.5
+    checkpoint as published is a vision-language model: its decoder's fields are under text_config
+    (tie_word_embeddings at the top), its tensors under model.language_model.; its text-only form
+    (model_type qwen3_5_text / qwen3_5_moe_text) is the same decoder under model.."""
+    model_type = cfg.get("model_type")
+    if model_type in TEXT_ONLY_MODEL_TYPES:
+        return {**cfg, "model_type": TEXT_ONLY_MODEL_TYPES[model_type]}, "model."
+    text = cfg.get("text_config")
+    if model_type not in QWEN3_5_MODEL_TYPES or not isinstance(text, dict):
+        return cfg, "model."
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "model_type": model_type, "tie_word_embeddings": tied}, "model.language_model."
+
+
 def _check_mla_rope(cfg: dict[str, Any], path: Path, rotary_percent: float) -> None:
     """Megatron's MLA rotates all of qk_rope_head_dim in interleaved pairs (HF's rope_interleave)."""
     if cfg.get("rope_interleave", True) is not True:
@@ -418,8 +457,10 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         raise ConfigError("--hf-checkpoint", str(hf_dir), "has no config.json") from e
     except json.JSONDecodeError as e:
         raise ConfigError(str(path), str(e), "not valid JSON") from e
-    model_type = check_model_type(_field(cfg, "model_type", path), path)
+    check_model_type(_field(cfg, "model_type", path), path)
     check_unquantized(cfg, path)
+    cfg, hf_prefix = language_model_config(cfg)
+    model_type = str(cfg["model_type"])
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{path}:hidden_act", cfg["hidden_act"], "only silu (SwiGLU) is supported")
     if cfg.get("mlp_bias"):
@@ -470,8 +511,12 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         extra.update(post_sublayer_norms=True, rotary_interleaved=True)
     if model_type in MOE_MODEL_TYPES:
         extra.update(_moe_fields(cfg, model_type, path, layers))
-    if model_type == "qwen3_next":
+    if model_type in GATED_DELTANET_MODEL_TYPES:
         extra.update(_qwen3_next_fields(cfg, path, layers))
+        extra["linear_attention_split"] = model_type in QWEN3_5_MODEL_TYPES
+        # The MTP module (mtp.*) is not built; Qwen3.5's vision tower (model.visual.*) not trained.
+        extra["hf_kept_prefixes"] = ("mtp.", "model.visual.") if hf_prefix != "model." else ("mtp.",)
+    extra["hf_prefix"] = hf_prefix
     if model_type in MTP_MODEL_TYPES:
         extra["mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
     if model_type in MLA_MODEL_TYPES:
@@ -488,14 +533,23 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
         )
         head_dim = extra["qk_head_dim"] + extra["qk_pos_emb_head_dim"]
     # DeepSeek's MLA normalizes its compressed q and kv (Megatron's --qk-layernorm with MLA).
-    qk_layernorm = model_type in ("qwen3", "qwen3_moe", "qwen3_next", "minimax_m2", *MLA_MODEL_TYPES) or (
-        model_type == "glm4_moe" and bool(cfg.get("use_qk_norm"))
-    )
+    qk_layernorm = model_type in (
+        "qwen3",
+        "qwen3_moe",
+        "minimax_m2",
+        *GATED_DELTANET_MODEL_TYPES,
+        *MLA_MODEL_TYPES,
+    ) or (model_type == "glm4_moe" and bool(cfg.get("use_qk_norm")))
     return ModelArch(
         model_type=model_type,
         vocab_size=int(_field(cfg, "vocab_size", path)),
         hidden_size=hidden,
-        ffn_hidden_size=int(_field(cfg, "intermediate_size", path)),
+        # Qwen3.5-MoE's text config has no dense FFN size (every layer is MoE).
+        ffn_hidden_size=int(
+            _field(
+                cfg, "moe_intermediate_size" if "intermediate_size" not in cfg else "intermediate_size", path
+            )
+        ),
         num_layers=layers,
         num_attention_heads=heads,
         num_query_groups=groups,
@@ -536,6 +590,15 @@ def check_parallel(
             f"an MoE model ({arch.model_type}) trains at TP > 1 only with --sequence-parallel "
             "(Megatron's rule); add it",
         )
+    if arch.linear_attention is not None and tp_size > 1 and sequence_parallel is False:
+        # Linear attention's output norm is shared by the value heads TP splits: Megatron sums its
+        # gradient over TP only for sequence-parallel weights (finalize_model_grads).
+        raise ConfigError(
+            "--tensor-model-parallel-size",
+            tp_size,
+            f"{arch.model_type}'s linear attention trains at TP > 1 only with --sequence-parallel "
+            "(its output norm's gradient is summed over TP as a sequence-parallel weight's); add it",
+        )
     if arch.num_query_groups % tp_size or arch.num_attention_heads % tp_size:
         raise ConfigError(
             "--tensor-model-parallel-size",
@@ -545,13 +608,6 @@ def check_parallel(
     if arch.ffn_hidden_size % tp_size and (arch.moe_layer_freq is None or 0 in arch.moe_layer_freq):
         raise ConfigError(
             "--tensor-model-parallel-size", tp_size, f"must divide intermediate_size={arch.ffn_hidden_size}"
-        )
-    if arch.linear_attention is not None and cp_size > 1:
-        raise ConfigError(
-            "--context-parallel-size",
-            cp_size,
-            f"{arch.model_type}'s linear attention is Megatron's GatedDeltaNet, which megatron-core "
-            "0.16 builds without context parallelism (its TransformerConfig refuses it)",
         )
     for field in ("linear_num_key_heads", "linear_num_value_heads"):
         heads = getattr(arch, field)
@@ -679,6 +735,7 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
         "moe_router_topk": arch.moe_router_topk,
         "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
         "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": arch.moe_shared_expert_gate,
         "moe_router_score_function": arch.moe_router_score_function if arch.is_moe else None,
         "moe_router_num_groups": arch.moe_router_num_groups,
         "moe_router_group_topk": arch.moe_router_group_topk,
@@ -710,7 +767,7 @@ def check_architecture_flags(arch: ModelArch, flags: dict[str, object]) -> None:
     check_model_name(arch, flags.get("model_name"))
     spec = flags.get("spec")
     family = _FAMILY_SPECS.get(spec[0]) if isinstance(spec, list) and spec else None
-    if isinstance(spec, list) and family is not None and arch.model_type != family[0]:
+    if isinstance(spec, list) and family is not None and arch.model_type not in family[0]:
         raise ConfigError(
             "--spec",
             " ".join(spec),
@@ -753,7 +810,8 @@ def _squashed(name: str) -> str:
 # The names slime converts with DeepSeek-V3's converter (megatron_to_hf/__init__.py), before it
 # tries GLM-4.5's ("glm4moe" is also in "glm4moelite").
 _DEEPSEEK_CONVERTER = ("glm4moelite", "deepseekv3", "deepseekv32", "glmmoedsa", "kimi")
-_CONVERTER_ALIASES: dict[str, tuple[str, ...]] = {"mimo": ("qwen2",)}
+# slime converts Qwen3.5-MoE by "qwen35" too (its converter serves both).
+_CONVERTER_ALIASES: dict[str, tuple[str, ...]] = {"mimo": ("qwen2",), "qwen35moe": ("qwen35",)}
 
 
 def check_model_name(arch: ModelArch, model_name: object) -> None:

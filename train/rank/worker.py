@@ -95,6 +95,7 @@ class TrainerWorker(RankApi):
         self._busy = False
         self._transport: Any = None
         self._engines: list[Any] = []
+        self._engine_urls: list[str] = []  # the engines `_transport` was built for
         self._offload_train = False
         self._offloaded: Any = None  # what offload_trainer moved to host, until the next work
         self._routing: Any = None  # the actor's MoE routing replay (RoutingReplay), when asked for
@@ -619,9 +620,12 @@ class TrainerWorker(RankApi):
         if self._topo.rank != 0:
             await self._run(lambda: _drain(stream))
             return None
+        if self._transport is not None and self._engine_urls != engine_urls:
+            await self._drop_transport()  # an engine left or rejoined with its node: the new set
         if self._transport is None:
             from tether.sync.factory import engine_clients, make_transport, sync_device
 
+            self._engine_urls = list(engine_urls)
             self._engines = engine_clients(engine_urls, weight_sync.update_weight_request_timeout)
             self._transport = make_transport(
                 weight_sync,
@@ -781,6 +785,16 @@ class TrainerWorker(RankApi):
     async def health(self) -> WorkerInfo:
         """Answered from the event loop, even while a step runs on the worker thread."""
         return self._info()
+
+    async def _drop_transport(self) -> None:
+        """Close the weight-sync transport and its engine clients; the next sync builds them
+        for the engines it is given."""
+        transport, self._transport = self._transport, None
+        if hasattr(transport, "close"):
+            await transport.close()
+        for client in self._engines:
+            await client.close()
+        self._engines = []
 
     async def shutdown(self) -> None:
         """Stop serving; the process then leaves its process groups and exits 0.

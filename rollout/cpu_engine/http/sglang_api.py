@@ -969,7 +969,7 @@ class EngineApp:
         name = (
             "model.embed_tokens.weight"
             if body.name == "lm_head.weight" and self.sched.cfg.tie_embeddings
-            else body.name
+            else self.sched.cfg.canonical(body.name)
         )
         if name not in params:
             raise BadRequest(f"name={body.name!r}: no such parameter (or the weights are released)")

@@ -42,9 +42,12 @@ class GDNConfig(msgspec.Struct, frozen=True, kw_only=True):
     v_dim: int
     conv_kernel: int
     linear_layers: tuple[bool, ...]  # per layer: linear attention (True) or full attention
+    # Qwen3.5: the input projections apart (in_proj_qkv: all queries, keys, values; in_proj_z,
+    # in_proj_b, in_proj_a), not grouped per key head in two (Qwen3-Next's in_proj_qkvz, in_proj_ba).
+    split_proj: bool = False
 
     @classmethod
-    def from_raw(cls, raw: dict[str, Any], layers: int) -> GDNConfig:
+    def from_raw(cls, raw: dict[str, Any], layers: int, split_proj: bool = False) -> GDNConfig:
         def need(key: str, default: int) -> int:
             value = raw.get(key, default)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -71,6 +74,7 @@ class GDNConfig(msgspec.Struct, frozen=True, kw_only=True):
             v_dim=need("linear_value_head_dim", 128),
             conv_kernel=need("linear_conv_kernel_dim", 4),
             linear_layers=tuple(t == "linear_attention" for t in types),
+            split_proj=split_proj,
         )
         if cfg.v_heads % cfg.k_heads:
             raise GDNConfigError(
@@ -90,9 +94,21 @@ class GDNConfig(msgspec.Struct, frozen=True, kw_only=True):
     def expected_shapes(self, layer: int, hidden: int) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{layer}.linear_attn."
         key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        projections = (
+            {
+                p + "in_proj_qkv.weight": (2 * key + value, hidden),
+                p + "in_proj_z.weight": (value, hidden),
+                p + "in_proj_b.weight": (self.v_heads, hidden),
+                p + "in_proj_a.weight": (self.v_heads, hidden),
+            }
+            if self.split_proj
+            else {
+                p + "in_proj_qkvz.weight": (2 * key + 2 * value, hidden),
+                p + "in_proj_ba.weight": (2 * self.v_heads, hidden),
+            }
+        )
         return {
-            p + "in_proj_qkvz.weight": (2 * key + 2 * value, hidden),
-            p + "in_proj_ba.weight": (2 * self.v_heads, hidden),
+            **projections,
             p + "conv1d.weight": (self.conv_dim, 1, self.conv_kernel),
             p + "dt_bias": (self.v_heads,),
             p + "A_log": (self.v_heads,),
@@ -111,10 +127,19 @@ class Projected(msgspec.Struct, frozen=True):
 
 
 def project(cfg: GDNConfig, params: dict[str, torch.Tensor], layer: int, x: torch.Tensor) -> Projected:
-    """Split the two input projections. The checkpoint groups them by key head: for each of
-    the k_heads, its query, key, its share of value heads' values and of their gates (and of b, a)."""
+    """Split the input projections. Qwen3-Next's two group them by key head: for each of the
+    k_heads, its query, key, its share of value heads' values and of their gates (and of b, a);
+    Qwen3.5's four hold each part whole (`GDNConfig.split_proj`)."""
     p = f"model.layers.{layer}.linear_attn."
     b, t, _ = x.shape
+    if cfg.split_proj:  # Qwen3.5: already [all queries, all keys, all values], z, b, a apart
+        mixed = F.linear(x, params[p + "in_proj_qkv.weight"])
+        z = F.linear(x, params[p + "in_proj_z.weight"])
+        bb, a = F.linear(x, params[p + "in_proj_b.weight"]), F.linear(x, params[p + "in_proj_a.weight"])
+        g = -params[p + "A_log"].float().exp() * F.softplus(a.float() + params[p + "dt_bias"])
+        return Projected(
+            mixed=mixed.transpose(1, 2), z=z.reshape(b, t, cfg.v_heads, cfg.v_dim), beta=bb.sigmoid(), g=g
+        )
     per = cfg.v_heads // cfg.k_heads
     qkvz = F.linear(x, params[p + "in_proj_qkvz.weight"]).view(b, t, cfg.k_heads, -1)
     q, k, v, z = torch.split(qkvz, [cfg.k_dim, cfg.k_dim, per * cfg.v_dim, per * cfg.v_dim], dim=-1)

@@ -1,8 +1,9 @@
 """The CPU engine's model: a compact pure-torch forward for Llama, Qwen2 (and MiMo), Qwen3, GLM-4 and
 the Mixture-of-Experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with multi-latent
-attention and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE) and Qwen3-Next (gated-delta-net linear
-attention, gdn.py, between layers of gated full attention), with a slot-based KV cache, so one
-decode step runs every running sequence in one forward.
+attention and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE), Qwen3-Next (gated-delta-net linear
+attention, gdn.py, between layers of gated full attention) and Qwen3.5 (the same layers; published
+as a vision-language checkpoint whose decoder is served under model.* and whose vision tower is
+not served), with a slot-based KV cache, so one decode step runs every running sequence in one forward.
 
 Supported: RMSNorm, RoPE (default rope type, theta from `rope_parameters` or `rope_theta`;
 partial rotary and the pairwise-interleaved layout; YaRN scaling, rope.py), GQA, SwiGLU, qkv bias, per-head q/k
@@ -10,7 +11,8 @@ RMSNorm, GLM-4's sandwich norms and fused gate_up_proj, tied embeddings; MoE blo
 moe.py, multi-latent attention in mla.py. What is not supported (other rope scalings, sliding
 windows, other activations) is refused at load by name; multi-token-prediction layers a
 checkpoint carries are accepted and left out (plain decoding does not use them). Weights keep their Hugging Face
-names, so every update path speaks the names a trainer exports.
+names, so every update path speaks the names a trainer exports; routed experts stored fused
+(experts.gate_up_proj / experts.down_proj) are taken apart into each expert's names on every path.
 """
 
 from __future__ import annotations
@@ -48,7 +50,18 @@ SUPPORTED_TYPES = (
     "glm4_moe_lite",
     "kimi_k2",
     "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
 )
+# Gated-delta-net families: linear attention between gated full-attention layers, norms that scale
+# by (1 + weight), a quarter of each head rotated by default, an MTP module (mtp.*) not served.
+_GDN_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Qwen3.5 as published: a vision-language checkpoint, the decoder's config under text_config and its
+# tensors under model.language_model. (served as model.*; the vision tower is not served), linear
+# attention's projections apart. Its text-only form has these model_types.
+_QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
+_TEXT_ONLY = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 # Families whose checkpoints may carry multi-token-prediction (MTP) layers. Plain decoding does
 # not use them (transformers drops them too), so their tensors are accepted and left out.
 _MTP_FAMILIES = ("glm4_moe", "mimo", *MLA_MODEL_TYPES)
@@ -94,6 +107,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     gdn: GDNConfig | None = None
     zero_centered_norm: bool = False
     attn_output_gate: bool = False
+    # The checkpoint nests the decoder under model.language_model. beside a vision tower (Qwen3.5).
+    vision_language: bool = False
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -102,6 +117,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raw = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as e:
             raise ModelConfigError(f"{cfg_path}: cannot read config: {e}") from e
+        raw = _language_model(raw)
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_TYPES:
             raise ModelConfigError(f"{cfg_path}: model_type={model_type!r} is not one of {SUPPORTED_TYPES}")
@@ -130,13 +146,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         try:
             moe = MoEConfig.from_raw(model_type, raw, layers)
             mla = MLAConfig.from_raw(raw) if model_type in MLA_MODEL_TYPES else None
-            linear = GDNConfig.from_raw(raw, layers) if model_type == "qwen3_next" else None
+            linear = (
+                GDNConfig.from_raw(raw, layers, split_proj=model_type in _QWEN3_5)
+                if model_type in _GDN_FAMILIES
+                else None
+            )
         except (MoEConfigError, GDNConfigError, ValueError) as e:
             raise ModelConfigError(f"{cfg_path}: {e}") from e
         head_dim = int(raw.get("head_dim") or hidden // heads) if mla is None else mla.qk_dim
         partial = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
         # transformers' Qwen3-Next rotates a quarter of each head unless the config says otherwise.
-        default_partial = 0.25 if model_type == "qwen3_next" else 1.0
+        default_partial = 0.25 if model_type in _GDN_FAMILIES else 1.0
         partial = float(partial if partial is not None else raw.get("partial_rotary_factor", default_partial))
         rotary_dim = mla.qk_rope_dim if mla is not None else int(head_dim * partial)
         if mla is not None and partial != 1.0:  # transformers' MLA rotates all of qk_rope_head_dim
@@ -170,14 +190,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             heads=heads,
             kv_heads=heads if mla is not None else int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
-            intermediate=int(raw["intermediate_size"]),
+            # Qwen3.5-MoE's text config has no dense FFN size (every layer is MoE).
+            intermediate=int(raw.get("intermediate_size") or raw.get("moe_intermediate_size") or 0),
             vocab=int(raw["vocab_size"]),
             eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position=max_position,
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias and mla is None,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "minimax_m2", "qwen3_next")
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "minimax_m2", *_GDN_FAMILIES)
             or bool(raw.get("use_qk_norm", False)),
             qk_norm_full=model_type == "minimax_m2",
             eos_token_ids=eos_ids,
@@ -190,8 +211,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             yarn=yarn,
             mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if model_type in _MTP_FAMILIES else 0,
             gdn=linear,
-            zero_centered_norm=model_type == "qwen3_next",
-            attn_output_gate=model_type == "qwen3_next",
+            zero_centered_norm=model_type in _GDN_FAMILIES,
+            attn_output_gate=model_type in _GDN_FAMILIES,
+            vision_language=bool(raw.get("_vision_language")),
         )
 
     def unused(self, name: str) -> bool:
@@ -200,8 +222,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         `model.mtp_layers`)."""
         if name == "lm_head.weight" and self.tie_embeddings:
             return True
-        if self.model_type == "qwen3_next" and name.startswith("mtp."):
-            return True  # Qwen3-Next's MTP module (transformers leaves `mtp.*` out too)
+        if self.model_type in _GDN_FAMILIES and name.startswith("mtp."):
+            return True  # Qwen3-Next's and Qwen3.5's MTP module (transformers leaves `mtp.*` out too)
+        if self.vision_language and name.startswith("model.visual."):
+            return True  # the vision tower: text rollouts do not run it
         if not self.mtp_layers:
             return False
         if self.model_type == "mimo":
@@ -213,6 +237,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             and parts[2].isdigit()
             and self.layers <= int(parts[2]) < self.layers + self.mtp_layers
         )
+
+    def canonical(self, name: str) -> str:
+        """The name the engine keeps a checkpoint tensor under: a vision-language checkpoint's
+        decoder tensors (model.language_model.*) as model.*, as SGLang's Qwen3.5 loader maps them."""
+        if self.vision_language and name.startswith(LANGUAGE_MODEL_PREFIX):
+            return "model." + name.removeprefix(LANGUAGE_MODEL_PREFIX)
+        return name
 
     def cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """(heads, width) of each per-layer KV cache store: keys and values, or MLA's latent."""
@@ -296,6 +327,19 @@ _MINIMAX_M2_FIXED = {
 """What MiniMax-M2's config.json says where transformers' model always does it (routing, QK norms)."""
 
 
+def _language_model(raw: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config: a Qwen3.5 vision-language config's text_config (tie_word_embeddings at
+    the top; `_vision_language` marks where its tensors sit), a text-only form under its family."""
+    model_type = raw.get("model_type")
+    if model_type in _TEXT_ONLY:
+        return {**raw, "model_type": _TEXT_ONLY[model_type]}
+    text = raw.get("text_config")
+    if model_type not in _QWEN3_5 or not isinstance(text, dict):
+        return raw
+    tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "model_type": model_type, "tie_word_embeddings": tied, "_vision_language": True}
+
+
 def _refuse_unsupported(cfg_path: Path, model_type: str, raw: dict[str, Any]) -> None:
     """ModelConfigError naming a config key whose behaviour this forward does not implement."""
     if model_type == "minimax_m2":
@@ -309,11 +353,11 @@ def _refuse_unsupported(cfg_path: Path, model_type: str, raw: dict[str, Any]) ->
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"{cfg_path}: hidden_act={act!r} is not supported (only 'silu')")
-    if model_type == "qwen3_next":
+    if model_type in _GDN_FAMILIES:
         # Its layer_types name linear and full attention layers (GDNConfig checks them); its
         # o_proj would carry a bias too, which the forward does not apply.
         if raw.get("attention_bias"):
-            raise ModelConfigError(f"{cfg_path}: attention_bias=true is not supported for qwen3_next")
+            raise ModelConfigError(f"{cfg_path}: attention_bias=true is not supported for {model_type}")
         return
     layer_types: list[str] = raw.get("layer_types") or []
     if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
@@ -336,6 +380,7 @@ def check_named(cfg: ModelConfig, named: dict[str, torch.Tensor], complete: bool
     their tensors (`ModelConfig.unused`); they are accepted and ignored.
     """
     expected = cfg.expected_shapes()
+    named = {cfg.canonical(name): tensor for name, tensor in unfuse_experts(named).items()}
     for name, tensor in named.items():
         if cfg.unused(name):
             continue
@@ -349,6 +394,32 @@ def check_named(cfg: ModelConfig, named: dict[str, torch.Tensor], complete: bool
         missing = sorted(set(expected) - set(named))
         if missing:
             raise WeightMismatch(f"missing parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def is_fused_experts(name: str) -> bool:
+    return name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+
+
+def unfuse_experts(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Routed experts held fused, as transformers stores them for some families
+    (`...experts.gate_up_proj` [E, 2I, H]: each expert's gate rows then its up rows;
+    `...experts.down_proj` [E, H, I]), under each expert's own names; other tensors as they are."""
+    if not any(is_fused_experts(name) for name in named):
+        return named
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in named.items():
+        prefix, _, last = name.rpartition(".")
+        if not prefix.endswith(".experts") or last not in ("gate_up_proj", "down_proj"):
+            out[name] = tensor
+            continue
+        for e in range(tensor.shape[0]):
+            if last == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+            else:
+                gate, up = tensor[e].chunk(2)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+    return out
 
 
 def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
@@ -539,7 +610,9 @@ class TinyLM:
         self.load(params, complete=True)
 
     def load(self, named: dict[str, torch.Tensor], complete: bool) -> None:
-        """Validate, then replace; a mismatch raises before any parameter changes."""
+        """Validate, then replace; a mismatch raises before any parameter changes. Routed experts
+        stored fused (a published Qwen3.5-MoE checkpoint) are taken apart first."""
+        named = unfuse_experts(named)
         check_named(self.cfg, named, complete)
         for name, tensor in named.items():
             self.assign(name, tensor)
@@ -551,6 +624,11 @@ class TinyLM:
         allocation per update); a tied checkpoint's lm_head is dropped."""
         if self.ignores(name):
             return
+        if is_fused_experts(name):  # each expert's slice, under its own name
+            for each, part in unfuse_experts({name: tensor}).items():
+                self.assign(each, part)
+            return
+        name = self.cfg.canonical(name)
         live = self.params.get(name)
         if live is not None and live.shape == tensor.shape:
             if live.data_ptr() != tensor.data_ptr():
@@ -564,18 +642,21 @@ class TinyLM:
     def ignores(self, name: str) -> bool:
         """A tied checkpoint's lm_head (the embeddings serve as the head) or an MTP layer's
         tensor: accepted and dropped."""
-        return self.cfg.unused(name)
+        return self.cfg.unused(self.cfg.canonical(name))
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
         """Make a checked tensor in the model's dtype, on its device, the parameter itself (it
         becomes the storage, no copy)."""
         if self.ignores(name):
             return
-        self.params[name] = tensor
+        if is_fused_experts(name):  # no single parameter to become: copied apart
+            self.assign(name, tensor)
+            return
+        self.params[self.cfg.canonical(name)] = tensor
 
     def receive_target(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor | None:
         """The live parameter a broadcast of (name, dtype, shape) can land in directly, if any."""
-        live = self.params.get(name)
+        live = self.params.get(self.cfg.canonical(name))
         if live is None or live.dtype != dtype or list(live.shape) != list(shape) or not live.is_contiguous():
             return None
         return live

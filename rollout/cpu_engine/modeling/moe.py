@@ -55,7 +55,7 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
                     return raw[name]
             raise MoEConfigError(f"{key} is missing")
 
-        if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+        if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe"):
             experts = int(need("num_experts", "num_local_experts"))
             step = int(raw.get("decoder_sparse_step") or 1)
             only = {int(x) for x in raw.get("mlp_only_layers") or []}
@@ -67,7 +67,7 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
                 top_k=int(need("num_experts_per_tok")),
                 expert_ffn=int(need("moe_intermediate_size")),
                 scoring="softmax",
-                norm_topk=bool(raw.get("norm_topk_prob", model_type == "qwen3_next")),
+                norm_topk=bool(raw.get("norm_topk_prob", model_type in ("qwen3_next", "qwen3_5_moe"))),
                 scaling=1.0,
                 groups=1,
                 topk_groups=1,

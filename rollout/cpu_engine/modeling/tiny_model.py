@@ -29,6 +29,13 @@ gate (full_attention_interval 2), rotates a quarter of each head, and adds a sig
 expert (FFN half of --intermediate); its zero-centred norm weights are drawn around 0 (and the
 linear layers' output norms around 1) instead of transformers' constant init.
 
+qwen3_5 and qwen3_5_moe (Qwen3.5) are written as Qwen3.5 is published: a vision-language
+checkpoint (Qwen3_5ForConditionalGeneration: the decoder's config under text_config, its tensors
+under model.language_model., a one-block vision tower under model.visual.) with two MTP tensors
+under mtp.*; the decoder is qwen3_next's with linear attention's projections apart (in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a), a dense MLP (qwen3_5) or qwen3_next's experts stored fused
+(experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]: qwen3_5_moe).
+
 Multi-token-prediction layers (--mtp-layers N; deepseek_v3, glm4_moe_lite, kimi_k2 and glm4_moe,
 default 0; mimo, which is Qwen2 plus MTP layers, default 1): each is a decoder layer of the family
 with its own norms and input projection, under the family's HF names (DeepSeek-V3 and its kin,
@@ -68,11 +75,26 @@ Arch = Literal[
     "glm4_moe_lite",
     "kimi_k2",
     "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
 ]
 ARCHES: tuple[str, ...] = Arch.__args__  # type: ignore[attr-defined]
 MOE_ARCHES = frozenset(
-    {"qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2", "qwen3_next", *MLA_MODEL_TYPES}
+    {
+        "qwen2_moe",
+        "qwen3_moe",
+        "mixtral",
+        "glm4_moe",
+        "minimax_m2",
+        "qwen3_next",
+        "qwen3_5_moe",
+        *MLA_MODEL_TYPES,
+    }
 )
+# Gated-delta-net families: zero-centred norms (drawn around 0 here, see _vary_norms).
+_GDN_ARCHES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
+# Published as vision-language checkpoints (decoder under text_config and model.language_model.).
+_VL_ARCHES = frozenset({"qwen3_5", "qwen3_5_moe"})
 # Families whose first layer stays dense (first_k_dense_replace=1): they need a second layer.
 _DENSE_FIRST = frozenset({"glm4_moe", *MLA_MODEL_TYPES})
 # Families whose checkpoints carry multi-token-prediction layers (--mtp-layers); MiMo always has.
@@ -288,6 +310,8 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
             linear_value_head_dim=head_dim,
             linear_conv_kernel_dim=4,
         )
+    if arch in _VL_ARCHES:
+        return _qwen3_5_config(spec, common, moe, expert_ffn)
     if arch == "mixtral":
         common["intermediate_size"] = expert_ffn
         return transformers.MixtralConfig(**common, **moe, num_local_experts=TINY_EXPERTS)
@@ -352,6 +376,83 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
     )
 
 
+def _qwen3_5_config(
+    spec: TinyModelSpec, common: dict[str, Any], moe: dict[str, Any], expert_ffn: int
+) -> object:
+    """Qwen3.5 as published: a vision-language config, the decoder (Qwen3-Next's layers, linear
+    attention every other layer) under text_config beside a one-block vision tower."""
+    import transformers
+
+    head_dim = spec.hidden // spec.heads
+    text = {
+        **{k: v for k, v in common.items() if k not in ("tie_word_embeddings", "dtype", "rope_theta")},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "partial_rotary_factor": 0.25,
+        },
+        "layer_types": ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)],
+        "linear_num_key_heads": spec.num_kv_heads,
+        "linear_num_value_heads": spec.heads,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": spec.hidden,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    if spec.arch == "qwen3_5":
+        return transformers.Qwen3_5Config(
+            text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_embeddings
+        )
+    del text["intermediate_size"]  # every layer is MoE: the text config has no dense FFN
+    text |= {
+        **moe,
+        "num_experts": TINY_EXPERTS,
+        "moe_intermediate_size": expert_ffn,
+        "shared_expert_intermediate_size": spec.intermediate // 2,
+    }
+    return transformers.Qwen3_5MoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_embeddings
+    )
+
+
+def _as_published_qwen3_5(spec: TinyModelSpec, staging: Path) -> None:
+    """Rewrite transformers' save into the published form: routed experts fused (experts.gate_up_proj
+    [E, 2I, H], experts.down_proj [E, H, I]) and an MTP module's tensors under mtp.* (which
+    transformers' model does not load; the trainer and the engines keep them aside)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(staging / "model.safetensors"))
+    tensors: dict[str, Any] = {}
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, tensor in state.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            tensors[name] = tensor
+            continue
+        index, proj, _ = tail.split(".")
+        experts.setdefault(head + ".mlp.experts.", {}).setdefault(int(index), {})[proj] = tensor
+    for prefix, by_index in experts.items():
+        order = [by_index[e] for e in sorted(by_index)]
+        tensors[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat((p["gate_proj"], p["up_proj"])) for p in order]
+        )
+        tensors[prefix + "down_proj"] = torch.stack([p["down_proj"] for p in order])
+    gen = torch.Generator().manual_seed(spec.seed + 4)
+    tensors["mtp.fc.weight"] = torch.randn(spec.hidden, 2 * spec.hidden, generator=gen) * 0.02
+    tensors["mtp.norm.weight"] = torch.randn(spec.hidden, generator=gen) * 0.1
+    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+
+
 MINIMAX_M2_CONFIG_KEYS: dict[str, Any] = {
     "scoring_func": "sigmoid",
     "use_routing_bias": True,
@@ -398,7 +499,7 @@ def _vary_norms(model: Any, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 3)
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and ".visual." not in name:
                 base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
                 tensor.copy_(base + torch.randn(tensor.shape, generator=gen) * 0.1)
 
@@ -484,10 +585,15 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
         if isinstance(getattr(config, "mlp_layer_types", None), list):  # an MTP layer's block is MoE
             config.mlp_layer_types = [*config.mlp_layer_types, *["sparse"] * mtp]  # type: ignore[attr-defined]
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.arch in _VL_ARCHES:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if spec.arch in MOE_ARCHES:
         _spread_routing(model, spec.seed)
-    if spec.arch == "qwen3_next":
+    if spec.arch in _GDN_ARCHES:
         _vary_norms(model, spec.seed)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
@@ -501,11 +607,13 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
             _add_config_keys(staging, GLM4_MOE_LITE_CONFIG_KEYS)
         if mtp:
             _add_mtp_layers(spec, staging)
+        if spec.arch in _VL_ARCHES:
+            _as_published_qwen3_5(spec, staging)
         tokenizer.save_pretrained(staging)  # type: ignore[attr-defined]
         GenerationConfig(
-            bos_token_id=config.bos_token_id,  # type: ignore[attr-defined]
-            eos_token_id=config.eos_token_id,  # type: ignore[attr-defined]
-            pad_token_id=config.pad_token_id,  # type: ignore[attr-defined]
+            bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+            eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+            pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
         ).save_pretrained(staging)
         _write_atomically(staging, out_path)
     finally:

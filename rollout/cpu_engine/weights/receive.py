@@ -176,7 +176,7 @@ class BucketReceiver:
             return False
         offset, base = 0, arena.data_ptr()
         for name, dtype, _, size in items:
-            live = model.params.get(name)
+            live = model.params.get(model.cfg.canonical(name))
             if (
                 dtype == model.dtype
                 and not model.ignores(name)
@@ -241,7 +241,7 @@ class BucketReceiver:
             return poisoned
         for name, tensor, how in targets:
             if how == "swap":
-                old = model.params[name]
+                old = model.params[model.cfg.canonical(name)]
                 model.adopt(name, tensor)
                 self._keep_spare(name, old)
             else:

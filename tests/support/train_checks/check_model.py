@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for supp
 from tether.train.checkpoint import export
 from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.model import build as model
-from tether.train.model.hf_convert import HFWeights
+from tether.train.model.hf_convert import EXPERT_NAME, HFWeights, fused_name
 from tether.train.parallel import topology as parallel
 from tether.train.rank import step
 
@@ -56,7 +56,7 @@ LAYOUTS_4 = {
 }
 ALLGATHER_EP = ("qwen3_moe",)
 # Dense attention, MLA + MoE, and a trained MTP layer (its labels rolled across the CP ranks).
-CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp")
+CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp", "qwen3_5")  # and gated DeltaNet
 MOE_ARCHES = (
     "qwen2_moe",
     "qwen3_moe",
@@ -67,6 +67,7 @@ MOE_ARCHES = (
     "glm4_moe_lite",
     "kimi_k2",
     "qwen3_next",
+    "qwen3_5_moe",
 )
 # Family name -> TinyModelSpec fields (tether init-model's families).
 FAMILIES: dict[str, dict[str, object]] = {
@@ -103,6 +104,11 @@ FAMILIES: dict[str, dict[str, object]] = {
     # Qwen3-Next: gated-DeltaNet linear attention and gated full attention, zero-centred norms; its
     # tiny model is transformers' own (common.HF_WRITTEN).
     "qwen3_next": {"arch": "qwen3_next"},
+    # Qwen3.5 as published: a vision-language checkpoint (decoder under text_config and
+    # model.language_model., a vision tower and an MTP module the trainer keeps aside), linear
+    # attention's projections apart; dense, and MoE with its experts stored fused.
+    "qwen3_5": {"arch": "qwen3_5"},
+    "qwen3_5_moe": {"arch": "qwen3_5_moe"},
 }
 # Families built with MTP layers: their MegatronConfig flags.
 MTP_FLAGS: dict[str, dict[str, object]] = {
@@ -177,10 +183,12 @@ TRAINED = (
     "qwen3",
     "minimax_m2",
     "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
 )
 # Families built with --sequence-parallel at TP=2: MoE (Megatron requires it) and GLM-4 (slime's
 # GLM-4-9B script runs with it).
-SEQUENCE_PARALLEL = ("glm4",)
+SEQUENCE_PARALLEL = ("glm4", "qwen3_5")  # Qwen3.5's linear attention needs it at TP > 1
 SFT = AlgorithmConfig(loss_type="sft_loss", lr=1e-3)
 
 
@@ -261,6 +269,8 @@ def reinit(tp: int, pp: int, ep: int, cp: int = 1, etp: int | None = None) -> pa
 
 
 def round_trip(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> dict[str, object]:
+    """Every exported tensor equals the source's; every source tensor the model holds is exported (a
+    fused expert tensor by its experts' names; those the trainer keeps aside are not held)."""
     source = HFWeights(hf_dir)
     names: list[str] = []
     mismatched: list[str] = []
@@ -271,14 +281,21 @@ def round_trip(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> dic
             mismatched.append(name)
     stage_names: list[list[str] | None] = [None] * topo.world_size
     dist.all_gather_object(stage_names, names)
-    covered = sorted({n for ns in stage_names for n in (ns or [])})
+    covered = sorted({in_source(source, n) for ns in stage_names for n in (ns or [])})
     expected = sorted(
         n
         for n in source.names()
         if not (actor.arch.tie_word_embeddings and n == "lm_head.weight")
         and not not_built(n, actor.arch.num_layers, bool(actor.config.mtp_num_layers))
+        and not n.startswith(actor.arch.hf_kept_prefixes)
     )
     return {"mismatched": mismatched, "missing": sorted(set(expected) - set(covered)), "count": len(names)}
+
+
+def in_source(source: HFWeights, name: str) -> str:
+    """The source tensor holding exported tensor `name` (itself, or the fused experts' tensor)."""
+    expert = EXPERT_NAME.match(name)
+    return fused_name(expert) if expert is not None and name not in source.weight_map else name
 
 
 def logits_parity(actor: model.Actor, hf_dir: Path, topo: parallel.Topology) -> float | None:

@@ -42,12 +42,13 @@ from typing import Any, ClassVar
 import torch
 
 from tether.train.model.megatron_cpu import quiet_megatron_imports
+from tether.train.parallel import context
 
 _CLASSES: dict[str, type] = {}
 
 # Linear attention's parameters (names under self_attention) that are split over TP by parts.
-_IN_PROJ = "self_attention.in_proj.weight"
-_CONV = "self_attention.conv1d.weight"
+IN_PROJ = "self_attention.in_proj.weight"
+CONV = "self_attention.conv1d.weight"
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -59,22 +60,102 @@ def torch_gated_delta_rule() -> None:
     """Patch (megatron/core/ssm/gated_delta_net.py, HAVE_FLA/chunk_gated_delta_rule/l2norm): without
     flash-linear-attention Megatron refuses to build GatedDeltaNet; give the module Megatron's own
     pure-torch chunked rule (`torch_chunk_gated_delta_rule`, what its deterministic mode runs) and
-    `l2norm`. Nothing changes where fla is installed."""
+    `l2norm`. Nothing changes there where fla is installed. Then every sequence-mixing function the
+    module calls runs over the whole sequence under context parallelism (`over_context`)."""
     with quiet_megatron_imports():
         from megatron.core.ssm import gated_delta_net
 
     module: Any = gated_delta_net
-    if module.HAVE_FLA:
+    if getattr(module, "_tether_patched", False):
         return
-    rule = module.torch_chunk_gated_delta_rule
+    if not module.HAVE_FLA:
+        rule = module.torch_chunk_gated_delta_rule
 
-    def chunk_gated_delta_rule(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
-        kwargs.pop("cu_seqlens", None)  # varlen is refused before (packed sequences)
-        return rule(query, key, value, **kwargs)
+        def chunk_gated_delta_rule(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
+            kwargs.pop("cu_seqlens", None)  # varlen is refused before (packed sequences)
+            return rule(query, key, value, **kwargs)
 
-    module.chunk_gated_delta_rule = chunk_gated_delta_rule
-    module.l2norm = l2norm
-    module.HAVE_FLA = True
+        module.chunk_gated_delta_rule = chunk_gated_delta_rule
+        module.l2norm = l2norm
+        module.HAVE_FLA = True
+    module.chunk_gated_delta_rule = over_context(module.chunk_gated_delta_rule)
+    module.torch_chunk_gated_delta_rule = over_context(module.torch_chunk_gated_delta_rule)
+    if module.causal_conv1d_fn is not None:  # the CUDA kernel Megatron calls instead of its conv1d
+        module.causal_conv1d_fn = convolution_over_context(module.causal_conv1d_fn)
+    module._tether_patched = True
+
+
+def select_gdn_backend(backend: str) -> None:
+    """--qwen-gdn-backend (slime's flag): the chunked gated delta rule GatedDeltaNet calls. `fla` is
+    what `torch_gated_delta_rule` leaves (fla's kernel, else Megatron's pure-torch rule); `flashqla`
+    FlashQLA's kernel, which takes contiguous inputs (the rank's capabilities were checked before)."""
+    torch_gated_delta_rule()
+    if backend == "fla":
+        return
+    from flash_qla import chunk_gated_delta_rule as flashqla_rule  # type: ignore[import-not-found]
+
+    with quiet_megatron_imports():
+        from megatron.core.ssm import gated_delta_net
+
+    def rule(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
+        for name in ("g", "beta"):
+            kwargs[name] = kwargs[name].contiguous()
+        return flashqla_rule(query.contiguous(), key.contiguous(), value.contiguous(), **kwargs)
+
+    module: Any = gated_delta_net
+    module.chunk_gated_delta_rule = over_context(rule)
+
+
+# Context parallelism: megatron-core 0.16 asserts CP == 1 for GatedDeltaNet. Its only operations that
+# mix positions are the causal convolution and the delta rule; each runs here over the whole sequence
+# (every CP rank's share gathered in position order) and keeps this rank's positions of the result.
+# The gather's backward sums every rank's gradient for this rank's positions (`context.gather_sequence`),
+# as each rank's loss reaches the others' positions through the recurrence; slime instead keeps only
+# the local gradient, which drops what later positions on other ranks owe to this rank's.
+
+
+def over_context(rule: Any) -> Any:
+    """A gated delta rule (q, k, v, g, beta: [b, s, heads, ...], sequence on dim 1) under context
+    parallelism: run over the gathered sequence, this rank's positions of the output returned."""
+
+    def run(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
+        layout = context.current()
+        if layout.size == 1:
+            return rule(query, key, value, **kwargs)
+        gathered = [context.gather_sequence(t, 1, layout) for t in (query, key, value)]
+        for name in ("g", "beta"):
+            kwargs[name] = context.gather_sequence(kwargs[name], 1, layout)
+        out, state = rule(*gathered, **kwargs)
+        return context.slice_sequence(out, layout), state
+
+    return run
+
+
+def convolution_over_context(conv: Any) -> Any:
+    """A causal convolution function (x [b, channels, s]) under context parallelism, likewise."""
+
+    def run(*, x: Any, **kwargs: Any) -> Any:
+        layout = context.current()
+        if layout.size == 1:
+            return conv(x=x, **kwargs)
+        full = conv(x=context.gather_sequence(x, 2, layout), **kwargs)
+        return full.index_select(2, layout.positions(full.shape[2], full.device))
+
+    return run
+
+
+class ContextParallelConv1d(torch.nn.Conv1d):
+    """GatedDeltaNet's depthwise causal convolution under context parallelism (see above): over the
+    gathered sequence, this rank's positions of the output (Megatron then trims to this rank's
+    length, which they already are)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layout = context.current()
+        if layout.size == 1:
+            return super().forward(x)
+        full = context.gather_sequence(x, 2, layout)
+        out = super().forward(full)[..., : full.shape[2]]
+        return out.index_select(2, layout.positions(full.shape[2], out.device))
 
 
 class GatedDeltaNetOutputNorm:
@@ -145,6 +226,8 @@ def mark_gated_delta_net_params(model: Any) -> int:
     for module in model.modules():
         if not isinstance(module, GatedDeltaNet):
             continue
+        # Same parameters and names; its forward runs over the whole sequence under CP (see above).
+        module.conv1d.__class__ = ContextParallelConv1d
         for param in (module.conv1d.weight, module.dt_bias, module.A_log):
             if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "partition_dim"):
                 param.partition_dim = 0  # type: ignore[attr-defined]
@@ -263,8 +346,8 @@ def qwen3_next_bridge_class() -> type:
 
         _ATTENTION_MAPPING: ClassVar[dict[str, list[str]]] = {
             **Qwen2MoEBridge._ATTENTION_MAPPING,
-            _IN_PROJ: [linear + "in_proj_qkvz.weight", linear + "in_proj_ba.weight"],
-            _CONV: [linear + "conv1d.weight"],
+            IN_PROJ: [linear + "in_proj_qkvz.weight", linear + "in_proj_ba.weight"],
+            CONV: [linear + "conv1d.weight"],
             "self_attention.dt_bias": [linear + "dt_bias"],
             "self_attention.A_log": [linear + "A_log"],
             "self_attention.out_norm.weight": [linear + "norm.weight"],
@@ -289,7 +372,7 @@ def qwen3_next_bridge_class() -> type:
             return int(hf.num_key_value_heads), heads, head_dim
 
         def _weight_to_mcore_format(self, name: str, hf_weights: list[torch.Tensor]) -> torch.Tensor:
-            if name.endswith(_IN_PROJ):
+            if name.endswith(IN_PROJ):
                 qkvz, ba = (w.to(self.dtype) for w in hf_weights)
                 return in_proj_to_mcore(qkvz, ba, self._shape())
             if name.endswith("self_attention.linear_qkv.weight"):
@@ -301,7 +384,7 @@ def qwen3_next_bridge_class() -> type:
         def _weight_to_hf_format(
             self, name: str, weights: torch.Tensor
         ) -> tuple[list[str], list[torch.Tensor]]:
-            if name.endswith(_IN_PROJ):
+            if name.endswith(IN_PROJ):
                 return self._weight_name_mapping_mcore_to_hf(name), list(
                     in_proj_to_hf(weights, self._shape())
                 )
@@ -315,18 +398,18 @@ def qwen3_next_bridge_class() -> type:
         def _weight_split_across_tp(
             self, name: str, weights: torch.Tensor, param: torch.Tensor, tp_split_size: int
         ) -> list[torch.Tensor]:
-            if tp_split_size > 1 and name.endswith(_IN_PROJ):
+            if tp_split_size > 1 and name.endswith(IN_PROJ):
                 return split_parts(weights, self._shape().in_proj_parts(), tp_split_size)
-            if tp_split_size > 1 and name.endswith(_CONV):
+            if tp_split_size > 1 and name.endswith(CONV):
                 return split_parts(weights, self._shape().conv_parts(), tp_split_size)
             return super()._weight_split_across_tp(name, weights, param, tp_split_size)
 
         def _weight_merge_across_tp(
             self, name: str, weights: list[torch.Tensor], param: torch.Tensor
         ) -> torch.Tensor:
-            if len(weights) > 1 and name.endswith(_IN_PROJ):
+            if len(weights) > 1 and name.endswith(IN_PROJ):
                 return merge_parts(weights, self._shape().in_proj_parts())
-            if len(weights) > 1 and name.endswith(_CONV):
+            if len(weights) > 1 and name.endswith(CONV):
                 return merge_parts(weights, self._shape().conv_parts())
             return super()._weight_merge_across_tp(name, weights, param)
 
