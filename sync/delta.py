@@ -1,17 +1,27 @@
 """Diff, apply and verify weight deltas (the delta-disk mode), on raw tensor bytes.
 
 Encoding and applying run frame by frame on a thread pool: numpy, zstandard and xxhash release
-the GIL, so frames proceed in parallel. Apply writes a new checkpoint beside the base in one pass
-(each changed shard written as base ^ delta, or base bytes where nothing changed, straight from
-the base's mmap into the new file; unchanged files hard-linked), verifies every tensor's checksum,
-and only then is the result published by the caller (see tether.sync.local_store).
+the GIL, so frames proceed in parallel. Apply builds a new checkpoint beside the base and costs
+what changed: files without a changed tensor are reused (reflink where the filesystem has it,
+else a hard link, else a copy); each changed shard is a new file, a reflink of the base shard
+patched where frames land, or, without reflinks, written in one pass (base ^ delta, or the base's
+bytes where nothing changed, straight from the base's mmap). The written shards are verified
+against the delta's checksums, the reused ones through the base's marker (their bytes are the
+base's own), and only then is the result published by the caller (see tether.sync.local_store).
+
+Nothing here writes into an existing file: every write goes to a file this apply created with
+O_EXCL in its staging directory, and finished shards are made read-only, so a file shared by
+hard link between versions is never modified through either name.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import math
 import os
 import shutil
+import stat
 import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -333,9 +343,10 @@ def _element_size(dtype: str, nbytes: int) -> int:
 
 
 def _plan_shard(
-    shard: str, file_size: int, view: CheckpointView, index: DeltaIndex, chunk: int
+    shard: str, file_size: int, view: CheckpointView, index: DeltaIndex, chunk: int, *, gaps: bool = True
 ) -> list[_Write]:
-    """Cover the whole new shard file: each frame's byte range, and base copies for the gaps."""
+    """Cover the whole new shard file: each frame's byte range, and base copies for the gaps
+    (gaps=False: only the frames, for a file that already holds the base's bytes: a reflink)."""
     pieces: list[_Write] = []
     for name, t in index.tensors.items():
         if t.shard != shard or not t.frames:
@@ -355,9 +366,11 @@ def _plan_shard(
     for piece in [*pieces, _Write(shard, file_size, 0)]:
         if piece.offset < cursor:
             raise CorruptDelta(f"frames of {piece.name!r} overlap another frame of shard {shard!r}")
-        plan.extend(
-            _Write(shard, off, min(chunk, piece.offset - off)) for off in range(cursor, piece.offset, chunk)
-        )
+        if gaps:
+            plan.extend(
+                _Write(shard, off, min(chunk, piece.offset - off))
+                for off in range(cursor, piece.offset, chunk)
+            )
         if piece.frame is not None:
             plan.append(piece)
         cursor = piece.offset + piece.length
@@ -409,13 +422,25 @@ class _ShardWriter:
         for fd in [*self.out_fds.values(), *self.delta_fds.values()]:
             os.close(fd)
 
-    def open_shard(self, shard: str, size: int) -> None:
-        """Create the new shard file (in out_dir, a staging directory only this apply writes)."""
+    def open_shard(self, shard: str, size: int, base: Path | None = None) -> bool:
+        """Create the new shard file (in out_dir, a staging directory only this apply writes):
+        a reflink of `base` where the filesystem has them (True: only the frames need writing),
+        else an empty file of `size` bytes (False: every byte is written)."""
         path = contained(self.out_dir, shard, entry="delta weight_map shard", error=CorruptDelta)
-        # O_EXCL: never write through a file or link that was already there.
+        # O_EXCL (here and in clone_file): never write through a file or link already there.
+        fd = clone_file(base, path) if base is not None else None
+        if fd is not None:
+            self.out_fds[shard] = fd
+            return True
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.out_fds[shard] = fd
         preallocate(fd, size)
+        return False
+
+    def _finish(self, shard: str) -> None:
+        fd = self.out_fds[shard]
+        os.fchmod(fd, READ_ONLY)  # made durable by the publisher's fsync of every file
+        os.fdatasync(fd)
 
     def _delta_fd(self, file: str) -> int:
         fd = self.delta_fds.get(file)
@@ -506,7 +531,7 @@ class _ShardWriter:
                     fut.result()  # in plan order: shards finish one after another
                     left[piece.shard] -= 1
                     if left[piece.shard] == 0:
-                        syncs.append(syncer.submit(os.fdatasync, self.out_fds[piece.shard]))
+                        syncs.append(syncer.submit(self._finish, piece.shard))
             except BaseException:
                 # No job may outlive the file descriptors it writes to (closed on exit).
                 for fut in writes:
@@ -517,12 +542,71 @@ class _ShardWriter:
                 sync.result()
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    # Hard links are safe: published files are never modified in place, only replaced.
+READ_ONLY = 0o444  # the mode of every file of a built version: it is only ever replaced
+FICLONE = 0x40049409  # linux/fs.h _IOW(0x94, 9, int): make a file share another's blocks
+# What FICLONE answers where the filesystem (ext4, tmpfs, most network filesystems) or the pair
+# of files cannot share blocks: the caller falls back to a hard link or a copy.
+_NO_REFLINK_ERRNOS = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM}
+)
+_no_reflink: set[tuple[int, int]] = set()  # (source, target) devices that refused a reflink
+
+
+def clone_file(src: Path, dst: Path) -> int | None:
+    """Create dst (a new name: O_EXCL) as a reflink of src, sharing its blocks copy-on-write so
+    that writing either file never changes the other, and return it open for writing; None
+    (dst not created) where the filesystem cannot, remembered per pair of devices."""
+    devices = (os.stat(src).st_dev, os.stat(dst.parent).st_dev)
+    if devices in _no_reflink:
+        return None
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        src_fd = os.open(src, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, FICLONE, src_fd)
+        finally:
+            os.close(src_fd)
+    except BaseException as exc:
+        os.close(fd)
+        dst.unlink()
+        if isinstance(exc, OSError) and exc.errno in _NO_REFLINK_ERRNOS:
+            _no_reflink.add(devices)
+            return None
+        raise
+    return fd
+
+
+def make_read_only(path: Path) -> None:
+    """Drop every write bit of a built file: an accidental open for writing fails, and the file
+    (perhaps a hard link shared by several versions) can only be replaced. A file we may not
+    chmod (another owner's) is left as it is."""
+    try:
+        mode = os.stat(path).st_mode
+        if mode & 0o222:
+            os.chmod(path, stat.S_IMODE(mode) & ~0o222)
+    except PermissionError:
+        pass
+
+
+def reuse_file(src: Path, dst: Path) -> str:
+    """Give dst (a new name in a staging directory) src's bytes without copying them where the
+    filesystem allows: a reflink (its own inode), else a hard link (the same inode, shared: safe
+    because no built file is ever written again, see make_read_only), else a copy. Returns which."""
+    fd = clone_file(src, dst)
+    if fd is not None:
+        try:
+            os.fchmod(fd, READ_ONLY)
+        finally:
+            os.close(fd)
+        return "reflink"
     try:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
+        make_read_only(dst)
+        return "copy"
+    make_read_only(dst)
+    return "link"
 
 
 def check_base(index: DeltaIndex, view: CheckpointView, base_version: int) -> None:
@@ -544,6 +628,25 @@ def check_base(index: DeltaIndex, view: CheckpointView, base_version: int) -> No
             )
 
 
+def _recorded_sums(marker: WeightsMarker | None, index: DeltaIndex) -> dict[str, str] | None:
+    """The base's checksums as its marker records them (checked when that version was built)
+    when they use the delta's algorithm and name the delta's tensors; else None."""
+    if marker is None or marker.checksum != index.checksum or set(marker.checksums) != set(index.tensors):
+        return None
+    return marker.checksums
+
+
+def _check_base_bytes(
+    view: CheckpointView, index: DeltaIndex, names: list[str], pool: ThreadPoolExecutor
+) -> None:
+    """Refuse (WrongBase) unless the base's bytes of `names` hash to the delta's base checksums."""
+    digest = checksum_fn(index.checksum)
+    sums = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), names))
+    for name in names:
+        if sums[name] != index.tensors[name].base_checksum:
+            raise WrongBase(f"tensor {name!r} in the target does not match the delta's base checksum")
+
+
 def apply_delta(
     base_dir: Path,
     base_version: int,
@@ -553,16 +656,27 @@ def apply_delta(
     threads: int = 0,
     index: DeltaIndex | None = None,
 ) -> WeightsMarker:
-    """Build the delta's result in out_dir (existing, empty) from base_dir; verify every checksum.
+    """Build the delta's result in out_dir (existing, empty) from base_dir; verify it.
 
     base_dir is only read, and nothing outside out_dir is written. On any refusal an exception
     derived from DeltaRefused is raised and out_dir may hold partial files that the caller discards.
+
+    The cost follows what changed: files without a changed tensor are reused (reuse_file) and
+    their tensors checked through the base's marker, whose checksums must be the delta's base
+    checksums (a base of other bytes is refused before anything is written); every tensor of a
+    written shard is hashed back from the new file. Without a usable marker the base's changed
+    tensors are hashed first and every tensor of the result after, as a full check.
     """
     delta_dir = Path(delta_dir)
     index = index or read_index(delta_dir)
     check_frames(delta_dir, index)
-    digest = checksum_fn(index.checksum)
     changed = index.changed()
+    for name, t in index.tensors.items():
+        if not t.frames and t.checksum != t.base_checksum:
+            raise ChecksumMismatch(
+                f"{delta_dir}: tensor {name!r} has no frames, yet its recorded result checksum "
+                f"{t.checksum} is not its base checksum {t.base_checksum}"
+            )
     with open_checkpoint(base_dir) as view, ThreadPoolExecutor(resolve_threads(threads)) as pool:
         check_base(index, view, base_version)
         base_marker = read_marker(base_dir)
@@ -571,35 +685,55 @@ def apply_delta(
         except CheckpointError as exc:
             raise WrongBase(str(exc)) from exc
         layout = dict(view.slots)  # the result's headers are the base's bytes, copied
-        # The base bytes of changed tensors must be exactly the base's: XOR on other bytes is garbage.
-        base_sums = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), changed))
-        for name in changed:
-            if base_sums[name] != index.tensors[name].base_checksum:
-                raise WrongBase(f"tensor {name!r} in the target does not match the delta's base checksum")
+        recorded = _recorded_sums(base_marker, index)
+        if recorded is None:
+            # The base bytes of changed tensors must be exactly the base's: XOR on other bytes is garbage.
+            _check_base_bytes(view, index, changed, pool)
+        else:
+            for name in sorted(index.tensors):
+                if recorded[name] != index.tensors[name].base_checksum:
+                    raise WrongBase(f"tensor {name!r} in the target does not match the delta's base checksum")
         changed_shards = sorted({index.tensors[n].shard for n in changed})
         for entry in sorted(base_dir.iterdir()):
             if entry.name == MARKER_NAME or not entry.is_file() or entry.name in changed_shards:
                 continue
-            _link_or_copy(entry, out_dir / entry.name)
+            reuse_file(entry, out_dir / entry.name)
         with _ShardWriter(view, delta_dir, out_dir) as writer:
             plan: list[_Write] = []
             for shard in changed_shards:
                 size = view.shard_bytes(shard).size
-                writer.open_shard(shard, size)
-                plan += _plan_shard(shard, size, view, index, FRAME_BYTES)
+                base = contained(base_dir, shard, entry="delta weight_map shard", error=CorruptDelta)
+                cloned = writer.open_shard(shard, size, base)
+                plan += _plan_shard(shard, size, view, index, FRAME_BYTES, gaps=not cloned)
             writer.run(plan, pool)
-    new_sums = verify_tensors(out_dir, index, pool_threads=threads, layout=layout)
-    marker = WeightsMarker(version=index.version, checksum=index.checksum, checksums=new_sums, layout=layout)
+        written = sorted(n for n, t in index.tensors.items() if t.shard in changed_shards)
+        try:
+            new_sums = verify_tensors(
+                out_dir, index, pool_threads=threads, layout=layout,
+                names=written if recorded is not None else None,
+            )  # fmt: skip
+        except ChecksumMismatch:
+            if recorded is not None:
+                # Bytes damaged since the base was built, or a bad delta: only now read the base.
+                _check_base_bytes(view, index, changed, pool)
+            raise
+    sums = dict(recorded or {}) | new_sums
+    marker = WeightsMarker(version=index.version, checksum=index.checksum, checksums=sums, layout=layout)
     (out_dir / MARKER_NAME).write_bytes(msgspec.json.format(msgspec.json.encode(marker)))
     return marker
 
 
 def verify_tensors(
-    ckpt: Path, index: DeltaIndex, pool_threads: int = 0, layout: dict[str, TensorSlot] | None = None
+    ckpt: Path,
+    index: DeltaIndex,
+    pool_threads: int = 0,
+    layout: dict[str, TensorSlot] | None = None,
+    names: list[str] | None = None,
 ) -> dict[str, str]:
-    """Checksum every tensor of ckpt against the index (and its headers against `layout` when
-    given); raise ChecksumMismatch on the first wrong one."""
+    """Checksum the tensors of ckpt (`names`, default all) against the index (and its headers
+    against `layout` when given); raise ChecksumMismatch on the first wrong one."""
     digest = checksum_fn(index.checksum)
+    todo = sorted(index.tensors) if names is None else sorted(names)
     with open_checkpoint(ckpt) as view, ThreadPoolExecutor(resolve_threads(pool_threads)) as pool:
         if set(view.slots) != set(index.tensors):
             raise ChecksumMismatch(f"{ckpt}: tensor names differ from the delta's")
@@ -607,10 +741,12 @@ def verify_tensors(
             check_layout(ckpt, view.slots, layout or {})
         except CheckpointError as exc:
             raise ChecksumMismatch(str(exc)) from exc
-        got = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), sorted(index.tensors)))
-    for name, t in index.tensors.items():
-        if got[name] != t.checksum:
-            raise ChecksumMismatch(f"{ckpt}: tensor {name!r} checksum {got[name]} != recorded {t.checksum}")
+        got = dict(pool.map(lambda n: (n, digest(view.bytes_of(n))), todo))
+    for name in todo:
+        if got[name] != index.tensors[name].checksum:
+            raise ChecksumMismatch(
+                f"{ckpt}: tensor {name!r} checksum {got[name]} != recorded {index.tensors[name].checksum}"
+            )
     return got
 
 
@@ -653,9 +789,12 @@ __all__ = [
     "VersionGap",
     "WrongBase",
     "apply_delta",
+    "clone_file",
     "diff_checkpoints",
     "encode_delta",
+    "make_read_only",
     "preallocate",
+    "reuse_file",
     "verify_delta",
     "verify_tensors",
 ]

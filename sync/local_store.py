@@ -7,6 +7,13 @@ verified, renamed into place, and only then does `current` move, so a crash at a
 the store at the old version. The previous version is kept for an engine still reading it and
 is pruned only after the new version is published: an apply refused at any point, however
 late (a result that fails its checksums), leaves every version the store held untouched.
+
+Each version is built aside at the cost of what changed (tether.sync.delta.apply_delta): files
+without a changed tensor are reflinks or hard links of the previous version's, and every file
+of a version is read-only, never written again, only replaced by the next version's new file.
+Pruning renames the dropped versions aside (`.old-`) under the lock and leaves their removal to
+the store's pruner thread, off the apply's path; `close()` (or leaving the store's `with`)
+waits for it, and a removal cut short by a crash is finished by the next applier.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import TracebackType
 
 import msgspec
 from filelock import FileLock, Timeout
@@ -32,7 +42,14 @@ from tether.sync.checkpoint_files import (
     verify_checkpoint,
 )
 from tether.sync.checksum import checksum_fn
-from tether.sync.delta import DeltaRefused, apply_delta, resolve_threads, verify_delta
+from tether.sync.delta import (
+    DeltaRefused,
+    apply_delta,
+    clone_file,
+    make_read_only,
+    resolve_threads,
+    verify_delta,
+)
 from tether.sync.hf_writer import published_versions, version_dir_name
 
 CURRENT = "current"
@@ -57,12 +74,45 @@ class LocalCheckpointStore:
     """One host's versioned full checkpoint, safe for several appliers racing on the host."""
 
     def __init__(
-        self, root: Path, *, lock_timeout: float = 600.0, threads: int = 0, keep_previous: int = 1
+        self,
+        root: Path,
+        *,
+        lock_timeout: float = 600.0,
+        threads: int = 0,
+        keep_previous: int = 1,
+        prune_in_background: bool = True,
     ) -> None:
         self.root = Path(root)
         self.lock_timeout = lock_timeout
         self.threads = resolve_threads(threads)
         self.keep_previous = keep_previous
+        self.prune_in_background = prune_in_background
+        self._pruner: ThreadPoolExecutor | None = None
+        self._pruning: list[Future[None]] = []
+        self._retired: set[Path] = set()  # renamed-aside versions the pruner has yet to remove
+
+    def __enter__(self) -> LocalCheckpointStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def wait_pruned(self) -> None:
+        """Return once every version this store pruned is removed from disk (raising what the
+        removal raised)."""
+        while self._pruning:
+            self._pruning.pop(0).result()
+
+    def close(self) -> None:
+        """Wait for the pruner and stop it; the store stays usable (pruning then runs inline)."""
+        try:
+            self.wait_pruned()
+        finally:
+            if self._pruner is not None:
+                self._pruner.shutdown(wait=True)
+                self._pruner = None
 
     # ---------------------------------------------------------------- reading
     def current_path(self) -> Path | None:
@@ -106,6 +156,8 @@ class LocalCheckpointStore:
     def _clean_staging(self) -> None:
         # Under the lock nobody else is writing here: leftovers are from crashed appliers.
         for entry in self.root.iterdir():
+            if entry in self._retired:
+                continue  # this store's pruner is removing it
             if ".tmp-" in entry.name or ".old-" in entry.name:
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
@@ -123,10 +175,32 @@ class LocalCheckpointStore:
         versions = sorted(v for v in published_versions(self.root) if v != current)
         older = [v for v in versions if v < current]
         keep = set(older[-self.keep_previous :]) if self.keep_previous else set()
+        dropped: list[Path] = []
         for v, path in published_versions(self.root).items():
             if v != current and v not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                # Renamed aside first (cheap, atomic): no longer a version for any reader or
+                # applier; removing its files (costly: a version's pages and blocks) comes after.
+                aside = path.with_name(f"{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                os.rename(path, aside)
+                dropped.append(aside)
         fsync_path(self.root)
+        if not dropped:
+            return
+        if not self.prune_in_background:
+            self._remove(dropped)
+            return
+        self._pruning = [f for f in self._pruning if not f.done() or f.exception() is not None]
+        if self._pruner is None:
+            self._pruner = ThreadPoolExecutor(1, thread_name_prefix="store-prune")
+        self._retired.update(dropped)
+        self._pruning.append(self._pruner.submit(self._remove, dropped))
+
+    def _remove(self, dropped: list[Path]) -> None:
+        for path in dropped:
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                self._retired.discard(path)
 
     def seed(self, source: Path, *, version: int | None = None, checksum: str = "xxh3-128") -> ApplyOutcome:
         """Make a full checkpoint the store's current version (a no-op if the store already has one).
@@ -169,7 +243,13 @@ class LocalCheckpointStore:
         try:
             for entry in sorted(source.iterdir()):
                 if entry.is_file() and entry.name != MARKER_NAME and not entry.name.startswith("."):
-                    shutil.copyfile(entry, staging / entry.name)
+                    # A reflink or a copy, never a hard link: the source is not the store's to freeze.
+                    fd = clone_file(entry, staging / entry.name)
+                    if fd is None:
+                        shutil.copyfile(entry, staging / entry.name)
+                    else:
+                        os.close(fd)
+                    make_read_only(staging / entry.name)
             digest = checksum_fn(checksum if marker is None else marker.checksum)
             with open_checkpoint(staging) as view:
                 # The copy's headers (checked by open_checkpoint) against the source's record.

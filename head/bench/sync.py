@@ -248,6 +248,7 @@ def delta_figures(
                 },
             }
         )
+        store.close()  # its pruner's removals finished before the store goes
         shutil.rmtree(store.root)
         shutil.rmtree(out)
     return rows

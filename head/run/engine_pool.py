@@ -16,6 +16,11 @@ brought to the served version and routed to (`engine_rejoined`, with that versio
 An exit reported as its node's loss takes this path even when the node's agent is back
 already (one that gave the head up registers again at once).
 
+With --use-sglang-router, taking an engine out of routing and routing to it again also change
+the sglang-router's worker list (`router_workers`, through its HTTP API), each recorded as
+`router_worker_removed` / `router_worker_added` with the engine and its URL; the Router holds
+the engines apart from the sglang-router for pause and abort (see Router's `front`).
+
 Under --colocate the engines give their memory to the trainer every step: `memory` (one
 EngineMemory) sends each release and resume, and a released engine's /health_generate probe is
 held back (it cannot generate, and SGLang releases only an idle engine); its process exit is
@@ -38,6 +43,7 @@ from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.engine_api.launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
 from tether.rollout.engine_api.memory import ALL_TAGS, EngineMemory, MemoryTag
 from tether.rollout.routing.router import Router
+from tether.rollout.routing.sglang_router_workers import RouterWorkers
 from tether.runtime.errors import ConfigError, HeartbeatLost, NodeLost
 from tether.runtime.process.supervisor import NODE_LOST, ManagedProcess, Supervisor
 from tether.runtime.rpc.liveness import LivenessMonitor
@@ -88,6 +94,7 @@ class EnginePool:
         self.restarts: dict[str, int] = {}
         self.metrics: dict[str, float] = {"ft/engine_restarts": 0.0}
         self.router: Router | None = None
+        self.router_workers: RouterWorkers | None = None  # --use-sglang-router: its worker list
         self.catch_up: CatchUp | None = None
         self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
         self._retired: list[EngineClient] = []
@@ -170,6 +177,8 @@ class EnginePool:
         await self._stack.aclose()  # the monitors' task group; the supervisor stops the processes
         for client in [*self._retired, *self._controls.values()]:
             await client.close()
+        if self.router_workers is not None:
+            await self.router_workers.close()
 
     async def start_sglang_router(self) -> str:
         """--use-sglang-router: sglang-router in front of the engines; returns its URL."""
@@ -189,6 +198,9 @@ class EnginePool:
         )
         _, url = await start_router(
             self.sup, router_spec(list(self.launches.values()), router_cfg), router_cfg
+        )
+        self.router_workers = RouterWorkers(
+            url, api_key=self.api_key, timeout=self.cfg.rollout.engine_request_timeout_seconds
         )
         self.run_dir.event("sglang_router_ready", url=url)
         return url
@@ -255,8 +267,8 @@ class EnginePool:
                 if info.reason.startswith(NODE_LOST):
                     # Lost with its node, though an agent may be back already (one that gave the
                     # head up re-registers at once): not an engine fault, not a restart.
-                    self._unroute(name)
                     try:
+                        await self._unroute(name)
                         for proc in self.procs[name]:  # its parts on other nodes, if any
                             if proc.running:
                                 await self.sup.stop(proc.name, grace=HUNG_ENGINE_GRACE)
@@ -372,7 +384,7 @@ class EnginePool:
                 f"{name} failed {count} times ({reason}); --max-engine-restarts={ft.max_engine_restarts} is used up"
             )
         started = time.monotonic()
-        self._unroute(name)
+        await self._unroute(name)
         for proc in self.procs[name]:
             if proc.running:
                 await self.sup.stop(proc.name, grace=HUNG_ENGINE_GRACE)
@@ -391,10 +403,11 @@ class EnginePool:
         )
         self.run_dir.event("engine_restarted", engine=name, restart_s=restart_s, version=self.served_version)
 
-    def _unroute(self, name: str) -> None:
-        """Stop routing to engine `name` (if it is routed)."""
+    async def _unroute(self, name: str) -> None:
+        """Stop routing to engine `name` (if it is routed), in the sglang-router's list too."""
         assert self.router is not None
-        routed = next((c for c in self.router.engines if c.url == self.launches[name].url), None)
+        url = self.launches[name].url
+        routed = next((c for c in self.router.engines if c.url == url), None)
         if routed is not None:
             self.router.remove_engine(routed.name)
             # Its in-flight requests end now as EngineUnavailable (their groups are requeued
@@ -402,6 +415,8 @@ class EnginePool:
             # clean engine fault into an unrelated error.
             routed.retire(abandon_in_flight=True)
             self._retired.append(routed)
+        if self.router_workers is not None and await self.router_workers.remove(url):
+            self.run_dir.event("router_worker_removed", engine=name, url=url)
 
     async def _start_and_route(self, name: str) -> None:
         """Start engine `name` on its devices, bring it to the served version, route to it.
@@ -431,6 +446,11 @@ class EnginePool:
         )
         try:
             await self.catch_up(client)  # the current version before the first request
+            if self.router_workers is not None:  # requests reach it through the sglang-router
+                await self.router_workers.add(
+                    launch.url, worker_type=launch.worker_type, bootstrap_port=launch.bootstrap_port
+                )
+                self.run_dir.event("router_worker_added", engine=name, url=launch.url)
         except Exception as exc:
             await client.close()
             lost = self._node_lost(name)

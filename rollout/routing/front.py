@@ -4,7 +4,7 @@ Hooks written for slime post to `http://{args.sglang_router_ip}:{args.sglang_rou
 an sglang-router in slime. tether's engines require the run's engine key, which hooks must never
 hold; so the head serves this front (aiohttp, on 127.0.0.1 by default, a free port) and forwards
 what hooks call to an engine chosen by tether's `Router`, adding the key itself. With
---use-sglang-router the Router's one engine is the sglang-router, so requests go through it.
+--use-sglang-router requests go through the sglang-router, and aborts to each engine directly.
 
 Served: `POST /generate` (to one engine, by the `X-SMG-Routing-Key` header when the policy
 hashes), `POST /abort_request` (to every engine), `GET /health`, `GET /health_generate`,

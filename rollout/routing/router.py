@@ -4,8 +4,16 @@ Policies: round-robin, least-in-flight, and consistent hashing on a routing key 
 slime's `X-SMG-Routing-Key`), so every turn of a multi-turn session returns to its engine; a
 request without a key falls back to least-in-flight. Engines can be added and removed while
 running (the restart path): a removed engine takes no new requests, and only the keys that
-hashed to it move. With --use-sglang-router the router holds one "engine", the sglang-router
-process, and passes the routing key through as the header.
+hashed to it move.
+
+With --use-sglang-router the router is *fronted*: requests go to one client, the sglang-router
+process (the routing key passes through as its header), while the engines behind it are held
+apart, reached directly for what the sglang-router does not serve (it answers 404 to
+/pause_generation and /abort_request): pause, resume, abort and every `broadcast`. Adding and
+removing engines then changes only that set; the engine pool changes the sglang-router's own
+worker list (sglang_router_workers.py). A gateway error from the sglang-router (502/503/504: the
+worker behind it went away) counts as the engine being unavailable, as a refused connection
+does without it, so fault tolerance requeues the sample's group.
 
 The router also measures each engine's busy time (time with at least one request in flight),
 which the rollout benchmark reports as the engine busy fraction.
@@ -28,6 +36,7 @@ import xxhash
 from tether.rollout.config import RolloutConfig, RoutingPolicy
 from tether.rollout.engine_api.client import (
     EngineClient,
+    EngineError,
     EngineUnavailable,
     GenerateResponse,
     PauseMode,
@@ -37,6 +46,7 @@ from tether.rollout.engine_api.client import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 VIRTUAL_NODES = 64  # points per engine on the hash ring: keeps the key spread even with few engines
+GATEWAY_ERRORS = frozenset({502, 503, 504})  # the sglang-router could not reach (or has no) worker
 
 
 class NoEngineError(RuntimeError):
@@ -94,7 +104,10 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         engineless: str | None = None,
         batch_requests: bool = True,
+        front: EngineClient | None = None,
     ) -> None:
+        """`front`: the sglang-router every request goes to; `engines` are then the engines behind
+        it, reached directly only for control (see the module docstring)."""
         self.policy: RoutingPolicy = policy
         self.batch_requests = batch_requests
         """Requests under one batch key go to their engine together (see `generate`); off in front
@@ -108,6 +121,10 @@ class Router:
         self._ring: list[tuple[int, str]] = []
         self._rr = itertools.count()
         self._has_engine = asyncio.Event()
+        self.front = front
+        self._behind: dict[str, EngineClient] = {}
+        if front is not None:
+            self._slots[front.name] = _Slot(front, concurrency_per_engine, clock)
         for engine in engines:
             self.add_engine(engine)
 
@@ -127,14 +144,24 @@ class Router:
             if router_url is None:
                 raise ValueError("--use-sglang-router needs the router's URL")
             total = config.sglang_server_concurrency * max(1, len(engine_urls))
-            client = EngineClient(
+            front = EngineClient(
                 router_url,
                 name="sglang-router",
                 max_connections=total,
                 request_timeout=timeout,
                 api_key=api_key,
             )
-            return cls([client], policy="round_robin", concurrency_per_engine=total, batch_requests=False)
+            behind = [
+                EngineClient(url, name=f"engine{i}", request_timeout=timeout, api_key=api_key)
+                for i, url in enumerate(engine_urls)
+            ]
+            return cls(
+                behind,
+                front=front,
+                policy="round_robin",
+                concurrency_per_engine=total,
+                batch_requests=False,
+            )
         clients = [
             EngineClient(
                 url,
@@ -154,19 +181,29 @@ class Router:
     # ----- membership -----
     @property
     def engines(self) -> list[EngineClient]:
+        """The engines: those requests go to, or when fronted those behind the sglang-router."""
+        if self.front is not None:
+            return list(self._behind.values())
         return [slot.client for slot in self._slots.values()]
 
     def add_engine(self, client: EngineClient) -> None:
-        if client.name in self._slots:
+        known = self._behind if self.front is not None else self._slots
+        if client.name in known:
             raise ValueError(f"an engine named {client.name!r} is already routed")
-        self._slots[client.name] = _Slot(client, self._concurrency, self._clock)
+        if self.front is not None:
+            self._behind[client.name] = client
+        else:
+            self._slots[client.name] = _Slot(client, self._concurrency, self._clock)
         self._rebuild_ring()
 
     def remove_engine(self, name: str) -> EngineClient:
         """Stop routing to `name`; its in-flight requests finish. Returns its client (caller closes it)."""
-        slot = self._slots.pop(name)
+        if self.front is not None:
+            client = self._behind.pop(name)
+        else:
+            client = self._slots.pop(name).client
         self._rebuild_ring()
-        return slot.client
+        return client
 
     def _rebuild_ring(self) -> None:
         ring = [
@@ -176,7 +213,7 @@ class Router:
         ]
         ring.sort()
         self._ring = ring
-        if self._slots:
+        if self.engines:
             self._has_engine.set()
         else:
             self._has_engine.clear()
@@ -192,7 +229,7 @@ class Router:
         return self._pick_slot(routing_key).client
 
     def _pick_slot(self, routing_key: str | None) -> _Slot:
-        if not self._slots:
+        if not self.engines:  # fronted: the sglang-router's worker list is empty too
             raise NoEngineError(self.engineless or "no engine is registered with the router")
         if self.policy == "consistent_hash" and routing_key:
             h = xxhash.xxh64_intdigest(routing_key.encode())
@@ -240,7 +277,7 @@ class Router:
         (EngineClient.generate); each still counts as one request here."""
         slot = self._pick_slot(routing_key)
         rid = rid or new_request_id()
-        async with self._occupy(slot, rid):
+        async with self._occupy(slot, rid), self._gateway_errors():
             response = await slot.client.generate(
                 input_ids,
                 sampling_params,
@@ -255,15 +292,27 @@ class Router:
     async def call(self, routing_key: str | None, fn: Callable[[EngineClient], Coroutine[Any, Any, T]]) -> T:
         """Run `fn(client)` on a chosen engine under its concurrency cap (for custom payloads)."""
         slot = self._pick_slot(routing_key)
-        async with self._occupy(slot, new_request_id()):
+        async with self._occupy(slot, new_request_id()), self._gateway_errors():
             return await fn(slot.client)
 
+    @asynccontextmanager
+    async def _gateway_errors(self) -> AsyncIterator[None]:
+        """Fronted: a 502/503/504 of the sglang-router is its worker gone (killed, or removed while
+        the request waited), the fault a refused connection is without it."""
+        try:
+            yield
+        except EngineError as exc:
+            if self.front is None or exc.status not in GATEWAY_ERRORS:
+                raise
+            raise EngineUnavailable(exc.engine, exc.path, exc) from exc
+
     async def broadcast(self, fn: Callable[[EngineClient], Coroutine[Any, Any, T]]) -> dict[str, T]:
-        """Run `fn(client)` on every engine at once; results by engine name."""
-        names = list(self._slots)
+        """Run `fn(client)` on every engine at once (fronted: each engine behind the sglang-router,
+        directly); results by engine name."""
+        clients = {client.name: client for client in self.engines}
         async with asyncio.TaskGroup() as tg:
-            tasks: list[asyncio.Task[T]] = [tg.create_task(fn(self._slots[n].client)) for n in names]
-        return {n: t.result() for n, t in zip(names, tasks, strict=True)}
+            tasks = {name: tg.create_task(fn(client)) for name, client in clients.items()}
+        return {name: task.result() for name, task in tasks.items()}
 
     async def abort_all(self) -> None:
         """Abort every request in flight on every engine (they answer with finish_reason abort).
@@ -288,8 +337,8 @@ class Router:
         await self.broadcast(lambda c: c.continue_generation())
 
     async def close(self) -> None:
-        for slot in self._slots.values():
-            await slot.client.close()
+        for client in [slot.client for slot in self._slots.values()] + list(self._behind.values()):
+            await client.close()
 
     async def __aenter__(self) -> Router:
         return self

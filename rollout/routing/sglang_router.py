@@ -19,6 +19,8 @@ toward the workers, so tether's clients send the same key to the router as to an
                                                     sglang_args=cfg.sglang_args))
     proc, url = await start_router(supervisor, spec, cfg_router)
     router = Router.from_config(cfg.rollout, [l.url for l in launches], router_url=url)
+
+While it runs, engines leave and enter its worker list through sglang_router_workers.RouterWorkers.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 from support.e2e import Workspace, jsonl, wait_for
 
 INTERVAL, TIMEOUT = 0.5, 1.0
@@ -174,3 +175,41 @@ def test_engine_hung_is_detected_and_replaced(ws: Workspace, tmp_path: Path, run
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert sum(e["event"] == "engine_restarted" for e in events(run)) == 2
     assert json.loads((run / "receipt.json").read_text())["config"]["fault_tolerance"]["use_fault_tolerance"]
+
+
+@pytest.mark.sglang
+def test_engine_killed_behind_the_sglang_router(ws: Workspace, tmp_path: Path, run_dir: Path) -> None:
+    """--use-sglang-router: the killed engine leaves the router's worker list and comes back to
+    it at the served version; the fully-async loop's pauses and aborts reach the engine itself
+    (the router answers 404 to them), and every step trains once."""
+    from support.engines import find_sglang_python
+
+    python, missing = find_sglang_python()
+    if python is None:
+        pytest.skip(f"real SGLang unavailable: {missing}")
+    run = run_dir
+    proc = start_run(ws, run, tmp_path, 6, "--use-sglang-router")
+    try:
+        wait_for("the first steps", lambda: steps_done(run) >= 2, proc)
+        pid = engine_pid(proc.pid)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for("the restart", lambda: any(e["event"] == "engine_restarted" for e in events(run)), proc)
+        assert proc.wait(timeout=180) == 0, output(run)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    check_samples(run, 6)
+    evs = events(run)
+    order = [e["event"] for e in evs if e["event"] in ROUTER_CHANGES]
+    assert order == ["router_worker_removed", "router_worker_added", "engine_restarted"]
+    removed, added = (next(e for e in evs if e["event"] == kind) for kind in ROUTER_CHANGES[:2])
+    assert removed["url"] == added["url"] and removed["engine"] == added["engine"] == "engine0"
+    restart = next(e for e in evs if e["event"] == "engine_restarted")
+    syncs = [s["version"] for s in evs if s["event"] == "weight_sync" and s["time"] < added["time"]]
+    assert restart["version"] == max(syncs, default=0)
+    assert "HTTP 404" not in output(run)
+
+
+ROUTER_CHANGES = ("router_worker_removed", "router_worker_added", "engine_restarted")

@@ -146,8 +146,25 @@ def test_experts_at_etp1_under_tp2_resume_and_load_at_tp1(checked: tuple[Path, l
         assert value(r, "expert_layout/tp1_weights") == []
 
 
+def test_slimes_qwen3_5_checkpoint_loads_into_gated_delta_net(
+    checked: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # slime's spec keeps transformers' linear attention (HF tensors under self_attention.linear_attn.*);
+    # tether converts them into Megatron's GatedDeltaNet on load, at TP 1 and split over TP 2.
+    for r in checked[1]:
+        assert value(r, "slime_linear_attention/tp1") == []
+        assert value(r, "slime_linear_attention/tp2") == []
+
+
 def test_every_check_ran(checked: tuple[Path, list[dict[str, Any]]]) -> None:
     for r in checked[1]:
-        for name in ("foreign", "tether_save", "te_names", "flags", "expert_layout"):
+        for name in (
+            "foreign",
+            "tether_save",
+            "te_names",
+            "flags",
+            "expert_layout",
+            "slime_linear_attention",
+        ):
             assert value(r, f"{name}/done") is True
         assert value(r, "done") is True

@@ -238,6 +238,7 @@ def _edit_header(ckpt: Path, old: bytes, new: bytes) -> None:
         at = raw.find(old, 8, 8 + header_len)
         if at >= 0:
             raw[at : at + len(old)] = new
+            shard.chmod(0o644)  # a store's files are read-only: the edit comes from their owner
             shard.write_bytes(bytes(raw))
             return
     raise AssertionError(f"{old!r} is in no header of {ckpt}")

@@ -107,7 +107,9 @@ def test_delta_chain_applies_over_several_versions(tmp_path: Path, chain: list, 
         assert out.changed and out.version == v
         assert_same(tensors_of(store.current_path()), chain[v][0])  # type: ignore[arg-type]
         store.verify()
-    # old versions are pruned: only current and the previous one remain
+    # old versions are pruned (their files removed by the store's pruner, off the apply's
+    # path): only current and the previous one remain
+    store.wait_pruned()
     assert sorted(p.name for p in store.root.iterdir() if p.name.startswith("weight_v")) == [
         "weight_v000002",
         "weight_v000003",
@@ -282,7 +284,9 @@ def test_chain_writes_new_files_and_prunes_only_after_publishing(tmp_path: Path,
     assert kept == shared
     assert_same(tensors_of(v2), chain[2][0])
     verify_checkpoint(v1)  # the kept previous version (sharing files with v0) is intact
-    assert not v0.exists() and not [p for p in store.root.iterdir() if ".old-" in p.name]
+    assert not v0.exists()  # no longer a version the moment v2 is published
+    store.wait_pruned()
+    assert not [p for p in store.root.iterdir() if ".old-" in p.name]
 
 
 def test_frame_outside_its_tensor_is_refused(tmp_path: Path, chain: list) -> None:

@@ -727,35 +727,66 @@ def _load_megatron(
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
 
+    from tether.train.checkpoint import hf_wrapped_layers
     from tether.train.checkpoint.megatron import (
         ask_checkpoint_names,
         content_metadata,
         drop_extra_state,
         extra_state_to_load,
-        tensor_keys,
+        tensors_metadata,
     )
 
     metadata = content_metadata(path) or dict(CONTENT_METADATA)
     model_sd = _model_state(chunks, metadata)
-    available = tensor_keys(path)
+    tensors = tensors_metadata(path)
+    available = set(tensors)
     extra = extra_state_to_load(chunks, path)  # TE's FP8 state, on a TE model only
-    for sub in model_sd.values():
+    # slime's Qwen3-Next/Qwen3.5 linear attention (transformers' modules inside its spec), converted.
+    wrapped = hf_wrapped_layers.holds_wrapped_layers(available)
+    plans = {}
+    for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
+        sub = model_sd[key]
+        if wrapped:
+            plans[key] = hf_wrapped_layers.plan(chunk, sub, tensors)
         drop_extra_state(sub, keep=extra)
         renamed = ask_checkpoint_names(sub, available)
         if renamed:
             log.info("%s: %d tensors under their other layer spec's names", path, len(renamed))
     sharded: dict[str, Any] = dict(model_sd)
     if optimizer is not None:
+        if wrapped:
+            raise ValueError(
+                f"{path}: resuming slime's optimizer state of transformers-module linear attention "
+                "is not supported (its layout differs from Megatron's GatedDeltaNet); load the weights "
+                "with --no-load-optim (or as --ref-load)"
+            )
         sharded["optimizer"] = optimizer({**metadata})
-    return dist_checkpointing.load(sharded, str(path)), metadata
+    for key, found in plans.items():
+        sharded[_WRAPPED + key] = found.requests
+    loaded = dist_checkpointing.load(sharded, str(path))
+    for key, found in plans.items():
+        loaded[_WRAPPED + key] = (found, loaded[_WRAPPED + key])
+    return loaded, metadata
+
+
+# Where _load_megatron keeps a chunk's converted slime linear-attention tensors in its result.
+_WRAPPED = "hf_wrapped_layers/"
 
 
 def _apply_model(chunks: list[Any], loaded: dict[str, Any]) -> None:
+    from tether.train.checkpoint import hf_wrapped_layers
     from tether.train.checkpoint.names import is_extra_state
 
     for key, chunk in zip(_model_keys(chunks), chunks, strict=True):
         result = unwrap(chunk).load_state_dict(loaded[key], strict=False)
-        wrong = [k for k in result.missing_keys if not is_extra_state(k)] + list(result.unexpected_keys)
+        converted: set[str] = set()
+        if _WRAPPED + key in loaded:
+            found, tensors = loaded[_WRAPPED + key]
+            hf_wrapped_layers.apply(chunk, found, tensors)
+            converted = found.replaced
+        wrong = [k for k in result.missing_keys if not is_extra_state(k) and k not in converted] + list(
+            result.unexpected_keys
+        )
         if wrong:
             raise KeyError(f"checkpoint state does not fit the model: {sorted(wrong)[:8]}")
 

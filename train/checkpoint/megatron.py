@@ -185,12 +185,18 @@ def extra_state_to_load(chunks: list[Any], ckpt_dir: Path) -> set[str]:
     return {k for k in object_keys(ckpt_dir) if is_extra_state(k)}
 
 
-def tensor_keys(ckpt_dir: Path) -> set[str]:
-    """The ShardedTensor keys a torch_dist checkpoint holds (its metadata; unpickles .metadata)."""
+def tensors_metadata(ckpt_dir: Path) -> dict[str, Any]:
+    """The ShardedTensors a torch_dist checkpoint holds, by key: each one's global shape and dtype
+    (its metadata; unpickles .metadata)."""
     with quiet_megatron_imports():
         from megatron.core import dist_checkpointing
 
-    return set(dist_checkpointing.load_tensors_metadata(str(ckpt_dir)).keys())
+    return dict(dist_checkpointing.load_tensors_metadata(str(ckpt_dir)))
+
+
+def tensor_keys(ckpt_dir: Path) -> set[str]:
+    """The ShardedTensor keys a torch_dist checkpoint holds."""
+    return set(tensors_metadata(ckpt_dir))
 
 
 def ask_checkpoint_names(model_sharded: dict[str, Any], available: set[str]) -> dict[str, str]:

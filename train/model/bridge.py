@@ -28,7 +28,7 @@ mbridge is used through these call sites only; where it is patched, the patch sa
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -623,11 +623,16 @@ class WeightBridge:
         offset = layout.ep_rank * per_rank
         return [(n, te_name(global_names[n], self.arch, moe, offset), t) for n, t in tensors]
 
-    def load(self, chunk: Any, weights: HFWeights, layout: Layout) -> int:
-        """Copy this rank's slice of every weight of `chunk` from the HF checkpoint; returns the count."""
+    def load(
+        self, chunk: Any, weights: HFWeights, layout: Layout, only: Collection[str] | None = None
+    ) -> int:
+        """Copy this rank's slice of every weight of `chunk` (those named in `only`, when given) from
+        the HF checkpoint; returns the count."""
         count = 0
         with torch.no_grad():
             for local, name, tensor in self.names(chunk, layout):
+                if only is not None and local not in only:
+                    continue
                 hf = [weights.get(n) for n in self.hf_names(name)]
                 # An MTP layer's own weights are single HF tensors in Megatron's layout.
                 own = mtp_own_hf_name(name, self.arch) is not None

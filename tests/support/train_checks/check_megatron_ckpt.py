@@ -28,6 +28,7 @@ Results go to WORK_DIR/results/rank{N}.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import sys
@@ -568,6 +569,79 @@ def expert_layout(work: Path, hf: Path, results: common.Results) -> None:
     results.set("expert_layout/tp1_weights", same(hf_tensors(ref.chunks, ref.arch), want))
 
 
+def slime_wrapped_save(actor: model.Actor, root: Path, hf: Path) -> None:
+    """What slime's HF -> torch_dist converter writes for Qwen3.5 (release/, megatron.core calls only):
+    its spec wraps transformers' gated DeltaNet and input norm in the attention module, so their
+    tensors are the HF ones, whole on every rank, under `self_attention.linear_attn.*` and
+    `self_attention.input_layernorm.weight`; every other tensor as Megatron names it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from tether.train.model.hf_convert import HFWeights
+
+    gpt = model.unwrap(actor.chunks[0])
+    sd = gpt.sharded_state_dict()
+    source = HFWeights(hf)
+    prefix = actor.arch.hf_prefix
+    for local, layer in enumerate(gpt.decoder.layers):
+        if not isinstance(layer.self_attention, GatedDeltaNet):
+            continue
+        for key in [k for k in sd if k.startswith(f"decoder.layers.{local}.")]:
+            rest = key.split(".", 3)[3]
+            if rest.startswith("self_attention.") or rest == "input_layernorm.weight":
+                del sd[key]
+        i = int(layer.layer_number) - 1
+        hf_layer = f"{prefix}layers.{i}."
+        for name in source.names():
+            if name.startswith(hf_layer + "linear_attn."):
+                key = f"decoder.layers.{i}.self_attention." + name.removeprefix(hf_layer)
+            elif name == hf_layer + "input_layernorm.weight":
+                key = f"decoder.layers.{i}.self_attention.input_layernorm.weight"
+            else:
+                continue
+            sd[key] = ShardedTensor.from_rank_offsets(key, source.get(name), replica_id=dist.get_rank())
+    state = {
+        "model": sd,
+        "iteration": 0,
+        "checkpoint_version": 3.0,
+        "args": argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+    }
+    target = root / "release"
+    if dist.get_rank() == 0:
+        target.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(target))
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text("release")
+    dist.barrier()
+
+
+def slime_linear_attention(work: Path, hf: Path, results: common.Results) -> None:
+    """slime's Megatron checkpoint of Qwen3.5 (transformers' linear attention inside its spec) loads
+    into tether's GatedDeltaNet at TP 1 and TP 2: every weight equals the HF checkpoint's."""
+    if dist.get_rank() == 0:
+        common.make_models(work / "models", families=QWEN3_5)
+    dist.barrier()
+    source = common.make_models(work / "models", families=QWEN3_5)["qwen3_5"]
+    opts = options(source)
+    topo = reinit(1, 1)
+    actor = model.build_actor(opts, topo)
+    want = hf_tensors(actor.chunks, actor.arch)
+    ckpt = work / "slime_qwen3_5"
+    slime_wrapped_save(actor, ckpt, source)
+    del actor
+    for tp in (1, 2):
+        topo = reinit(tp, 1)
+        megatron = msgspec.structs.replace(opts.megatron, sequence_parallel=tp > 1)  # linear attention's rule
+        ref = model.build_reference(dataclasses.replace(opts, megatron=megatron), topo, load_weights=False)
+        checkpoint.load_weights_only(ref.chunks, ckpt)
+        results.set(f"slime_linear_attention/tp{tp}", same(hf_tensors(ref.chunks, ref.arch), want))
+
+
+QWEN3_5 = {"qwen3_5": {"arch": "qwen3_5"}}
+
+
 def main() -> None:
     work = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -585,6 +659,7 @@ def main() -> None:
         ("te_names", te_names),
         ("flags", flags),
         ("expert_layout", expert_layout),
+        ("slime_linear_attention", slime_linear_attention),
     ):
         if only and name not in only:
             continue

@@ -18,8 +18,8 @@ in the checkpoint:
   expert's slice of `experts.gate_up_proj` / `experts.down_proj`).
 
 slime trains Qwen3.5 through its spec `slime_plugins.models.qwen3_5` (transformers' module wrapped
-as `self_attention.linear_attn.*`); tether's Megatron names are Megatron's GatedDeltaNet's, so
-Megatron checkpoints do not move between the two (the HF checkpoint does).
+as `self_attention.linear_attn.*`); tether's Megatron names are Megatron's GatedDeltaNet's, and
+slime's Megatron checkpoints are converted on load (`tether.train.checkpoint.hf_wrapped_layers`).
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ heads of key head h); Megatron's `in_proj` is, per TP rank, [q, k, v, z, b, a] o
 The full (TP-free) Megatron tensor here is the TP=1 layout; TP splits and merges cut each part.
 
 Megatron checkpoint names of the linear-attention layers are Megatron's GatedDeltaNet's
-(`self_attention.in_proj.weight`, ...), not those of slime's spec (which wraps transformers' module
-as `self_attention.linear_attn.*`): Megatron checkpoints do not move between the two.
+(`self_attention.in_proj.weight`, ...); slime's spec wraps transformers' module
+(`self_attention.linear_attn.*`), whose checkpoints `tether.train.checkpoint.hf_wrapped_layers`
+converts on load.
 """
 
 from __future__ import annotations
