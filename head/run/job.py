@@ -39,6 +39,7 @@ from tether.run.nodes import node_names, remote_nodes, used_nodes
 from tether.run.ports import PortClaims, plan_with_free_ports
 from tether.run.rollout_manager import RolloutManager
 from tether.run.steps import Steps
+from tether.run.trainer_node_loss import end_run, find_lost
 from tether.run.trainer_pool import TrainerPool
 from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError
 from tether.runtime.files.atomic_file import write_bytes_atomic
@@ -171,6 +172,7 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
     progress = RunProgress(cfg.data.num_rollout or 0, 0, cfg.run.progress)
     progress.message(f"run directory: {run_path}")
     holder: list[Steps] = []  # the run's Steps once built: a signal's checkpoint goes there
+    trainers: list[TrainerPool] = []  # whose lost node, if any, ended the run
     stop: StopRequest | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -237,7 +239,8 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                 trainer = TrainerPool(sup, plan, cfg, run_dir, secret, names, engine_key=engine_key)
                 if plan.train_group("critic") is not None:  # --advantage-estimator ppo
                     trainer.critic = TrainerPool(sup, plan, cfg, run_dir, secret, names, role="critic")
-                await _start_trainers(into, [p for p in (trainer.critic, trainer) if p is not None])
+                trainers.extend(p for p in (trainer.critic, trainer) if p is not None)
+                await _start_trainers(into, trainers)
 
             overlap = overlap_start(cfg)
             if overlap:
@@ -313,6 +316,9 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
             run_dir.event("stopped", signal=stopped.signum)
             progress.message(f"stopped by {stopped}")
             return 0
+        lost = find_lost(exc, trainers)
+        if lost is not None:  # the step cannot finish: stop at the last checkpoint (or requeue)
+            return await end_run(lost, cfg.algorithm.save, run_dir, progress)
         failure = _find(exc, ActorDied) or _find(exc, HeartbeatLost) or _find(exc, EngineRestartsExhausted)
         if failure is None:
             # Anything else still ends the record with what failed where, then propagates.

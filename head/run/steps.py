@@ -316,6 +316,13 @@ class Steps:
         if self.trainer is None or self.cfg.algorithm.save is None:
             self.run_dir.event("checkpoint_skipped", reason="signal", completed=self.completed)
             return
+        pools = [p for p in (self.trainer, self.trainer.critic) if p is not None]
+        lost = next((found for p in pools if (found := p.lost_node()) is not None), None)
+        if lost is not None:  # the ranks' collectives lost a member: no save can complete
+            self.run_dir.event(
+                "checkpoint_skipped", reason="signal", completed=self.completed, lost=lost.node
+            )
+            return
         async with self.trainer_lock:
             if not self.mid_step:
                 await self._save("signal")

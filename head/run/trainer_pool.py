@@ -13,6 +13,11 @@ torchrun job's error file is `logs/trainer-node<R>-error.json`, which therefore 
 after a real failure: a rank that raised leaves its exception and traceback there (a rank
 killed by a signal leaves none; torchrun's log names it), and a job stopped by signal records
 that signal there.
+
+A node of the job lost mid-run (its agent gone past the heartbeat tolerance) ends the job at
+once: a rank call that fails while such a node stops answering raises TrainerNodeLost, and
+leaving the pool then stops the surviving ranks by signal after LOST_NODE_GRACE, since asking
+them would wait on a collective with a lost peer (tether.run.trainer_node_loss).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from tether.run.ci_checks import THRESHOLD_DEFAULT, CiChecks, CiOptions
 from tether.run.process_threads import one_torch_thread
 from tether.run.train_data_hooks import load_train_data_hooks
 from tether.run.train_dump import save_train_data
+from tether.run.trainer_node_loss import TrainerNodeLost, confirm_lost_node, lost_node
 from tether.runtime.errors import ActorDied, ConfigError
 from tether.runtime.process.spec import ProcessSpec
 from tether.runtime.process.supervisor import LOCAL, ManagedProcess, Supervisor
@@ -80,6 +86,9 @@ EXIT_REPORT_TIMEOUT = 45.0
 # After `shutdown` a rank finishes the work on its thread, closes its weight-sync group and
 # leaves its process groups; a job not gone by then is stopped by signal.
 SHUTDOWN_GRACE = 60.0
+# After a node of the job was lost: the step cannot finish and nothing is left to save, so the
+# surviving ranks get SIGTERM and, this much later, SIGKILL.
+LOST_NODE_GRACE = 5.0
 # The head's step work (advantages, batching) needs torch: ~1.2 s of import, made while the ranks
 # start (`import_step_work`), not before the run starts them.
 STEP_WORK_MODULES = ("tether.train.rank.rollout_calls",)
@@ -292,10 +301,11 @@ class TrainerPool:
         if not self.procs:
             return
         names = [p.name for p in self.procs]
-        if len(self.ranks) < self.world_size:
+        lost = self.lost_node() is not None
+        if lost or len(self.ranks) < self.world_size:
             async with asyncio.TaskGroup() as tg:
                 for name in names:
-                    tg.create_task(self.sup.stop(name))
+                    tg.create_task(self.sup.stop(name, LOST_NODE_GRACE if lost else None))
             return
 
         async def ask_all() -> None:
@@ -304,6 +314,10 @@ class TrainerPool:
                     tg.create_task(_ask_to_exit(rank))
 
         await self.sup.stop_gracefully(names, ask_all, timeout=SHUTDOWN_GRACE)
+
+    def lost_node(self) -> TrainerNodeLost | None:
+        """A node of this pool's torchrun jobs that the supervisor counts lost now, or None."""
+        return lost_node(self.sup, self.procs)
 
     async def _all(self, call: Callable[[RankClient], Coroutine[Any, Any, R]]) -> list[R]:
         """The same call on every rank, concurrently; results in rank order."""
@@ -330,6 +344,11 @@ class TrainerPool:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(call) for call in calls]
         except* Exception as group:
+            # A rank whose peer's node went sees only a broken collective (or none of its own):
+            # the lost node is what ended the step.
+            lost = await confirm_lost_node(self.sup, self.procs)
+            if lost is not None:
+                raise lost from group
             first = _first(group)
             if isinstance(first, ActorDied):
                 raise await self._exit_report(first) from group

@@ -394,6 +394,18 @@ class Supervisor:
         states.update({node: {"state": "lost", "reason": why} for node, why in self._lost.items()})
         return states
 
+    async def node_loss(self, node: str) -> str | None:
+        """Why `node` is lost, or None while its agent answers, asked now: one ping (a heartbeat
+        timeout at most), and a node that does not answer gets the heartbeats' verdict within
+        their tolerance. For an owner whose call just failed in a way a lost node would explain."""
+        agent = self._agents.get(node)
+        if agent is not None:
+            try:
+                await agent.handle.ping(timeout=self.heartbeat.timeout)
+            except Exception:  # not an answer: the heartbeats decide
+                await self._verdict(agent)
+        return self._lost.get(node)
+
     async def _watch_agent(self, agent: _RemoteAgent, monitor: LivenessMonitor) -> None:
         try:
             await monitor.run()

@@ -38,12 +38,24 @@ import pytest
 from support.e2e import Workspace, jsonl
 from support.net import free_port_block
 
+from tether.records.run_dir import model_steps
+from tether.run.trainer_node_loss import TRAINER_NODE_LOST_EXIT
 from tether.runtime.netif import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
 from tether.runtime.rpc.secret import SECRET_ENV, new_secret, secret_to_env
+from tether.train.checkpoint.load_save import validate_checkpoint
 
 RUN_TIMEOUT = 300.0
 CPU_ENGINE = ["-m", "tether.rollout.cpu_engine"]
 TORCHRUN = ["-m", "tether.train.rank.torchrun"]
+# One trainer rank per node, a pipeline stage each.
+SPLIT_TRAINER = (
+    "--actor-num-nodes",
+    "2",
+    "--actor-num-gpus-per-node",
+    "1",
+    "--pipeline-model-parallel-size",
+    "2",
+)
 
 
 @dataclass(frozen=True)
@@ -395,14 +407,7 @@ def test_sync_to_the_engine_on_node_b(nodes: TwoNodes, ws: Workspace, tmp_path: 
 def test_trainer_split_over_both_nodes(nodes: TwoNodes, ws: Workspace, tmp_path: Path) -> None:
     """One trainer rank per node, a pipeline stage each: the trainer's world, Megatron's groups
     and the stage-to-stage sends span the nodes, and stage 1's update group is hosted on B."""
-    flags = [
-        "--actor-num-nodes",
-        "2",
-        "--actor-num-gpus-per-node",
-        "1",
-        "--pipeline-model-parallel-size",
-        "2",
-    ]
+    flags = list(SPLIT_TRAINER)
     flags += ["--update-weight-transport", "nccl"]
     with TwoNodeRun(nodes, ws, tmp_path, 2, *flags) as run:
         assert run.head is not None
@@ -600,3 +605,65 @@ def check_lost_and_rejoined(run: TwoNodeRun, nodes: TwoNodes) -> None:
     ended = run.status()
     assert (ended["source"], ended["state"], ended["step"]) == ("records", "stopped", steps - 1), ended
     assert {n["node"]: n["state"] for n in ended["nodes"]} == {"node-a": "up", "node-b": "up"}
+
+
+def saves_under_way(ckpt: Path) -> list[Path]:
+    """Checkpoints being written (or cut short): `iter_N.tmp`, never named by the tracker."""
+    return sorted(ckpt.glob("iter_???????.tmp"))
+
+
+@pytest.mark.parametrize("how", ["agent killed", "link down"])
+def test_trainer_node_lost_stops_at_the_last_checkpoint(
+    nodes: TwoNodes, ws: Workspace, tmp_path: Path, how: str
+) -> None:
+    """One trainer rank per node (a pipeline stage each, as in the split test); mid-run, node B's
+    agent and everything under it SIGKILLed, or B's link taken down (its rank then blocks the
+    step's collectives instead of breaking them). The head counts B lost, stops the trainer job
+    on A too, and exits TRAINER_NODE_LOST_EXIT within a bound, naming node B and the last
+    complete checkpoint; the records keep only the steps that checkpoint holds, and it validates."""
+    ckpt = tmp_path / "ckpt"
+    flags = list(SPLIT_TRAINER)
+    flags += ["--update-weight-transport", "nccl", "--heartbeat-misses", "2"]
+    flags += ["--save", str(ckpt), "--save-interval", "2"]
+    with TwoNodeRun(nodes, ws, tmp_path, 100_000, *flags) as run:
+        assert run.head is not None and run.agent is not None
+        # Past step 2 (trained after step 1's checkpoint), and at best mid-save: a save is about
+        # half of each two steps, but may also end between this check and the loss.
+        run.wait_for("a checkpoint under way", lambda: run.steps_done() >= 3 and bool(saves_under_way(ckpt)))
+        on_a = psutil.Process(run.head.pid).children(recursive=True)
+        if how == "agent killed":
+            on_b = run.node_b_processes()
+            run.kill_agent()
+            signal_all(on_b, signal.SIGKILL)  # the whole node: its ranks too, whatever their shims do
+        else:
+            run.link_b(up=False)
+        killed = time.monotonic()
+        try:
+            code = run.head.wait(timeout=TOLERANCE + 40.0)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the head did not exit after node B was lost\n{run.output()}") from None
+        finally:
+            if how == "link down":
+                run.link_b(up=True)  # B's agent, dropped, stops its rank; the test's exit stops it
+        took = time.monotonic() - killed
+    assert code == TRAINER_NODE_LOST_EXIT, run.output()
+    assert took < TOLERANCE + 30.0, f"the head took {took:.0f} s to exit\n{run.output()}"
+    for proc in on_a:  # torchrun and the rank on A, the engine, their shims: all stopped
+        assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE, proc
+    # The tracker names a complete checkpoint; a save the loss cut short stays `.tmp`, newer.
+    step = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    latest = ckpt / f"iter_{step:07d}"
+    for done in ckpt.glob("iter_???????"):
+        validate_checkpoint(done)
+    assert max(int(d.name[5:]) for d in ckpt.glob("iter_???????")) == step
+    assert all(int(t.name[5:12]) > step for t in saves_under_way(ckpt)), saves_under_way(ckpt)
+    evs = run.events()
+    (lost,) = [e for e in evs if e["event"] == "node_lost"]
+    assert lost["node"] == "node-b" and lost["processes"] == ["trainer-node1"], lost
+    failed = evs[-1]
+    assert failed["event"] == "failed" and failed["node"] == "node-b", failed
+    assert (failed["checkpoint"], failed["checkpoint_step"]) == (str(latest), step), failed
+    final = (tmp_path / "head.out").read_text().splitlines()[-1]
+    assert final.startswith("tether run: node 'node-b'") and str(latest) in final, final
+    # The records keep the steps the checkpoint holds; those after it run again on resume.
+    assert model_steps(jsonl(run.run / "samples.jsonl")).steps == list(range(step + 1))

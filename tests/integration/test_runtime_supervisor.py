@@ -187,6 +187,12 @@ def spawn_agent(
     return subprocess.Popen(argv, env=env, start_new_session=True, stderr=stderr)
 
 
+async def agent_up(sup: Supervisor, secret: bytes, started: list[subprocess.Popen[bytes]]) -> None:
+    """Node n1's agent started and registered."""
+    started.append(spawn_agent(sup.address, "n1", {**os.environ, SECRET_ENV: secret_to_env(secret)}))
+    await sup.wait_for_node("n1")
+
+
 def test_two_agents_as_two_nodes(tmp_path: Path, started: list[subprocess.Popen[bytes]]) -> None:
     secret = new_secret()
 
@@ -304,9 +310,7 @@ def test_an_agent_that_gave_a_stalled_head_up_registers_again(
 
     async def main() -> None:
         async with Supervisor(tmp_path, secret, grace=1.0, heartbeat=hb) as sup:
-            env = {**os.environ, SECRET_ENV: secret_to_env(secret)}
-            started.append(spawn_agent(sup.address, "n1", env))
-            await sup.wait_for_node("n1")
+            await agent_up(sup, secret, started)
             old = await sup.start(
                 ProcessSpec(name="sleeper", argv=["sleep", "600"], node="n1"), restartable=True
             )
@@ -334,9 +338,7 @@ def test_a_frozen_agent_dropped_by_the_head_stops_its_processes_and_registers_ag
 
     async def main() -> None:
         async with Supervisor(tmp_path, secret, grace=1.0, heartbeat=FAST) as sup:
-            env = {**os.environ, SECRET_ENV: secret_to_env(secret)}
-            started.append(spawn_agent(sup.address, "n1", env))
-            await sup.wait_for_node("n1")
+            await agent_up(sup, secret, started)
             old = await sup.start(
                 ProcessSpec(name="sleeper", argv=["sleep", "600"], node="n1"), restartable=True
             )
@@ -356,6 +358,31 @@ def test_a_frozen_agent_dropped_by_the_head_stops_its_processes_and_registers_ag
     evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     nodes = [(e["event"], e["node"]) for e in evs if e["event"] in ("node_lost", "node_joined")]
     assert nodes == [("node_lost", "n1"), ("node_joined", "n1")]
+
+
+def test_node_loss_asks_the_agent_then_waits_for_the_heartbeats_verdict(
+    tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    """`node_loss` (asked by an owner whose call just failed): None at once while the node's
+    agent answers; for a frozen agent, the loss's reason as soon as the heartbeats count it lost."""
+    secret = new_secret()
+
+    async def main() -> None:
+        async with Supervisor(tmp_path, secret, grace=1.0, heartbeat=FAST) as sup:
+            await agent_up(sup, secret, started)
+            async with asyncio.timeout(FAST.timeout):  # one ping answered, no verdict awaited
+                assert await sup.node_loss("n1") is None
+                assert await sup.node_loss("local") is None
+            os.kill(started[0].pid, signal.SIGSTOP)
+            try:
+                async with asyncio.timeout(FAST.tolerance + FAST.first_wait + 2.0):
+                    reason = await sup.node_loss("n1")
+            finally:
+                os.kill(started[0].pid, signal.SIGCONT)
+            assert reason is not None and "heartbeat" in reason, reason
+            assert sup.node_states()["n1"] == {"state": "lost", "reason": reason}
+
+    run(main())
 
 
 def test_same_node_actor_falls_back_to_tcp_when_the_socket_path_is_too_long(tmp_path: Path) -> None:

@@ -83,9 +83,14 @@ class Disk:
 
 
 class FakeTrainer:
+    critic = None
+
     def __init__(self, disk: Disk, fault: Fault | None) -> None:
         self.disk, self.fault = disk, fault
         self.applied: list[int] = []  # the weights: every step whose update is in them
+
+    def lost_node(self) -> None:
+        return None  # its ranks' nodes stay up (a lost one: test_e2e_two_nodes_netns.py)
 
     async def _at(self, phase: str, step: int) -> None:
         if self.fault is not None:

@@ -1139,7 +1139,11 @@ PROBES: dict[str, list[Probe]] = {
     # of the checkpoint, refused where the HF config has none.
     "--moe-shared-expert-gate": [
         flag("--moe-shared-expert-gate", expect="refused", arch=MOE),
-        flag("--moe-shared-expert-gate", expect="ignored", arch=dataclasses.replace(MOE, moe_shared_expert_gate=True)),
+        flag(
+            "--moe-shared-expert-gate",
+            expect="ignored",
+            arch=dataclasses.replace(MOE, moe_shared_expert_gate=True),
+        ),
     ],
     "--attention-output-gate": [
         flag("--attention-output-gate", expect="refused"),
