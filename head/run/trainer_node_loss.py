@@ -96,15 +96,20 @@ def find_lost(exc: BaseException, pools: Sequence[LosesNodes]) -> TrainerNodeLos
     return None
 
 
-def _find(exc: BaseException) -> TrainerNodeLost | None:
+def _find(exc: BaseException, seen: set[int] | None = None) -> TrainerNodeLost | None:
+    # A group's member may name the group as its cause (TaskGroup re-raises): each visited once.
+    seen = set() if seen is None else seen
+    if id(exc) in seen:
+        return None
+    seen.add(id(exc))
     if isinstance(exc, TrainerNodeLost):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _find(inner)
+            found = _find(inner, seen)
             if found is not None:
                 return found
-    return _find(exc.__cause__) if exc.__cause__ is not None else None
+    return _find(exc.__cause__, seen) if exc.__cause__ is not None else None
 
 
 def last_checkpoint(save: str | None) -> Path | None:

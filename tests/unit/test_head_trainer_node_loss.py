@@ -34,6 +34,11 @@ def test_the_loss_is_found_raised_in_a_group_or_from_a_pool() -> None:
     assert find_lost(died, [Pool(None), Pool(LOST)]) is LOST
     assert find_lost(died, [Pool(None)]) is None
     assert "node 'node-b', which holds trainer ranks (trainer-node1), is lost" in str(LOST)
+    # A member naming its own group as the cause (as a TaskGroup's re-raise can) is no loop.
+    inner = ValueError("bad prompt data")
+    cyclic = ExceptionGroup("loop", [inner])
+    inner.__cause__ = cyclic
+    assert find_lost(cyclic, []) is None
 
 
 def _steps(run_dir: RunDir, steps: range) -> None:
