@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 DEBUG_ENV = "TETHER_DEBUG"  # set (not "0"): user errors show their traceback too (`tether --debug`)
 USAGE_EXIT = 2  # argparse's status for a bad command line; every user error exits with it
@@ -200,3 +201,28 @@ class NodeLost(RuntimeError):
         self.node = node
         self.reason = reason
         super().__init__(f"node {node!r} is lost ({reason})")
+
+
+_Found = TypeVar("_Found", bound=BaseException)
+
+
+def find_exception(exc: BaseException, kind: type[_Found], *, causes: bool = False) -> _Found | None:
+    """The first exception of `kind` in `exc` or inside its exception groups (a TaskGroup's), and
+    with `causes` along each one's `__cause__` too. Each exception is visited once: a group's member
+    may name its own group as its cause."""
+    seen: set[int] = set()
+
+    def walk(e: BaseException) -> _Found | None:
+        if id(e) in seen:
+            return None
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                found = walk(inner)
+                if found is not None:
+                    return found
+        return walk(e.__cause__) if causes and e.__cause__ is not None else None
+
+    return walk(exc)

@@ -183,7 +183,7 @@ class EnginePool:
     async def start_sglang_router(self) -> str:
         """--use-sglang-router: sglang-router in front of the engines; returns its URL."""
         from tether.rollout.routing.sglang_router import RouterLaunchConfig, router_spec, start_router
-        from tether.run.ports import port_free
+        from tether.run.nodes.ports import port_free
 
         # The router is the head's own process: any free port of this machine will do.
         port = next(p for p in range(self.cfg.cluster.node_port_last, 1024, -1) if port_free("127.0.0.1", p))

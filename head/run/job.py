@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -35,13 +35,13 @@ from tether.rollout.routing.router import Router
 from tether.run.engine_pool import EnginePool, EngineRestartsExhausted
 from tether.run.live_status import live_status
 from tether.run.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
-from tether.run.nodes import node_names, remote_nodes, used_nodes
-from tether.run.ports import PortClaims, plan_with_free_ports
+from tether.run.nodes.names import node_names, remote_nodes, used_nodes
+from tether.run.nodes.ports import PortClaims, plan_with_free_ports
+from tether.run.nodes.trainer_loss import end_run, find_lost
 from tether.run.rollout_manager import RolloutManager
 from tether.run.steps import Steps
-from tether.run.trainer_node_loss import end_run, find_lost
 from tether.run.trainer_pool import TrainerPool
-from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError
+from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError, find_exception
 from tether.runtime.files.atomic_file import write_bytes_atomic
 from tether.runtime.process import task_dump
 from tether.runtime.process.sdnotify import Notifier
@@ -53,7 +53,6 @@ from tether.train.config import AlgorithmConfig
 from tether.train.rank.protocol import LoadedState
 
 log = logging.getLogger(__name__)
-E = TypeVar("E", bound=BaseException)
 
 
 async def _start_trainers(stack: contextlib.AsyncExitStack, pools: list[TrainerPool]) -> None:
@@ -305,9 +304,9 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
         progress.message(f"done: receipt {run_dir.receipt_path}, metrics {run_dir.metrics_path}")
         return 0
     except BaseException as exc:
-        stopped = _find(exc, StopRequested)
+        stopped = find_exception(exc, StopRequested)
         if stopped is None and stop is not None and stop.signum is not None and stop.is_set():
-            if _find(exc, asyncio.CancelledError) is not None:  # cut short by _cancel_on_stop
+            if find_exception(exc, asyncio.CancelledError) is not None:  # cut short by _cancel_on_stop
                 task = asyncio.current_task()
                 if task is not None:
                     task.uncancel()
@@ -319,7 +318,11 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
         lost = find_lost(exc, trainers)
         if lost is not None:  # the step cannot finish: stop at the last checkpoint (or requeue)
             return await end_run(lost, cfg.algorithm.save, run_dir, progress)
-        failure = _find(exc, ActorDied) or _find(exc, HeartbeatLost) or _find(exc, EngineRestartsExhausted)
+        failure = (
+            find_exception(exc, ActorDied)
+            or find_exception(exc, HeartbeatLost)
+            or find_exception(exc, EngineRestartsExhausted)
+        )
         if failure is None:
             # Anything else still ends the record with what failed where, then propagates.
             cause = _first_leaf(exc)
@@ -366,18 +369,6 @@ def _first_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
-
-
-def _find(exc: BaseException, kind: type[E]) -> E | None:
-    """The first exception of `kind` in `exc` or, for a TaskGroup's exception group, inside it."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _find(inner, kind)
-            if found is not None:
-                return found
-    return None
 
 
 def control_heartbeat(cfg: Config) -> Heartbeat:

@@ -17,7 +17,7 @@ that signal there.
 A node of the job lost mid-run (its agent gone past the heartbeat tolerance) ends the job at
 once: a rank call that fails while such a node stops answering raises TrainerNodeLost, and
 leaving the pool then stops the surviving ranks by signal after LOST_NODE_GRACE, since asking
-them would wait on a collective with a lost peer (tether.run.trainer_node_loss).
+them would wait on a collective with a lost peer (tether.run.nodes.trainer_loss).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from tether.records.run_dir import RunDir
 from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
 from tether.rollout.sample import Sample
 from tether.run.ci_checks import THRESHOLD_DEFAULT, CiChecks, CiOptions
+from tether.run.nodes.trainer_loss import TrainerNodeLost, confirm_lost_node, lost_node
 from tether.run.process_threads import one_torch_thread
 from tether.run.train_data_hooks import load_train_data_hooks
 from tether.run.train_dump import save_train_data
-from tether.run.trainer_node_loss import TrainerNodeLost, confirm_lost_node, lost_node
 from tether.runtime.errors import ActorDied, ConfigError
 from tether.runtime.process.spec import ProcessSpec
 from tether.runtime.process.supervisor import LOCAL, ManagedProcess, Supervisor

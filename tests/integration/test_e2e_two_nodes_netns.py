@@ -39,7 +39,7 @@ from support.e2e import Workspace, jsonl
 from support.net import free_port_block
 
 from tether.records.run_dir import model_steps
-from tether.run.trainer_node_loss import TRAINER_NODE_LOST_EXIT
+from tether.run.nodes.trainer_loss import TRAINER_NODE_LOST_EXIT
 from tether.runtime.netif import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
 from tether.runtime.rpc.secret import SECRET_ENV, new_secret, secret_to_env
 from tether.train.checkpoint.load_save import validate_checkpoint

@@ -29,6 +29,7 @@ import uvloop
 from safetensors.torch import load_file
 from support.engines import (
     ENGINE_KEY,
+    FAMILY_LAYERS,
     Engine,
     EngineFactory,
     decode_routed_experts,
@@ -1096,16 +1097,7 @@ def test_router_front_forwards_openai(engine: Engine) -> None:
 # ----- model families: every `tether init-model --arch` family, MoE and multi-latent attention -----
 
 FAMILIES = list(ARCHES)
-# Four layers where the first stays dense (first_k_dense_replace=1), so both kinds are served.
-FAMILY_LAYERS = {
-    "deepseek_v3": 4,
-    "glm4_moe": 4,
-    "glm4_moe_lite": 4,
-    "kimi_k2": 4,
-    "qwen3_next": 4,
-    "qwen3_5": 4,
-    "qwen3_5_moe": 4,
-}
+
 SGLANG_CPU_CANNOT = {
     "deepseek_v3": "SGLang 0.5.23's CPU rotary embedding (get_rope_cpu, used by its MLA attention) "
     "asserts that rope_scaling is set; DeepSeek-V3 checkpoints carry yarn, the tiny model has none",

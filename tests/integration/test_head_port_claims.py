@@ -1,5 +1,5 @@
 """Heads started at the same instant on one machine, each in its own process, claim disjoint
-port blocks (tether.run.ports.PortClaims)."""
+port blocks (tether.run.nodes.ports.PortClaims)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from support.plans import ONE_BOX as CLUSTER
 from support.plans import one_box_plan as make
 
-from tether.run.ports import PortClaims, local_ports, plan_with_free_ports
+from tether.run.nodes.ports import PortClaims, local_ports, plan_with_free_ports
 
 
 def _plan_and_hold(lock_dir: str, start: Any, ready: Any, done: Any) -> None:

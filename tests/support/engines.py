@@ -454,3 +454,16 @@ def start_supervised(
     return Engine(
         url=supervised.launch.url, model_path=model_path, log=supervised.log, kind=kind
     ), supervised.close
+
+
+# Tiny models of these families get four layers, so both kinds of layer are served (and split at
+# PP=2): those keeping layer 0 dense (first_k_dense_replace=1), and linear- and full-attention layers.
+FAMILY_LAYERS = {
+    "deepseek_v3": 4,
+    "glm4_moe": 4,
+    "glm4_moe_lite": 4,
+    "kimi_k2": 4,
+    "qwen3_next": 4,
+    "qwen3_5": 4,
+    "qwen3_5_moe": 4,
+}

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.engines import decode_routed_experts, hf_routed_experts, local_plan_engine
+from support.engines import FAMILY_LAYERS, decode_routed_experts, hf_routed_experts, local_plan_engine
 from tokenizers import Tokenizer
 
 from tether.rollout.cpu_engine import server
@@ -39,16 +39,6 @@ from tether.runtime.errors import ConfigError
 
 ARCHES = list(tiny_model.ARCHES)
 MOE_ARCHES = sorted(tiny_model.MOE_ARCHES)
-# Four layers where layer 0 stays dense, so both kinds of layer are served (and split at PP=2).
-LAYERS = {
-    "deepseek_v3": 4,
-    "glm4_moe": 4,
-    "glm4_moe_lite": 4,
-    "kimi_k2": 4,
-    "qwen3_next": 4,
-    "qwen3_5": 4,
-    "qwen3_5_moe": 4,
-}
 # Families that keep layer 0 dense (first_k_dense_replace=1, GLM-4.7-Flash's mlp_layer_types).
 DENSE_FIRST = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2")
 TOL = 1e-5
@@ -61,7 +51,7 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
     def get(arch: str, seed: int = 0) -> Path:
         if (arch, seed) not in built:
-            spec = tiny_model.TinyModelSpec(arch=arch, layers=LAYERS.get(arch, 2), seed=seed)  # type: ignore[arg-type]
+            spec = tiny_model.TinyModelSpec(arch=arch, layers=FAMILY_LAYERS.get(arch, 2), seed=seed)  # type: ignore[arg-type]
             built[arch, seed] = tiny_model.write_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), spec)
         return built[arch, seed]
 

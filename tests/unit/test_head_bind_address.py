@@ -9,7 +9,7 @@ from tether.config import resolve
 from tether.placement.inventory import Inventory, Node
 from tether.placement.plan import plan_from_config
 from tether.run.job import head_bind_host
-from tether.run.nodes import node_names
+from tether.run.nodes.names import node_names
 from tether.runtime.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ from support.plans import ONE_BOX, one_box_plan
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Inventory, Node
 from tether.placement.plan import plan_from_config
-from tether.run.ports import PortClaims, local_ports, machine_addresses, plan_with_free_ports, port_free
+from tether.run.nodes.ports import PortClaims, local_ports, machine_addresses, plan_with_free_ports, port_free
 from tether.runtime.errors import ConfigError
 
 CLUSTER = ONE_BOX

@@ -12,7 +12,7 @@ import pytest
 
 from tether.records.progress import RunProgress
 from tether.records.run_dir import RunDir, model_steps, read_jsonl
-from tether.run.trainer_node_loss import TRAINER_NODE_LOST_EXIT, TrainerNodeLost, end_run, find_lost
+from tether.run.nodes.trainer_loss import TRAINER_NODE_LOST_EXIT, TrainerNodeLost, end_run, find_lost
 from tether.runtime.errors import ActorDied
 
 LOST = TrainerNodeLost("node-b", "2 heartbeat(s) in a row missed", ["trainer-node1"])

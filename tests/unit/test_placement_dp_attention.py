@@ -13,7 +13,7 @@ from tether.commands.plan import main_argv
 from tether.placement.config import ClusterConfig
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config, uses_dp_attention
-from tether.run.ports import local_ports
+from tether.run.nodes.ports import local_ports
 
 NODE = Node(hostname="box", address="10.0.0.7", gpus=[Gpu(index=g) for g in range(8)])
 

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from tether.records.progress import RunProgress
 from tether.records.run_dir import RunDir
-from tether.runtime.errors import NodeLost
+from tether.runtime.errors import NodeLost, find_exception
 from tether.runtime.process.supervisor import LOCAL, ManagedProcess, Supervisor
 from tether.train.checkpoint import layout
 
@@ -86,7 +86,7 @@ async def confirm_lost_node(sup: Supervisor, procs: Iterable[ManagedProcess]) ->
 def find_lost(exc: BaseException, pools: Sequence[LosesNodes]) -> TrainerNodeLost | None:
     """The trainer node loss that ended the run: raised by a pool, or (the supervisor's report of
     the lost job's exit came first) a node of a pool's jobs that is lost now."""
-    found = _find(exc)
+    found = find_exception(exc, TrainerNodeLost, causes=True)
     if found is not None:
         return found
     for pool in pools:
@@ -94,22 +94,6 @@ def find_lost(exc: BaseException, pools: Sequence[LosesNodes]) -> TrainerNodeLos
         if lost is not None:
             return lost
     return None
-
-
-def _find(exc: BaseException, seen: set[int] | None = None) -> TrainerNodeLost | None:
-    # A group's member may name the group as its cause (TaskGroup re-raises): each visited once.
-    seen = set() if seen is None else seen
-    if id(exc) in seen:
-        return None
-    seen.add(id(exc))
-    if isinstance(exc, TrainerNodeLost):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _find(inner, seen)
-            if found is not None:
-                return found
-    return _find(exc.__cause__, seen) if exc.__cause__ is not None else None
 
 
 def last_checkpoint(save: str | None) -> Path | None:
