@@ -47,6 +47,9 @@ COMMANDS: dict[str, Command] = {
     "status": Command(
         "tether.commands.status", "Print a run's nodes, engines, trainer ranks and step (live or ended)."
     ),
+    "drain": Command(
+        "tether.commands.drain", "Drain a node of a running run: its engines finish, leave and stop."
+    ),
     "convert": Command(
         "tether.commands.convert", "Convert checkpoints: hf-to-megatron, megatron-to-hf (as slime's tools)."
     ),

@@ -507,6 +507,7 @@ def check_megatron_against_run(cfg: Config) -> None:
             etp_size=megatron.expert_tensor_parallel_size,
             sequence_parallel=megatron.sequence_parallel,
             cp_size=megatron.context_parallel_size,
+            allgather_cp=megatron.allgather_cp,
         )
 
 

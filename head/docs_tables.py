@@ -48,7 +48,7 @@ SLIME_FLAGS: frozenset[str] = frozenset(
 --normalize-advantages --num-critic-only-steps --num-epoch --num-gpus-per-node --num-rollout
 --num-steps-per-rollout --offload --offload-rollout --offload-train --only-train-params-name-list
 --opd-kl-coef --opd-teacher-ckpt-step --opd-teacher-load --opd-type --opsm-delta
---over-sampling-batch-size --padded-vocab-size --partial-rollout --profile-target --prompt-data
+--over-sampling-batch-size --padded-vocab-size --partial-rollout --prefill-num-servers --profile-target --prompt-data
 --qwen-gdn-backend --recompute-loss-function --record-memory-history --ref-ckpt-step --ref-load
 --ref-update-interval --release-train --reset-optimizer-states --reward-key --rm-type --rm-url
 --rollout-all-samples-process-path --rollout-batch-size --rollout-buffer-url

@@ -82,6 +82,14 @@ class ClusterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             description="YAML of engine server groups (worker_type, num_gpus, num_gpus_per_engine, overrides)."
         ),
     ] = None
+    prefill_num_servers: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(
+            description="Prefill/decode disaggregation without a YAML (slime's legacy flag): this many "
+            "prefill engines of --rollout-num-gpus-per-engine devices, the rest of the rollout devices "
+            "decode engines (as --sglang-config's prefill and decode server groups)."
+        ),
+    ] = None
     rollout_external: Annotated[
         bool, Meta(description="Use engines started outside tether (see --rollout-external-engine-addrs).")
     ] = False
@@ -126,6 +134,15 @@ class ClusterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
                 "--colocate",
                 True,
                 "external engines run on their own machines; they cannot share actor devices",
+            )
+        if self.prefill_num_servers is not None and (
+            self.sglang_config is not None or self.rollout_external_engine_addrs
+        ):
+            raise ConfigError(
+                "--prefill-num-servers",
+                self.prefill_num_servers,
+                "cannot be set with --sglang-config (use its prefill/decode server groups) or with "
+                "external engines (slime's rule)",
             )
         if self.rollout_external_engine_addrs and self.sglang_config is not None:
             raise ConfigError(

@@ -355,6 +355,8 @@ def _train_group(
 
 def _server_groups(cluster: ClusterConfig, rollout_gpus: int | None) -> list[ServerGroup]:
     per_engine = cluster.rollout_num_gpus_per_engine
+    if cluster.sglang_config is None and cluster.prefill_num_servers is not None:
+        return _prefill_decode_groups(cluster.prefill_num_servers, per_engine, rollout_gpus or 0)
     if cluster.sglang_config is None:
         if rollout_gpus is None or rollout_gpus == 0:
             return []
@@ -374,6 +376,29 @@ def _server_groups(cluster: ClusterConfig, rollout_gpus: int | None) -> list[Ser
             f"differs from the {total} devices the groups of --sglang-config {cluster.sglang_config} declare",
         )
     return groups
+
+
+def _prefill_decode_groups(prefill_servers: int, per_engine: int, rollout_gpus: int) -> list[ServerGroup]:
+    """--prefill-num-servers N: N prefill engines first, decode engines on the other rollout devices
+    (slime's SglangConfig.from_prefill_num_servers)."""
+    prefill = prefill_servers * per_engine
+    if rollout_gpus - prefill <= 0:
+        raise ConfigError(
+            "--prefill-num-servers",
+            prefill_servers,
+            f"leaves no decode devices: {prefill_servers} x {per_engine} prefill devices of the "
+            f"{rollout_gpus} rollout devices",
+        )
+    return [
+        check_group(
+            ServerGroup(worker_type="prefill", num_gpus=prefill), per_engine, "--prefill-num-servers"
+        ),
+        check_group(
+            ServerGroup(worker_type="decode", num_gpus=rollout_gpus - prefill),
+            per_engine,
+            "--prefill-num-servers",
+        ),
+    ]
 
 
 def _rollout_bundles(

@@ -410,6 +410,14 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             "optimizer state), e.g. 'embedding' or 'linear_fc1'; the others train."
         ),
     ] = None
+    freeze_indexer: Annotated[
+        bool,
+        Meta(
+            description="Freeze the DeepSeek sparse-attention indexers (GLM-5, DeepSeek-V3.2: wq_b, wk, "
+            "k_norm, weights_proj): no optimizer step and no weight decay on them (they get no gradient "
+            "either way); refused for a model without indexers."
+        ),
+    ] = False
     use_opd: Annotated[
         bool,
         Meta(
@@ -723,10 +731,11 @@ BUILT_LAYER_SPECS: dict[tuple[str, str], str] = {
     # The same layers under Qwen3.5's checkpoint names, dense or MoE; the Hugging Face config must be
     # Qwen3.5's (hf_config.check_architecture_flags).
     ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): "Qwen3.5's layers",
+    # MLA with DeepSeek sparse attention's indexer; the Hugging Face config must be GLM-5's or
+    # DeepSeek-V3.2's (hf_config.check_architecture_flags; tether.train.model.families.dsa).
+    ("slime_plugins.models.glm5.glm5", "get_glm5_spec"): "GLM-5's / DeepSeek-V3.2's sparse-attention layers",
 }
-UNBUILT_LAYER_SPECS: dict[str, str] = {
-    "slime_plugins.models.glm5.glm5": "GLM-5's DeepSeek sparse attention (indexer) layers are not built",
-}
+UNBUILT_LAYER_SPECS: dict[str, str] = {}
 
 
 def check_layer_spec(spec: list[str]) -> None:
@@ -834,6 +843,14 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "key/value all-gather attention on the local spec).",
         ),
     ] = 1
+    allgather_cp: Annotated[
+        bool,
+        Meta(
+            description="slime's all-gather CP layout: each CP rank holds one contiguous share of every "
+            "sequence (not Megatron's load-balanced chunks) and attention gathers the keys; for DeepSeek "
+            "sparse-attention models (GLM-5, DeepSeek-V3.2) only, refused for others at CP > 1."
+        ),
+    ] = False
     expert_model_parallel_size: Annotated[
         int, Meta(ge=1, description="Expert-parallel size (MoE): the experts are split over this many ranks.")
     ] = 1
@@ -1222,6 +1239,13 @@ class MegatronConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     mscale_all_dim: Annotated[
         float | None, Meta(description="YaRN mscale_all_dim of multi-latent attention.")
     ] = None
+    enable_experimental: Annotated[
+        bool,
+        Meta(
+            description="Megatron's experimental features (megatron.core.config's flag, set on every trainer "
+            "rank): e.g. the token dispatchers' fused permute that --moe-permute-fusion asks for."
+        ),
+    ] = False
     deterministic_mode: Annotated[
         bool,
         Meta(

@@ -9,13 +9,7 @@ meaning; tests/unit/test_config_slime_flags.py keeps this table and tether's fla
 from __future__ import annotations
 
 NOT_IMPLEMENTED: dict[str, str] = {
-    # context parallelism and its data layout
-    "--allgather-cp": "slime accepts the contiguous all-gather CP layout only for DeepSeek "
-    "sparse-attention (DSA) models (DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM) and refuses it at "
-    "--context-parallel-size > 1 for every other model (their attention assumes the load-balanced "
-    "zigzag chunks); tether does not build DSA models yet, so its context parallelism uses Megatron's "
-    "load-balanced chunks",
-    # micro-batch planning and trainer memory
+    # trainer memory
     "--release-train": "slime stops its Megatron train actors after each rollout's training and starts "
     "new ones that reload from --save before the next; tether's trainer ranks are one torchrun job kept "
     "for the whole run (their process groups, the weight-sync transport to the engines and the head's "
@@ -24,8 +18,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "weights, gradients and optimizer state to host memory while the engines generate, and back before "
     "the next train step",
     "--train-backend": "tether trains with Megatron only",
-    "--freeze-indexer": "DeepSeek sparse-attention indexers are not built",
-    # losses and corrections slime has and tether does not
     # model building that goes around the bridge
     "--megatron-deepgemm-forward-layers": "no DeepGEMM FP8 forward",
     "--megatron-deepgemm-forward-modules": "no DeepGEMM FP8 forward",

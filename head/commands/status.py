@@ -93,7 +93,12 @@ def render(status: RunStatus) -> str:
         lines.append(f"note: {status.note}")
     tables = {
         "nodes": [
-            [r.node, r.address, r.state + (f" ({r.reason})" if r.reason else "")] for r in status.nodes
+            [
+                r.node,
+                r.address,
+                r.state + (f" ({r.reason})" if r.reason else "") + (" (joined)" if r.joined else ""),
+            ]
+            for r in status.nodes
         ],
         "engines": [
             [r.engine, r.node, r.state, _opt(r.version), _opt(r.load), str(r.restarts)]

@@ -22,12 +22,14 @@ COLUMNS: dict[str, dict[str, str]] = {
     "nodes": {
         "node": "the node's host name, as in the placement plan",
         "address": "its planned address",
-        "state": "`up`, or `lost` while its agent does not answer heartbeats (why, in `reason`)",
+        "state": "`up`, or `lost` while its agent does not answer heartbeats (why, in `reason`), or "
+        "`drained`; a node that joined the running run says `(joined)`",
     },
     "engines": {
         "engine": "the engine's name (`engine0`, …), or an external engine's URL",
         "node": "the node it runs on",
-        "state": "`serving`; `restarting` while it is replaced; `lost` while its node is lost",
+        "state": "`serving`; `starting`; `restarting` while it is replaced; `lost` while its node is "
+        "lost; `drained` once its node was",
         "version": "the weight version it serves (0: --hf-checkpoint); empty while not serving",
         "load": "requests in flight on it now (live view only)",
         "restarts": "times it was restarted after a failure of its own (a lost node does not count)",
@@ -47,6 +49,8 @@ class NodeRow(msgspec.Struct, kw_only=True):
     address: str
     state: str
     reason: str = ""
+    joined: bool = False
+    """It joined the running run (`tether agent --join`): not a node of the plan."""
 
 
 class EngineRow(msgspec.Struct, kw_only=True):
@@ -140,8 +144,28 @@ def from_records(run_dir: Path) -> RunStatus:
             state = _ENDS[kind]
         elif kind == "node_lost" and event.get("node") in nodes:
             nodes[event["node"]].state, nodes[event["node"]].reason = "lost", str(event.get("reason", ""))
+        elif kind == "node_joined" and event.get("joined"):
+            name = str(event["node"])
+            address = str(event.get("address", "")).removeprefix("tcp://").rsplit(":", 1)[0]
+            nodes[name] = NodeRow(node=name, address=address, state="up", joined=True)
         elif kind == "node_joined" and event.get("node") in nodes:
             nodes[event["node"]].state, nodes[event["node"]].reason = "up", ""
+        elif kind == "node_drained" and event.get("node") in nodes:
+            nodes[event["node"]].state, nodes[event["node"]].reason = "drained", ""
+        elif kind == "capacity_added":
+            if event.get("node") in nodes and event.get("address"):
+                nodes[event["node"]].address = str(event["address"])
+            for name in event.get("engines", []):
+                engines[name] = EngineRow(
+                    engine=name,
+                    node=str(event.get("node")),
+                    state="serving",
+                    version=int(event.get("version", 0)),
+                )
+        elif kind == "capacity_drained":
+            for name in event.get("engines", []):
+                if name in engines:
+                    engines[name].state, engines[name].version = "drained", None
         elif kind == "weight_sync":
             version = int(event["version"])
             for each in engines.values():
@@ -173,7 +197,7 @@ def from_records(run_dir: Path) -> RunStatus:
     ]
     if ended:
         for each in engines.values():
-            if each.state != "lost" and each.node != "external":
+            if each.state not in ("lost", "drained") and each.node != "external":
                 each.state = "exited"
     steps = model_steps(_jsonl(run_dir / "samples.jsonl")).steps  # trained, and not discarded
     return RunStatus(

@@ -21,6 +21,14 @@ the sglang-router's worker list (`router_workers`, through its HTTP API), each r
 `router_worker_removed` / `router_worker_added` with the engine and its URL; the Router holds
 the engines apart from the sglang-router for pause and abort (see Router's `front`).
 
+Capacity changes (tether.run.nodes.capacity decides them): `add_engines` starts engines
+placed on a node that joined, brings them to the served version and routes to them, as a
+rejoined engine; `drain` takes a node's engines out of routing (requests in flight get a
+grace to finish, the rest come back aborted and are requeued whole, each sample generated
+once), then, with no weight sync in flight (`sync_lock`), stops them and forgets them: the
+next sync goes to the engines left. An engine starting is left out of `urls` until its
+process is up, so a sync meanwhile does not wait on it.
+
 Under --colocate the engines give their memory to the trainer every step: `memory` (one
 EngineMemory) sends each release and resume, and a released engine's /health_generate probe is
 held back (it cannot generate, and SGLang releases only an idle engine); its process exit is
@@ -37,7 +45,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from tether.config import Config
-from tether.placement.plan import Plan
+from tether.placement.plan import Engine, Plan
 from tether.records.run_dir import RunDir
 from tether.rollout.engine_api.client import EngineClient
 from tether.rollout.engine_api.launch import EngineLaunch, EngineLaunchConfig, build_launch, start_engine
@@ -98,10 +106,14 @@ class EnginePool:
         self.catch_up: CatchUp | None = None
         self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
         self._retired: list[EngineClient] = []
-        self._monitors: list[asyncio.Task[None]] = []
+        self._monitors: dict[str, asyncio.Task[None]] = {}
         self._recovering: set[str] = set()
         self.lost: dict[str, str] = {}  # engine → the node it waits for
         self._recovery_changed = asyncio.Event()
+        self._starting: set[str] = set()  # processes starting: left out of weight syncs
+        self.sizes: dict[str, int] = {}  # engine URL → its ranks in a weight-update group
+        self.sync_lock: asyncio.Lock | None = None  # held by every weight sync (the run's)
+        self._monitoring = asyncio.Event()
         self._stack = contextlib.AsyncExitStack()
         self._tg: asyncio.TaskGroup | None = None
         self.memory = EngineMemory()
@@ -135,7 +147,15 @@ class EnginePool:
     @property
     def urls(self) -> list[str]:
         """The engines weight syncs go to: all but those waiting for their lost node."""
-        return [launch.url for name, launch in self.launches.items() if name not in self.lost] + self.external
+        return [
+            launch.url
+            for name, launch in self.launches.items()
+            if name not in self.lost and name not in self._starting
+        ] + self.external
+
+    def sizes_of(self, urls: list[str]) -> list[int]:
+        """Each engine's ranks in the weight-update group (its TP size), for `urls` in order."""
+        return [self.sizes.get(url, self.cfg.cluster.rollout_num_gpus_per_engine) for url in urls]
 
     @property
     def fault_tolerant(self) -> bool:
@@ -144,6 +164,7 @@ class EnginePool:
     async def __aenter__(self) -> EnginePool:
         addresses = {node.index: node.address for node in self.plan.nodes}
         for engine in self.plan.engines:
+            self.sizes[f"http://{engine.address}"] = engine.tp_size
             if engine.external:
                 self.external.append(f"http://{engine.address}")
             elif engine.worker_type != "placeholder":
@@ -172,7 +193,7 @@ class EnginePool:
         log.info("%s ready at %s after %.1fs", launch.name, launch.url, seconds)
 
     async def __aexit__(self, *exc: object) -> None:
-        for task in self._monitors:  # they run until cancelled
+        for task in self._monitors.values():  # they run until cancelled
             task.cancel()
         await self._stack.aclose()  # the monitors' task group; the supervisor stops the processes
         for client in [*self._retired, *self._controls.values()]:
@@ -213,6 +234,8 @@ class EnginePool:
         for name, launch in self.launches.items():
             if name in self.lost:
                 found[name] = ("lost", None, None)
+            elif name in self._starting and name not in self._recovering:
+                found[name] = ("starting", None, None)
             elif name in self._recovering:
                 found[name] = ("restarting", None, None)
             else:
@@ -222,14 +245,93 @@ class EnginePool:
         return found
 
     # ----- fault tolerance -----
-    async def start_monitoring(self, router: Router, catch_up: CatchUp) -> None:
-        """Watch every engine this pool started (with --use-fault-tolerance)."""
+    async def start_monitoring(
+        self, router: Router, catch_up: CatchUp, sync_lock: asyncio.Lock | None = None
+    ) -> None:
+        """Watch every engine this pool started (with --use-fault-tolerance). `sync_lock`: held
+        by every weight sync; a drain stops engines under it."""
         self.router = router
         self.catch_up = catch_up
+        self.sync_lock = sync_lock
+        self._monitoring.set()
         if not self.fault_tolerant:
             return
         self._tg = await self._stack.enter_async_context(asyncio.TaskGroup())
-        self._monitors = [self._tg.create_task(self._watch(name)) for name in self.launches]
+        self._monitors = {name: self._tg.create_task(self._watch(name)) for name in self.launches}
+
+    # ----- capacity -----
+    async def add_engines(self, engines: list[Engine], node: str, address: str) -> list[str]:
+        """Start `engines` (placed on `node`, which joined), bring each to the served version
+        and route to it, all at once; returns their names."""
+        await self._monitoring.wait()  # routing and catch-up exist only then
+        launches = [
+            build_launch(
+                engine, self.launch_cfg, node_name=lambda part: node, node_address=lambda part: address
+            )
+            for engine in engines
+        ]
+        for engine, launch in zip(engines, launches, strict=True):
+            if launch.name in self.launches:
+                raise ValueError(f"an engine named {launch.name!r} already exists")
+            self.launches[launch.name] = launch
+            self.sizes[launch.url] = engine.tp_size
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for launch in launches:
+                    tg.create_task(self._start_and_route(launch.name))
+        except BaseException:
+            # A join that fails leaves nothing behind: no process, no route, no place in the syncs.
+            for launch in launches:
+                await self._unroute(launch.name)
+            async with self.sync_lock or contextlib.nullcontext():
+                for launch in launches:
+                    await self._remove(launch.name)
+            raise
+        if self.fault_tolerant and self._tg is not None:
+            for launch in launches:
+                self._monitors[launch.name] = self._tg.create_task(self._watch(launch.name))
+        return [launch.name for launch in launches]
+
+    def on_node(self, node: str) -> list[str]:
+        """The engines with a process on `node`."""
+        return [name for name, launch in self.launches.items() if any(s.node == node for s in launch.specs)]
+
+    async def drain(self, node: str, grace: float) -> dict[str, int]:
+        """Take `node`'s engines out of the run (see the module docstring); returns, per
+        engine, the requests it was sent while routed (its share of the rollouts)."""
+        names = self.on_node(node)
+        served: dict[str, int] = {}
+        if self.router is not None:
+            counts = {stats.url: stats.requests for stats in self.router.stats()}
+            served = {name: counts.get(self.launches[name].url, 0) for name in names}
+        for name in names:  # from now on its exit is expected, not a failure to recover
+            monitor = self._monitors.pop(name, None)
+            if monitor is not None:
+                monitor.cancel()
+        clients = [client for name in names if (client := await self._unroute(name, abandon=False))]
+        # Their requests in flight finish (within `grace`); those left come back aborted.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                await asyncio.gather(*(client.wait_idle() for client in clients))
+        for client in clients:
+            client.retire(abandon_in_flight=True)
+        async with self.sync_lock or contextlib.nullcontext():
+            for name in names:
+                await self._remove(name)
+        return {name: served.get(name, 0) for name in names}
+
+    async def _remove(self, name: str) -> None:
+        """Stop engine `name`'s processes and forget it: later syncs and restarts leave it out."""
+        for proc in self.procs.get(name, []):
+            if proc.running:
+                await self.sup.stop(proc.name)
+        launch = self.launches.pop(name)
+        self.procs.pop(name, None)
+        self.lost.pop(name, None)
+        self.sizes.pop(launch.url, None)
+        control = self._controls.pop(name, None)
+        if control is not None:
+            await control.close()
 
     async def watch(self) -> None:
         """Raise the first failure recovery could not handle (run it beside the loop)."""
@@ -403,8 +505,9 @@ class EnginePool:
         )
         self.run_dir.event("engine_restarted", engine=name, restart_s=restart_s, version=self.served_version)
 
-    async def _unroute(self, name: str) -> None:
-        """Stop routing to engine `name` (if it is routed), in the sglang-router's list too."""
+    async def _unroute(self, name: str, *, abandon: bool = True) -> EngineClient | None:
+        """Stop routing to engine `name` (if it is routed), in the sglang-router's list too;
+        returns its client, if it was routed. Without `abandon` its requests in flight go on."""
         assert self.router is not None
         url = self.launches[name].url
         routed = next((c for c in self.router.engines if c.url == url), None)
@@ -413,10 +516,11 @@ class EnginePool:
             # Its in-flight requests end now as EngineUnavailable (their groups are requeued
             # whole), not at the request timeout; closing the client under them would turn a
             # clean engine fault into an unrelated error.
-            routed.retire(abandon_in_flight=True)
+            routed.retire(abandon_in_flight=abandon)
             self._retired.append(routed)
         if self.router_workers is not None and await self.router_workers.remove(url):
             self.run_dir.event("router_worker_removed", engine=name, url=url)
+        return routed
 
     async def _start_and_route(self, name: str) -> None:
         """Start engine `name` on its devices, bring it to the served version, route to it.
@@ -426,6 +530,7 @@ class EnginePool:
         if lost is not None:
             raise lost
         launch = self.launches[name]
+        self._starting.add(name)
         try:
             self.procs[name] = await start_engine(self.sup, launch, restartable=True)
         except Exception as exc:
@@ -433,6 +538,8 @@ class EnginePool:
             if lost is not None:  # e.g. its readiness failed as the node went
                 raise lost from exc
             raise
+        finally:
+            self._starting.discard(name)
         self.memory.restarted(launch.url)  # the new process holds all of its memory
         if self.releases_memory and not self.resident():
             # The others gave their memory to the trainer: so does this one until the next sync.

@@ -35,6 +35,7 @@ from tether.rollout.routing.router import Router
 from tether.run.engine_pool import EnginePool, EngineRestartsExhausted
 from tether.run.live_status import live_status
 from tether.run.loops import Groups, LoopRange, async_loop, fully_async_loop, sync_loop
+from tether.run.nodes.capacity import RunCapacity
 from tether.run.nodes.names import node_names, remote_nodes, used_nodes
 from tether.run.nodes.ports import PortClaims, plan_with_free_ports
 from tether.run.nodes.trainer_loss import end_run, find_lost
@@ -267,7 +268,9 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
             steps.stop_request = stop
             holder.append(steps)
             if engines is not None and router is not None:
-                await engines.start_monitoring(router, steps.catch_up)
+                await engines.start_monitoring(router, steps.catch_up, steps.trainer_lock)
+                # Nodes may join (`tether agent --join`) and be drained (`tether drain`) from now.
+                sup.capacity = RunCapacity(cfg, plan, names, run_dir, engines)
             if cfg.debug.check_weight_update_equal:
                 from tether.run.weight_update_check import resume_checking_weight_update
 

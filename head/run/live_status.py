@@ -27,7 +27,8 @@ def live_status(
         status.source = "live"
         states = sup.node_states()
         for row in status.nodes:
-            node = next((n for n, h in host.items() if h == row.node), None)
+            # A joined node is named by its agent, as the supervisor knows it.
+            node = row.node if row.joined else next((n for n, h in host.items() if h == row.node), None)
             if node in states:
                 row.state, row.reason = states[node]["state"], states[node]["reason"]
         if holder:

@@ -177,8 +177,9 @@ class Steps:
         memory (KV cache, CUDA graphs)."""
         assert self.trainer is not None and self.engines is not None
         if not self.colocated:
+            urls = self.engines.urls
             return await self.trainer.update_weights(
-                version, self.engines.urls, engines_restarted=engines_restarted
+                version, urls, engines_restarted=engines_restarted, engine_sizes=self.engines.sizes_of(urls)
             )
         await self.trainer.offload()
         await self.engines.resume_memory(WEIGHTS)

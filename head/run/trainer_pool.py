@@ -477,9 +477,16 @@ class TrainerPool:
 
     # ----- weights and checkpoints -----
     async def update_weights(
-        self, version: int, engine_urls: list[str], *, engines_restarted: bool = False
+        self,
+        version: int,
+        engine_urls: list[str],
+        *,
+        engines_restarted: bool = False,
+        engine_sizes: list[int] | None = None,
     ) -> LedgerEntry:
-        """Publish the weights as `version`; the ledger entry of the rank that drove the engines."""
+        """Publish the weights as `version`; the ledger entry of the rank that drove the engines.
+        `engine_sizes`: each engine's ranks in the update group, for `engine_urls` in order (the
+        engines of the moment: one lost, joined or drained changes them); by default the plan's."""
         layout = self.plan.weight_sync
         request = UpdateWeightsRequest(
             version=version,
@@ -489,7 +496,7 @@ class TrainerPool:
             engines_restarted=engines_restarted,
         )
         if layout is not None:
-            request.engine_ranks = [e.size for e in layout.engines]
+            request.engine_ranks = engine_sizes or [e.size for e in layout.engines]
             request.master_address = layout.master_addr
             request.master_port = layout.master_port
         if self.plan.colocate:

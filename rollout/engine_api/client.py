@@ -177,6 +177,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._retired = False
         self._in_flight: set[asyncio.Task[Any]] = set()  # tasks awaiting a request of this client
+        self._idle: asyncio.Event | None = None  # set when the last request in flight ends
         self._abandoned: set[asyncio.Task[Any]] = set()  # ... cancelled by `retire`
         self._batcher: GenerateBatcher[_BatchKey, GenerateResponse] = GenerateBatcher(self._generate_batch)
 
@@ -201,6 +202,12 @@ class EngineClient:
             for task in self._in_flight:
                 self._abandoned.add(task)
                 task.cancel()
+
+    async def wait_idle(self) -> None:
+        """Return once no request of this client is in flight (a drained engine's finish)."""
+        while self._in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
 
     async def close(self) -> None:
         await self._batcher.close()
@@ -276,6 +283,8 @@ class EngineClient:
             ) from None
         finally:
             self._in_flight.discard(task)
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
 
     async def _send(
         self,

@@ -13,6 +13,12 @@ registers again, once the head answers, naming its last registration. The head t
 its engines again. A head that does not answer within `--rejoin-timeout` seconds is gone: the
 agent exits 3 (EXIT_HEAD_LOST).
 
+With `--join` the node is new to a running run: the head places engines on it (on the devices
+`--devices` offers, or a CPU run's slots), starts them, catches them up and routes to them; a
+run that cannot grow refuses the registration, and the agent exits 2 with the head's reason.
+SIGUSR2 (or `tether drain RUN_DIR NODE`) drains the node: the agent asks the head to, the head
+ends the node's engines and tells the agent to exit, and it exits 0.
+
 Every process runs under `tether.runtime.process.shim` in its own session and process group, with
 its output in `<run_dir>/logs/<name>.log`, and with its gloo and NCCL sockets on the interface
 holding its node's planned address (`ProcessSpec.address`, see runtime/netif.py). A process
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tether.runtime.errors import ConfigError, HeartbeatLost, exit_on_user_error
+from tether.runtime.errors import ConfigError, HeartbeatLost, RemoteError, UserError, exit_on_user_error
 from tether.runtime.netif import socket_ifname_env
 from tether.runtime.process import shim
 from tether.runtime.process.spec import ExitInfo, ProcessSpec, log_path, read_log_tail
@@ -52,6 +58,7 @@ log = logging.getLogger(__name__)
 InventoryProvider = Callable[[], dict[str, Any]]
 BIND_HOST_ENV = "TETHER_BIND_HOST"
 EXIT_HEAD_LOST = 3
+DRAIN_TIMEOUT = 600.0  # seconds a drain may take: the node's in-flight requests end first
 
 
 def default_inventory(node: str, address: str = "127.0.0.1") -> dict[str, Any]:
@@ -308,12 +315,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="Run directory for logs (default: the head's).")
     parser.add_argument("--grace", type=float, default=10.0, help="Seconds between SIGTERM and SIGKILL.")
     parser.add_argument(
+        "--join",
+        action="store_true",
+        help="Join a running run as a new node: the head adds engines here (see docs/operations.md).",
+    )
+    parser.add_argument(
+        "--devices",
+        type=_device_list,
+        default=None,
+        help="With --join: the devices the run may use here, e.g. 0,1 (GPU indices, or a CPU run's "
+        "slots); default on a CPU run: its --cpu-devices slots. Required to join a GPU run.",
+    )
+    parser.add_argument(
         "--rejoin-timeout",
         type=float,
         default=300.0,
         help="Seconds to wait for a head it lost to answer again, and then register again, before "
         "exiting 3 (0: exit at once).",
     )
+
+
+def _device_list(text: str) -> list[int]:
+    try:
+        devices = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected device indices such as 0,1") from None
+    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct device indices such as 0,1")
+    return devices
 
 
 class AgentDropped(Exception):
@@ -329,6 +358,8 @@ class _Membership:
     address: str  # where the agent serves
     setup: dict[str, Any]  # the head's heartbeat settings
     rejoin_timeout: float
+    join: bool = False
+    """A node new to the run (--join): the head adds its capacity at its first registration."""
     token: int | None = None
     detached: bool = False
     """Between giving the registration up and registering again: exits are not reported."""
@@ -341,6 +372,7 @@ class _Membership:
                 self.address,
                 await self.agent.inventory(),
                 self.token,
+                self.join,
                 timeout=30.0,
             )
         )
@@ -353,6 +385,8 @@ class _Membership:
                 await self._watch()
             except* (HeartbeatLost, AgentDropped) as group:
                 why: BaseException = group.exceptions[0]
+            if self.agent.shutdown_requested.is_set():
+                return  # let go by the head (drained): the agent exits, it does not register again
             if isinstance(why, HeartbeatLost) and self.rejoin_timeout <= 0:
                 raise why
             log.error("agent %r: %s; stopping its processes to register again", self.agent.node, why)
@@ -427,15 +461,35 @@ async def serve(args: argparse.Namespace) -> int:
 
         setup = await head.call("agent_setup", timeout=30.0)
         run_dir = Path(args.run_dir or setup["run_dir"])
+        inventory = None
+        if getattr(args, "join", False):
+            offered = {"join_devices": args.devices}
+            inventory = lambda: {**default_inventory(args.node_name, bind_host), **offered}  # noqa: E731
         agent = NodeAgent(
-            args.node_name, run_dir, secret, on_exit=report_exit, grace=args.grace, bind_host=bind_host
+            args.node_name,
+            run_dir,
+            secret,
+            on_exit=report_exit,
+            grace=args.grace,
+            bind_host=bind_host,
+            inventory=inventory,
         )
         async with (
             agent,
             RpcServer(agent, f"tcp://{bind_host}:0", secret, name=f"agent:{args.node_name}") as server,
         ):
-            membership = _Membership(head, agent, server.address, setup, float(args.rejoin_timeout))
-            await membership.register()
+            membership = _Membership(
+                head, agent, server.address, setup, float(args.rejoin_timeout), join=bool(args.join)
+            )
+            # SIGUSR2 asks for a drain: handled from before the registration, which may add
+            # engines here at once (its default action would kill the agent).
+            drain_asked = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGUSR2, drain_asked.set)
+            try:
+                await membership.register()
+            except RemoteError as exc:  # refused (a join the run cannot take, a name taken)
+                raise UserError(f"the head refused node {args.node_name!r}: {exc.message}") from None
             log.info("agent %r serving on %s for head %s", args.node_name, server.address, args.head)
 
             async def until_shutdown() -> None:
@@ -445,12 +499,25 @@ async def serve(args: argparse.Namespace) -> int:
             async def no_checkpoint() -> None:
                 return None
 
+            async def drain_on_signal() -> None:
+                """SIGUSR2: ask the head to drain this node; it tells the agent to exit."""
+                try:
+                    await drain_asked.wait()
+                finally:
+                    loop.remove_signal_handler(signal.SIGUSR2)
+                log.info("agent %r: SIGUSR2, asking the head to drain this node", args.node_name)
+                try:
+                    await head.call("drain_node", args.node_name, timeout=DRAIN_TIMEOUT)
+                except Exception as exc:  # the run keeps the node; the operator reads why here
+                    log.error("agent %r: the head did not drain this node: %s", args.node_name, exc)
+
             rc = 0
             try:
                 async with handle_signals(no_checkpoint) as stop, asyncio.TaskGroup() as tg:
                     tg.create_task(stop.raise_when_requested())
                     tg.create_task(until_shutdown())
                     tg.create_task(membership.keep())
+                    tg.create_task(drain_on_signal())
             except* StopRequested:
                 rc = 0
             except* HeartbeatLost as group:

@@ -51,6 +51,15 @@ stops its processes and registers again, passing the token of its last registrat
 (`previous`): a registration that names the registered agent's token replaces it at once (it
 is that agent, back, with its processes stopped). An exit report from a lost agent's process
 (its pid is not that of the process now running under the name) is ignored.
+
+Capacity that comes and goes (`capacity`, set by the run): an agent registering with `join`
+(`tether agent --join`) for a node the run does not know yet is checked by
+`capacity.check_join` before it is registered (a refusal reaches the agent as the error of its
+registration), recorded as `node_joined` with `joined: true`, and handed to `capacity.join`,
+which the supervisor's task group runs (its failure is recorded as `join_failed` and the node
+let go). `drain(node)` (the control call `drain_node`, from `tether drain`) runs
+`capacity.drain` (which stops the node's processes) and then lets the node go: its heartbeats
+stop, the agent is told to exit (0), and the node is `drained`, not lost (`node_drained`).
 """
 
 from __future__ import annotations
@@ -99,6 +108,18 @@ def exit_error(info: ExitInfo) -> ActorDied:
     return ActorDied(
         info.name, returncode=info.returncode, signal=info.signal, log_tail=info.log_tail, reason=info.reason
     )
+
+
+class Capacity(Protocol):
+    """What the run does when a node joins or is drained (see the module docstring)."""
+
+    def check_join(self, node: str, address: str, inventory: dict[str, Any]) -> None:
+        """Raise (ValueError, ConfigError) to refuse the node before it is registered."""
+
+    async def join(self, node: str, address: str, inventory: dict[str, Any]) -> None: ...
+
+    async def drain(self, node: str) -> dict[str, Any]:
+        """Stop the node's work; returns what to record in `node_drained`."""
 
 
 class _Agent(Protocol):
@@ -168,11 +189,21 @@ class _HeadService:
         }
 
     async def register_agent(
-        self, node: str, address: str, inventory: dict[str, Any], previous: int | None = None
+        self,
+        node: str,
+        address: str,
+        inventory: dict[str, Any],
+        previous: int | None = None,
+        join: bool = False,
     ) -> int:
         """Register `node`'s agent; returns the registration's token. `previous`: the token of
-        this agent's last registration, when it registers again after it was dropped."""
-        return await self._sup._register_agent(node, address, inventory, previous)
+        this agent's last registration, when it registers again after it was dropped. `join`:
+        a node new to the run, whose capacity the run adds (`tether agent --join`)."""
+        return await self._sup._register_agent(node, address, inventory, previous, join=join)
+
+    async def drain_node(self, node: str) -> dict[str, Any]:
+        """Drain `node` (`tether drain`): its work ends, its agent exits; returns the record."""
+        return await self._sup.drain(node)
 
     async def agent_heartbeat(self, node: str, token: int) -> bool:
         """The agent's heartbeat: False once registration `token` of `node` is gone (the
@@ -249,6 +280,10 @@ class Supervisor:
         self._lost: dict[str, str] = {}  # node → why its agent was lost (until one registers again)
         self._tokens = itertools.count(1)  # agent registrations
         self._agent_changed = asyncio.Event()
+        self._joined: set[str] = set()  # nodes that joined the run (`tether agent --join`)
+        self._drained: set[str] = set()  # nodes let go by `drain`
+        self.capacity: Capacity | None = None
+        """What joining and draining nodes do to the run (the run sets it; None: refused)."""
         self.status_provider: Callable[[], Awaitable[dict[str, Any]]] | None = None
         """What the `status` control call adds to the nodes (the run sets it)."""
         self._failures: asyncio.Queue[BaseException] = asyncio.Queue()
@@ -335,12 +370,22 @@ class Supervisor:
 
     # -- agents ---------------------------------------------------------------------------
     async def _register_agent(
-        self, node: str, address: str, inventory: dict[str, Any], previous: int | None = None
+        self,
+        node: str,
+        address: str,
+        inventory: dict[str, Any],
+        previous: int | None = None,
+        *,
+        join: bool = False,
     ) -> int:
         if node == LOCAL:
             raise ValueError(
                 f"node name {node!r} is reserved for the head's own node; give the agent another --node-name"
             )
+        # A joined node registering again (after it was lost) is back, not joining anew.
+        joining = join and node not in self._joined
+        if joining:
+            self._check_join(node, address, inventory)
         old = self._agents.get(node)
         if old is not None and previous is not None and previous == old.token:
             # The registered agent itself, back after giving the head up: its processes are stopped.
@@ -361,6 +406,12 @@ class Supervisor:
         rejoined = self._lost.pop(node, None) is not None
         if rejoined:
             self._record({"event": "node_joined", "node": node, "address": address, "rejoined": True})
+        if joining:
+            assert self.capacity is not None  # _check_join refuses a join without it
+            self._joined.add(node)
+            self._drained.discard(node)
+            self._record({"event": "node_joined", "node": node, "address": address, "joined": True})
+            self._tg.create_task(self._join(node, address, inventory), name=f"join:{node}")
         hb = self.heartbeat
         monitor = LivenessMonitor(
             handle.ping,
@@ -375,6 +426,66 @@ class Supervisor:
         log.info("node %r registered from %s", node, address)
         return agent.token
 
+    def _check_join(self, node: str, address: str, inventory: dict[str, Any]) -> None:
+        if self.capacity is None:
+            raise ValueError(f"node {node!r} cannot join: this run adds no capacity while it runs")
+        if node in self._agents or node in self._lost:
+            raise ValueError(
+                f"node {node!r} is already a node of this run; start its agent without --join "
+                "(or give the joining node another --node-name)"
+            )
+        self.capacity.check_join(node, address, inventory)
+
+    async def _join(self, node: str, address: str, inventory: dict[str, Any]) -> None:
+        """The run adds `node`'s capacity; a failure lets the node go, the run goes on."""
+        assert self.capacity is not None
+        try:
+            await self.capacity.join(node, address, inventory)
+        except Exception as exc:
+            log.exception("node %r could not join", node)
+            self._record({"event": "join_failed", "node": node, "error": f"{type(exc).__name__}: {exc}"})
+            agent = self._agents.get(node)
+            if agent is not None:
+                await self._release(agent)
+
+    async def drain(self, node: str) -> dict[str, Any]:
+        """Drain `node`: the run stops its work there (`capacity.drain`), then its agent is let
+        go and exits; returns the `node_drained` record."""
+        agent = self._agents.get(node)
+        if node == LOCAL or agent is None:
+            known = ", ".join(self._agents) or "none"
+            raise ValueError(
+                f"no node {node!r} to drain (nodes with an agent: {known}; the head's own cannot be)"
+            )
+        if self.capacity is None:
+            raise ValueError(f"node {node!r} cannot be drained: this run cannot change its capacity")
+        busy = [p.name for p in self._procs.values() if p.node == node and p.running and not p.restartable]
+        if busy:
+            raise ValueError(
+                f"node {node!r} runs {busy}, which the run cannot go on without; only engine nodes drain"
+            )
+        record = {"event": "node_drained", "node": node, **await self.capacity.drain(node)}
+        # Recorded once its work is gone, before the agent is let go: the drain is done then.
+        self._record(record)
+        if self._agents.get(node) is agent:
+            self._drained.add(node)
+            await self._release(agent)
+        return record
+
+    async def _release(self, agent: _RemoteAgent) -> None:
+        """Let `agent`'s node go, not lost: no more heartbeats to it, the agent told to exit."""
+        # In this order: a heartbeat missed as it exits must not count it lost, and its own
+        # heartbeat must not hear "not registered" (which makes an agent register again) before
+        # it has been told to exit.
+        if agent.monitor is not None and agent.monitor is not asyncio.current_task():
+            agent.monitor.cancel()
+        with contextlib.suppress(Exception):  # one that exits at once may not answer
+            await agent.handle.call("shutdown", timeout=5.0)
+        self._agents.pop(agent.node, None)
+        self._joined.discard(agent.node)
+        await agent.handle.close()
+        self._agent_changed.set()
+
     async def wait_for_agents(self, nodes: list[str], timeout: float | None) -> None:  # noqa: ASYNC109  # the API takes per-call timeouts
         """Wait until every node in `nodes` has a registered agent (`timeout` None: for ever)."""
         async with asyncio.timeout(timeout):
@@ -387,11 +498,15 @@ class Supervisor:
         await self.wait_for_agents([node], None)
 
     def node_states(self) -> dict[str, dict[str, Any]]:
-        """Node name → {"state": "up" | "lost", "reason"} for this machine, every registered agent
-        and every node lost since."""
+        """Node name → {"state": "up" | "lost" | "drained", "reason"} for this machine, every
+        registered agent, every node lost since and every node drained; `"joined": True` for a
+        node that joined the run while it ran."""
         states: dict[str, dict[str, Any]] = {LOCAL: {"state": "up", "reason": ""}}
         states.update({node: {"state": "up", "reason": ""} for node in self._agents})
         states.update({node: {"state": "lost", "reason": why} for node, why in self._lost.items()})
+        states.update({node: {"state": "drained", "reason": ""} for node in self._drained})
+        for node in self._joined:
+            states[node]["joined"] = True
         return states
 
     async def node_loss(self, node: str) -> str | None:

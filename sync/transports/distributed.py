@@ -554,9 +554,17 @@ class DistributedTransport:
         version: int,
         tensors: Iterable[tuple[str, torch.Tensor]],
         agree: Callable[[bool], Awaitable[bool]],
+        turn: tuple[int, int] = (0, 1),
     ) -> LedgerEntry | None:
         """One pipeline stage's part of a sync where each stage's source broadcasts its own
         tensors over its own group (this source + the engines), as slime does at PP > 1.
+
+        `turn` (this stage, the stages): the stages send one after another, in stage order, an
+        agreement between turns. An engine takes one group's buckets at a time; with stages
+        sending at once, two engines could each wait inside another stage's broadcast than the
+        other (a deadlock across the groups, the run's hang). A stage's source iterates its
+        tensors in its turn even after a failure elsewhere (sending nothing): the iteration
+        drives its stage's TP gathers, which its peers join in the same turn.
 
         The controlling source (control_engines) pauses the engines and opens their update
         session before any stage sends, and sets the version, closes the session and continues
@@ -584,20 +592,26 @@ class DistributedTransport:
             opened = False
         moved = 0
         remaining = iter(tensors)
+        mine, stages = turn
         if await agree(opened):
-            try:
-                moved = await self._send(None, remaining)
-            except Exception:
-                log.exception(
-                    "pipeline stage %r failed to send its tensors for sync %d", self.group_tag, version
-                )
-                ok = False
-                # The rest of the stage still flows, so this stage's TP peers finish their gathers
-                # and reach the agreement below rather than block until their timeout.
-                with contextlib.suppress(Exception):
-                    for _ in remaining:
-                        pass
-            ok = await agree(ok)
+            for stage in range(stages):
+                if stage == mine and ok:
+                    try:
+                        moved = await self._send(None, remaining)
+                    except Exception:
+                        log.exception(
+                            "pipeline stage %r failed to send its tensors for sync %d",
+                            self.group_tag,
+                            version,
+                        )
+                        ok = False
+                if stage == mine:
+                    # The rest of the stage still flows (all of it after an earlier stage failed),
+                    # so its TP peers finish their gathers and reach the agreement.
+                    with contextlib.suppress(Exception):
+                        for _ in remaining:
+                            pass
+                ok = await agree(ok)
         else:
             ok = False
         failure = ""

@@ -17,6 +17,7 @@ Needs root and iproute2 (`ip`); skipped otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import math
@@ -667,3 +668,167 @@ def test_trainer_node_lost_stops_at_the_last_checkpoint(
     assert final.startswith("tether run: node 'node-b'") and str(latest) in final, final
     # The records keep the steps the checkpoint holds; those after it run again on resume.
     assert model_steps(jsonl(run.run / "samples.jsonl")).steps == list(range(step + 1))
+
+
+@dataclass(frozen=True)
+class ThirdNode:
+    """Node C: a namespace of its own, joined to the root namespace (node A) by a veth pair."""
+
+    namespace: str
+    a: str  # the root namespace's end of C's pair
+    c: str  # node C's address
+    name: str = "node-c"
+
+
+@pytest.fixture(scope="module")
+def node_c(nodes: TwoNodes) -> Iterator[ThirdNode]:
+    """C reaches the head at A's address on B's pair through a route via its own pair's root
+    end (the root namespace delivers to any of its own addresses). B and C reach each other
+    through the root namespace too, as nodes of one cluster do (a weight-update group's ranks
+    connect to one another): forwarding is turned on for the two root ends only, which this test
+    made and removes."""
+    tag = f"{os.getpid() % 10**7}"
+    net = _free_subnet()
+    first, second = list(net.hosts())
+    third = ThirdNode(f"tether-c-{tag}", str(first), str(second))
+    if_a, if_c = f"tca{tag}", f"tcc{tag}"
+    made_namespace = made_link = False
+    try:
+        steps = [
+            ("netns", "add", third.namespace),
+            ("link", "add", if_a, "type", "veth", "peer", "name", if_c, "netns", third.namespace),
+            ("addr", "add", f"{third.a}/{net.prefixlen}", "dev", if_a),
+            ("link", "set", if_a, "up"),
+            ("-n", third.namespace, "addr", "add", f"{third.c}/{net.prefixlen}", "dev", if_c),
+            ("-n", third.namespace, "link", "set", if_c, "up"),
+            ("-n", third.namespace, "link", "set", "lo", "up"),
+            ("-n", third.namespace, "route", "add", f"{nodes.a}/32", "via", third.a),
+            ("-n", third.namespace, "route", "add", f"{nodes.b}/32", "via", third.a),
+            ("-n", nodes.namespace, "route", "add", f"{third.c}/32", "via", nodes.a),
+        ]
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make node C's namespace: `ip {' '.join(step)}`: {done.stderr.strip()}")
+            made_namespace = True
+            made_link = made_link or step[0] == "link"
+        for root_end in (nodes.if_a, if_a):
+            Path(f"/proc/sys/net/ipv4/conf/{root_end}/forwarding").write_text("1\n")
+        yield third
+    finally:
+        _ip("-n", nodes.namespace, "route", "del", f"{third.c}/32")
+        with contextlib.suppress(OSError):  # B's end stays: its own tests run without forwarding
+            Path(f"/proc/sys/net/ipv4/conf/{nodes.if_a}/forwarding").write_text("0\n")
+        if made_link:
+            _ip("link", "del", if_a)
+        if made_namespace:
+            _ip("netns", "del", third.namespace)
+
+
+def start_joining_agent(run: TwoNodeRun, third: ThirdNode, *flags: str) -> subprocess.Popen[bytes]:
+    """`tether agent --join` for node C, inside C's namespace."""
+    head = (run.run / "head_address").read_text().strip()
+    agent = [sys.executable, "-m", "tether", "agent", "--head", head, "--node-name", third.name, "--join"]
+    with open(run.root / "agent-c.out", "ab") as out:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", third.namespace, *agent, "--run-dir", str(run.run), *flags],
+            env=run.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def syncs_to(run: TwoNodeRun, engine: str) -> int:
+    """Weight syncs that reached `engine`."""
+    path = run.run / "ledger.jsonl"
+    return sum(engine in e["engine_versions"] for e in jsonl(path)) if path.exists() else 0
+
+
+@pytest.mark.parametrize("transport", ["disk", "nccl-pp2"])
+def test_node_joins_mid_run_and_is_drained(
+    nodes: TwoNodes, node_c: ThirdNode, ws: Workspace, tmp_path: Path, transport: str
+) -> None:
+    """A third node joins the running run (`tether agent --join`): the head places an engine on
+    it, starts it there, catches it up to the served weights and routes to it; it serves, then
+    `tether drain` takes it out (its requests finish or are requeued), its agent exits 0, and
+    training goes on. From the records: every step trained once, no sample twice, the joined
+    engine caught up to the version then served and synced after, capacity_added and
+    capacity_drained recorded, `tether status` showing node C joined and drained. With the
+    distributed transport (gloo on CPU) under PP=2, each stage's source builds its update group
+    afresh for the engines of the moment: with node C's engine, then without it."""
+    if transport == "disk":
+        flags = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "weights")]
+    else:
+        flags = ["--update-weight-transport", "nccl", "--pipeline-model-parallel-size", "2"]
+    with TwoNodeRun(nodes, ws, tmp_path, 100_000, *flags) as run:
+        run.wait_for("the first step", lambda: run.steps_done() >= 1)
+        joining = start_joining_agent(run, node_c, "--devices", "0")
+        try:
+            run.wait_for("node C's engine added", lambda: run.seen("capacity_added"))
+            (added,) = [e for e in run.events() if e["event"] == "capacity_added"]
+            (url,) = added["urls"]
+            assert url.startswith(f"http://{node_c.c}:"), added
+            run.wait_for("two syncs to node C's engine", lambda: syncs_to(run, "engine1") >= 2)
+            live = run.status()
+            nodes_now = {n["node"]: (n["state"], n["joined"]) for n in live["nodes"]}
+            assert nodes_now["node-c"] == ("up", True), live
+            assert {e["engine"]: e["state"] for e in live["engines"]}["engine1"] == "serving", live
+            drained = subprocess.run(
+                [sys.executable, "-m", "tether", "drain", str(run.run), node_c.name],
+                env=run.env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert drained.returncode == 0, drained.stderr + run.output()
+            assert json.loads(drained.stdout)["engines"] == ["engine1"], drained.stdout
+            assert joining.wait(timeout=60) == 0, (run.root / "agent-c.out").read_text()
+            at_drain = run.steps_done()
+            run.wait_for("two steps after the drain", lambda: run.steps_done() >= at_drain + 2)
+            run.stop_run()
+        finally:
+            if joining.poll() is None:
+                joining.kill()
+                joining.wait()
+    evs = run.events()
+    kinds = [e["event"] for e in evs]
+    assert kinds[-1] == "stopped" and "failed" not in kinds and "join_failed" not in kinds
+    # Every step trained once, no sample twice, every trained group whole.
+    records = jsonl(run.run / "samples.jsonl")
+    assert [r["step"] for r in records] == list(range(len(records)))
+    indices = [s[0] for r in records for s in r["samples"]]
+    assert len(indices) == len(set(indices)), "a sample was trained twice"
+    # Joined at the version then served, caught up to it before its first request.
+    (added,) = [e for e in evs if e["event"] == "capacity_added"]
+    (drain,) = [e for e in evs if e["event"] == "capacity_drained"]
+    assert (added["node"], added["engines"], drain["node"], drain["engines"]) == (
+        "node-c",
+        ["engine1"],
+        "node-c",
+        ["engine1"],
+    )
+    syncs = [e for e in evs if e["event"] == "weight_sync"]
+    ledger = jsonl(run.run / "ledger.jsonl")
+    if transport == "disk":  # loaded the served version's files
+        (caught_up,) = [e for e in evs if e["event"] == "engine_caught_up" and e["engine"] == "engine1"]
+        served = max((e["version"] for e in syncs if e["time"] < caught_up["time"]), default=0)
+        assert caught_up["version"] == served >= 1 and caught_up["time"] <= added["time"], (caught_up, served)
+    else:  # a full sync as a new version, over update groups built afresh with it
+        first = min((e for e in ledger if "engine1" in e["engine_versions"]), key=lambda e: e["version"])
+        assert first["version"] == added["version"] and first["finished_at"] <= added["time"], first
+    assert added["version"] == max(e["version"] for e in syncs if e["time"] < added["time"]), added
+    assert drain["requests"]["engine1"] > 0, drain  # it generated while it was in the run
+    # Every sync while it was in reached it at that version; none after the drain.
+    assert [e["version"] for e in ledger] == list(range(1, len(ledger) + 1))
+    assert all(set(e["engine_versions"].values()) == {e["version"]} for e in ledger)
+    during = [e for e in ledger if added["time"] < e["finished_at"] < drain["time"]]
+    assert len(during) >= 2 and all("engine1" in e["engine_versions"] for e in during), during
+    after = [e for e in ledger if e["finished_at"] > drain["time"]]
+    assert len(after) >= 1 and not any("engine1" in e["engine_versions"] for e in after), after
+    node_events = [(e["event"], e["node"]) for e in evs if e["event"] in ("node_joined", "node_drained")]
+    assert node_events == [("node_joined", "node-c"), ("node_drained", "node-c")], node_events
+    # After the end, `tether status` reads the records: C joined and drained, its engine too.
+    ended = run.status()
+    assert {n["node"]: n["state"] for n in ended["nodes"]}["node-c"] == "drained", ended
+    assert {e["engine"]: e["state"] for e in ended["engines"]}["engine1"] == "drained", ended

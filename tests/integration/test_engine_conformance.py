@@ -1125,6 +1125,12 @@ SGLANG_CPU_CANNOT = {
     "(read from its source; not started here)",
     "qwen3_5_moe": "as qwen3_5: the hybrid linear-attention backend's FLA Triton kernels find no driver "
     "on CPU (read from its source; not started here)",
+    "glm_moe_dsa": "SGLang 0.5.23 serves GLM-5 and DeepSeek-V3.2 only on its 'dsa' attention backend "
+    "(arg_groups/model_overrides/deepseek_v2.py sets it for every DSA checkpoint), whose indexer and "
+    "sparse MLA run Triton, DeepGEMM and FlashMLA kernels (layers/attention/dsa_backend.py, "
+    "dsa/dsa_indexer.py): no CPU path (read from its source; not started here)",
+    "deepseek_v32": "as glm_moe_dsa: SGLang's 'dsa' attention backend (Triton, DeepGEMM and FlashMLA "
+    "kernels) has no CPU path (read from its source; not started here)",
 }
 # Variants of a family: the family's tiny model with config.json keys replaced. deepseek_v3_yarn
 # carries YaRN as DeepSeek-V3's own config.json does (`rope_scaling`, `type`), with mscale and
@@ -1188,7 +1194,15 @@ def _family_engine(
     return start_supervised(kind, model_dir, run_dir, sglang_python=python, sglang_args=list(flags))
 
 
-WEIGHT_SYNC_FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral", "minimax_m2", "qwen3_5_moe"]
+WEIGHT_SYNC_FAMILIES = [
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "mixtral",
+    "minimax_m2",
+    "qwen3_5_moe",
+    "glm_moe_dsa",
+]
 # Real SGLang starts in tens of seconds on CPU: a family whose weight-sync case below already
 # compares its greedy tokens and log-probs with transformers is not started a second time for it.
 GREEDY_CASES = [("cpu", arch) for arch in [*FAMILIES, *FAMILY_VARIANTS]] + [

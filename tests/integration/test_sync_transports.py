@@ -565,8 +565,10 @@ def test_pipeline_stages_each_send_over_their_own_group(
                     agreement = _Agreement(2)
                     return await asyncio.gather(
                         *(
-                            t.sync_stage(version, iter([(n, state[n]) for n in half]), agreement.party())
-                            for t, half in zip(stages, halves, strict=True)
+                            t.sync_stage(
+                                version, iter([(n, state[n]) for n in half]), agreement.party(), (i, 2)
+                            )
+                            for i, (t, half) in enumerate(zip(stages, halves, strict=True))
                         ),
                         return_exceptions=True,
                     )

@@ -156,6 +156,23 @@ def test_slimes_qwen3_5_checkpoint_loads_into_gated_delta_net(
         assert value(r, "slime_linear_attention/tp2") == []
 
 
+def test_glm5_sparse_attention_resumes_and_loads_at_pp2(checked: tuple[Path, list[dict[str, Any]]]) -> None:
+    # GLM-5's indexers (slime's names directly under self_attention, whole on every TP rank) are in
+    # the torch_dist checkpoint: a TP=2 save resumes with weights and Adam state and loads at PP=2.
+    for r in checked[1]:
+        assert value(r, "sparse_attention/resume") == {
+            "loaded": True,
+            "weights": [],
+            "adam": True,
+            "indexer": [
+                "self_attention.weights_proj.weight",
+                "self_attention.wk.weight",
+                "self_attention.wq_b.weight",
+            ],
+        }
+        assert value(r, "sparse_attention/pp2_weights") == []
+
+
 def test_every_check_ran(checked: tuple[Path, list[dict[str, Any]]]) -> None:
     for r in checked[1]:
         for name in (
@@ -165,6 +182,7 @@ def test_every_check_ran(checked: tuple[Path, list[dict[str, Any]]]) -> None:
             "flags",
             "expert_layout",
             "slime_linear_attention",
+            "sparse_attention",
         ):
             assert value(r, f"{name}/done") is True
         assert value(r, "done") is True

@@ -60,6 +60,8 @@ MOE_FAMILIES = [
     "glm4_moe_lite_mtp_built",
     "qwen3_next",
     "qwen3_5_moe",
+    "glm_moe_dsa",
+    "deepseek_v32",
 ]
 FAMILIES = [
     "llama",
@@ -79,6 +81,9 @@ FAMILIES = [
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
+    # DeepSeek sparse attention: GLM-5 (interleaved indexer RoPE, shared layers) and DeepSeek-V3.2.
+    "glm_moe_dsa",
+    "deepseek_v32",
     # Checkpoints carrying multi-token-prediction layers, built without them (no --mtp-num-layers),
     # as slime does: the MTP tensors are neither loaded nor exported (round trip and save_hf
     # compare every other tensor; save_hf's names equal the source's without the MTP ones).
@@ -97,6 +102,8 @@ FIXED_FAMILY = {
     "test_mtp_training_step_trains_the_mtp_layer": "mimo_mtp",
     "test_mtp_training_is_the_same_at_tp2_and_pp2": "mimo_mtp",
     "test_without_mtp_training_the_mtp_layer_stays_as_loaded": "mimo_mtp_frozen",
+    "test_allgather_cp_layout_equals_the_others": "glm_moe_dsa",
+    "test_freeze_indexer_keeps_the_indexer_as_loaded": "glm_moe_dsa",
 }
 
 
@@ -155,7 +162,7 @@ def test_save_hf_writes_the_source_checkpoint_back(
     [
         (lay, fam)
         for lay in ("tp2", "pp2", "ep2")
-        for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2", "qwen3_next", "qwen3_5_moe")
+        for fam in ("qwen3_moe", "deepseek_v3", "minimax_m2", "qwen3_next", "qwen3_5_moe", "glm_moe_dsa")
     ]
     + [("ep2ag", "qwen3_moe")]  # Megatron's allgather dispatcher at EP=2: micro-batches padded alike
     # Experts at ETP=1 under TP=2: whole on both TP ranks (their gradients summed over the expert
@@ -176,7 +183,7 @@ def test_moe_training_steps_equal_across_layouts(
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
 
 
-CONTEXT_PARALLEL = ["qwen3", "deepseek_v3", "mimo_mtp", "qwen3_5"]  # check_model.CONTEXT_PARALLEL
+CONTEXT_PARALLEL = ["qwen3", "deepseek_v3", "mimo_mtp", "qwen3_5", "glm_moe_dsa"]  # check_model's
 
 
 @pytest.mark.parametrize("family", CONTEXT_PARALLEL)
@@ -205,6 +212,29 @@ def test_context_parallel_logits_and_training_equal_the_other_layouts(
         assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in tp2], rel=2e-2)
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in tp2], rel=1e-3)
         assert all(m["mtp_changed"] for m in got)
+
+
+def test_allgather_cp_layout_equals_the_others(checked: list[dict[str, Any]]) -> None:
+    # --allgather-cp (slime's contiguous CP layout, sparse-attention models only): each CP rank holds
+    # one contiguous half of every sequence, its RoPE angles and the indexer's keys taken by those
+    # positions: the logits equal transformers' and two SFT steps equal DP=2's.
+    for rank_results in checked:
+        assert value(rank_results, "cp2ag/glm_moe_dsa/logits") < 1e-5
+        want = value(rank_results, "dp2/glm_moe_dsa/train")
+        got = value(rank_results, "cp2ag/glm_moe_dsa/train")
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in want], abs=2e-6)
+        assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-5)
+
+
+def test_freeze_indexer_keeps_the_indexer_as_loaded(checked: list[dict[str, Any]]) -> None:
+    # The indexer has no gradient path (its choice only masks attention): with weight decay its
+    # weight matrices still shrink each step unless --freeze-indexer takes them out of the optimizer.
+    for rank_results in checked:
+        got = value(rank_results, "dp2/glm_moe_dsa/freeze_indexer")
+        assert got["indexer_params"] == 10  # two indexer layers x wq_b, wk, k_norm (2), weights_proj
+        assert got["trained"] == 6  # the three matrices of each (norms take no decay)
+        assert got["frozen"] == 0
+        assert got["frozen_others"] == got["trained_others"] > 0
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])

@@ -466,4 +466,7 @@ FAMILY_LAYERS = {
     "qwen3_next": 4,
     "qwen3_5": 4,
     "qwen3_5_moe": 4,
+    # GLM-5 with 4 layers: indexers on layers 0, 1 and 3, layer 2 sharing layer 1's (init-model's default).
+    "glm_moe_dsa": 4,
+    "deepseek_v32": 4,
 }

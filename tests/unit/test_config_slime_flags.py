@@ -21,7 +21,7 @@ def test_no_refused_flag_is_also_a_tether_flag() -> None:
         (["--use-distributed-post"], "--use-distributed-post", True, "needs Ray"),
         (["--train-backend", "fsdp"], "--train-backend", "fsdp", "Megatron only"),
         (["--use-distributed-post"], "--use-distributed-post", True, "needs Ray"),
-        (["--freeze-indexer"], "--freeze-indexer", True, "indexers are not built"),
+        (["--rollout-data-transport", "nixl"], "--rollout-data-transport", "nixl", "ZeroMQ"),
     ],
 )
 def test_a_slime_flag_tether_lacks_is_refused_with_its_reason(
@@ -53,8 +53,10 @@ def test_slimes_glm4_layer_spec_is_accepted_and_other_plugin_specs_are_refused_b
     assert cfg.megatron.spec == ["slime_plugins.models.glm4", "get_glm_spec"]
     cfg = resolve(["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec"])  # Qwen3.5's layers
     assert cfg.megatron.spec == ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]
-    with pytest.raises(ConfigError, match=r"'slime_plugins\.models\.glm5\.glm5'.*sparse attention") as err:
-        resolve(["--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec"])
+    cfg = resolve(["--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec"])  # sparse attention
+    assert cfg.megatron.spec == ["slime_plugins.models.glm5.glm5", "get_glm5_spec"]
+    with pytest.raises(ConfigError, match=r"'slime_plugins\.models\.glm5\.other'.*builds the layers") as err:
+        resolve(["--spec", "slime_plugins.models.glm5.other", "get_glm5_spec"])
     assert err.value.key == "--spec"
     with pytest.raises(ConfigError, match="module and a function"):
         resolve(["--spec", "slime_plugins.models.glm4"])

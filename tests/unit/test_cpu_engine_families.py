@@ -1,6 +1,7 @@
 """The CPU engine's forward for every model family `tether init-model --arch` writes (MoE blocks,
 multi-latent attention (DeepSeek-V3, GLM-4.7-Flash, and Kimi-K2 against DeepseekV3ForCausalLM on the
-same weights), GLM-4's norms and partial rotary) against transformers, in this process:
+same weights), DeepSeek sparse attention (GLM-5 with shared-indexer layers, DeepSeek-V3.2), GLM-4's
+norms and partial rotary) against transformers, in this process:
 logits and greedy tokens at prefill and decode, the experts each token is routed to (what
 `return_routed_experts` reports) against the experts transformers' routers pick, the scheduler's
 routed_experts answer, weight updates under the families' names, and what is refused by name."""
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from support.engines import FAMILY_LAYERS, decode_routed_experts, hf_routed_experts, local_plan_engine
@@ -40,7 +42,8 @@ from tether.runtime.errors import ConfigError
 ARCHES = list(tiny_model.ARCHES)
 MOE_ARCHES = sorted(tiny_model.MOE_ARCHES)
 # Families that keep layer 0 dense (first_k_dense_replace=1, GLM-4.7-Flash's mlp_layer_types).
-DENSE_FIRST = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2")
+DENSE_FIRST = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2", "glm_moe_dsa", "deepseek_v32")
+DSA_ARCHES = ("glm_moe_dsa", "deepseek_v32")
 TOL = 1e-5
 
 
@@ -355,6 +358,12 @@ def _config(path: Path) -> dict[str, Any]:
         ("qwen3_next", {"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim=0"),
         ("qwen3_next", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("qwen3_next", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "linear"),
+        ("glm_moe_dsa", {"indexer_types": ["shared", "full", "full", "full"]}, "layer 0 is 'shared'"),
+        ("glm_moe_dsa", {"indexer_types": ["full", "sparse", "full", "full"]}, "indexer_types="),
+        ("glm_moe_dsa", {"attention_bias": True}, "attention_bias=true is not supported for glm_moe_dsa"),
+        ("deepseek_v32", {"q_lora_rank": None}, "q_lora_rank is missing"),
+        ("deepseek_v32", {"index_head_dim": 4}, "index_head_dim=4 is smaller than qk_rope_head_dim=8"),
+        ("deepseek_v32", {"index_topk": 0}, "index_topk=0"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(
@@ -380,6 +389,8 @@ def test_unsupported_configs_are_refused_by_name(
         "qwen3_next",
         "qwen3_5",
         "qwen3_5_moe",
+        "glm_moe_dsa",
+        "deepseek_v32",
     ],
 )
 def test_weight_updates_take_the_families_names(family: Callable[..., Path], arch: str) -> None:
@@ -416,6 +427,7 @@ def test_weight_updates_take_the_families_names(family: Callable[..., Path], arc
                 "w2",
                 "linear_attn.",
                 "q_norm",
+                "indexer.",
             )
         )
     }
@@ -561,6 +573,142 @@ def test_qwen3_next_config_defaults(family: Callable[..., Path], tmp_path: Path)
     assert ModelConfig.from_dir(family("qwen3_next")).gdn.linear_layers == (True, False, True, False)  # type: ignore[union-attr]
 
 
+# ----- DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): the indexer's top-k -----
+
+
+def _hf_eager(path: Path) -> Any:
+    """transformers' model with eager attention, where the indexer's top-k is folded into the mask."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _dsa_prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", DSA_ARCHES)
+def test_dsa_prefill_and_decode_equal_transformers(family: Callable[..., Path], arch: str) -> None:
+    """Three prompts of 12-18 tokens (index_topk is 4) prefilled in one padded batch, then 10 decode
+    steps with the slots in changing order: the log-probs at every prompt and generated position
+    equal transformers' (eager) over the whole sequence. The indexer's keys are cached on the layers
+    that run an indexer (none on GLM-5's shared layers 1 and 3), and attending to every key instead changes
+    the answer, so the top-k is what is checked."""
+    path = family(arch)
+    cfg, model, cache = _engine(path)
+    assert cfg.dsa is not None and cfg.dsa.topk == 4
+    full = (True, False, True, False) if arch == "glm_moe_dsa" else (True,) * 4
+    assert cfg.dsa.full_layers == full
+    prompts = _dsa_prompts(cfg.vocab, (18, 12, 15), seed=7)
+    prompts[1][-1] = _config(path)["pad_token_id"]  # its embedding is not zeros (see tiny_model)
+    slots = [cache.allocate(40) for _ in prompts]
+    assert [cache.stores[1][i].shape[1] for i in range(cfg.layers)] == [int(f) for f in full]
+    seqs = [list(p) for p in prompts]
+    scores: dict[int, torch.Tensor] = {}
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        logits = model.prefill(prompts, slots, cache, score_from=dict.fromkeys(range(3), 0), scores=scores)
+        last = dict(enumerate(logits))
+        for step in range(10):
+            order = [0, 1, 2] if step % 2 == 0 else [2, 0, 1]  # not in slot order: gathered rows
+            toks = [int(last[r].argmax()) for r in order]
+            for r, tok in zip(order, toks, strict=True):
+                seqs[r].append(tok)
+            out = model.decode(toks, [len(seqs[r]) - 1 for r in order], [slots[r] for r in order], cache)
+            for row, r in enumerate(order):
+                last[r] = out[row]
+                got[r].append(out[row])
+        hf = _hf_eager(path)
+        for r, seq in enumerate(seqs):
+            ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+            mine = torch.log_softmax(torch.cat([scores[r], torch.stack(got[r])]), -1)
+            assert mine.shape == ref.shape
+            diff = (mine - ref).abs().amax(-1)
+            assert float(diff.max()) <= TOL, (arch, r, diff.tolist())
+        dense_cfg = msgspec.structs.replace(cfg, dsa=msgspec.structs.replace(cfg.dsa, topk=10**6))
+        dense_cache = KVCache(dense_cfg)
+        dense = TinyLM(dense_cfg, model.params).prefill([seqs[0]], [dense_cache.allocate(40)], dense_cache)
+    assert float((dense[0] - got[0][-1]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"index_topk_freq": 3},
+        {"index_topk_freq": 2, "index_skip_topk_offset": 4},
+        {"index_topk_pattern": "FSFFSSF"},
+        {"index_topk_pattern": ["full", "full", "shared", "shared", "full", "shared", "shared"]},
+    ],
+)
+def test_glm_moe_dsa_indexer_types_as_transformers_derives_them(
+    family: Callable[..., Path], tmp_path: Path, keys: dict[str, Any]
+) -> None:
+    """Without indexer_types the shared layers follow index_topk_pattern, else index_topk_freq and
+    index_skip_topk_offset, as transformers' GlmMoeDsaConfig derives them."""
+    import transformers
+
+    raw = _config(family("glm_moe_dsa"))
+    for key in ("indexer_types", "index_topk_freq", "index_skip_topk_offset", "index_topk_pattern"):
+        raw.pop(key, None)
+    layers = 7
+    raw |= {
+        **keys,
+        "num_hidden_layers": layers,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+        "layer_types": ["indexed_attention"] * layers,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    dsa = ModelConfig.from_dir(tmp_path).dsa
+    want = transformers.GlmMoeDsaConfig(num_hidden_layers=layers, **keys).indexer_types
+    assert dsa is not None and [("full" if f else "shared") for f in dsa.full_layers] == want
+
+
+def test_dsa_indexer_update_matches_transformers(family: Callable[..., Path], tmp_path: Path) -> None:
+    """A partial update of GLM-5's indexer tensors alone (another seed's, through the tensor
+    payload) changes the engine's log-probs as the same weights change transformers'; a shared
+    layer has no indexer tensor to update."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    v1, v2 = family("glm_moe_dsa", 0), family("glm_moe_dsa", 1)
+    cfg, model, _ = _engine(v1)
+    picked = {n: t for n, t in read_safetensors_dir(v2).items() if ".self_attn.indexer." in n}
+    assert {n.split(".")[2] for n in picked} == {"0", "2"}
+    assert {n.split(".indexer.")[1] for n in picked} == {
+        "wq_b.weight",
+        "wk.weight",
+        "k_norm.weight",
+        "k_norm.bias",
+        "weights_proj.weight",
+    }
+    model.load(dict(decode_named_tensors(encode_named_tensors(list(picked.items()), []))), complete=False)
+    out = tmp_path / "merged"
+    shutil.copytree(v1, out)
+    save_file(
+        {**read_safetensors_dir(v1), **picked}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    (seq,) = _dsa_prompts(cfg.vocab, (16,), seed=2)
+    cache = KVCache(cfg)
+    scores: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        model.prefill([seq], [cache.allocate(16)], cache, score_from={0: 0}, scores=scores)
+        before = _hf_eager(v1)(torch.tensor([seq])).logits[0]
+        after = _hf_eager(out)(torch.tensor([seq])).logits[0]
+    assert not torch.allclose(before, after, atol=1e-3)
+    assert torch.allclose(scores[0], after, atol=TOL), float((scores[0] - after).abs().max())
+    with pytest.raises(WeightMismatch, match="unknown parameter name"):  # layer 1 shares layer 0's
+        model.load({"model.layers.1.self_attn.indexer.wk.weight": torch.zeros(16, 64)}, complete=False)
+    with pytest.raises(WeightMismatch, match="shape"):
+        model.load(
+            {"model.layers.2.self_attn.indexer.weights_proj.weight": torch.zeros(4, 64)}, complete=False
+        )
+
+
 def test_init_model_family_flags_are_checked() -> None:
     with pytest.raises(ConfigError, match="--kv-heads=2: multi-latent attention"):
         tiny_model.TinyModelSpec(arch="deepseek_v3", kv_heads=2)
@@ -581,7 +729,7 @@ def test_init_model_family_flags_are_checked() -> None:
     assert tiny_model.TinyModelSpec(arch="qwen3_moe").num_kv_heads == 2
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "kimi_k2", *DSA_ARCHES])
 def test_init_model_shapes_of_moe_families(family: Callable[..., Path], tmp_path: Path, arch: str) -> None:
     """What `tether init-model` promises: 4 experts top-2, a quarter-size expert FFN, layer 0
     dense, float32 weights, a non-zero correction bias on every MoE layer; the same seed writes
@@ -650,7 +798,7 @@ def event_loop_runner() -> Iterator[Callable[[Any], Any]]:
         loop.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe", "glm_moe_dsa"])
 def test_scheduler_returns_routed_experts_like_sglang(
     family: Callable[..., Path], arch: str, event_loop_runner: Callable[[Any], Any]
 ) -> None:

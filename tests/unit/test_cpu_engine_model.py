@@ -68,6 +68,44 @@ def test_init_model_loads_in_transformers_and_engine_forward_matches(
             assert torch.allclose(step[row], ref[-1], atol=1e-5)
 
 
+def test_init_model_sparse_attention_flags(tmp_path: Path) -> None:
+    """--index-topk and --index-topk-freq shape GLM-5's indexers as transformers reads them (layers
+    1 and 2 sharing layer 0's top-k at freq 3, layer 4 layer 3's), and the engine's prefill equals transformers' on
+    them; the flags are refused where they mean nothing."""
+    from transformers import AutoModelForCausalLM
+
+    out = _write(
+        tmp_path / "glm5",
+        "--arch",
+        "glm_moe_dsa",
+        "--layers",
+        "5",
+        "--index-topk",
+        "3",
+        "--index-topk-freq",
+        "3",
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["index_topk"] == 3 and config["index_n_heads"] == tiny_model.TINY_INDEX_HEADS
+    assert config["indexer_types"] == ["full", "shared", "shared", "full", "shared"]
+    cfg = ModelConfig.from_dir(out)
+    assert cfg.dsa is not None and cfg.dsa.full_layers == (True, False, False, True, False)
+    model, cache = TinyLM(cfg, read_safetensors_dir(out)), KVCache(cfg)
+    seq = list(range(40, 54))
+    scores: dict[int, torch.Tensor] = {}
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        model.prefill([seq], [cache.allocate(16)], cache, score_from={0: 0}, scores=scores)
+        ref = hf(torch.tensor([seq])).logits[0]
+    assert torch.allclose(scores[0], ref, atol=1e-5), float((scores[0] - ref).abs().max())
+    with pytest.raises(ConfigError, match="--index-topk-freq=2: only glm_moe_dsa"):
+        tiny_model.TinyModelSpec(arch="deepseek_v32", index_topk_freq=2)
+    with pytest.raises(ConfigError, match="--index-topk=0"):
+        tiny_model.TinyModelSpec(arch="deepseek_v32", index_topk=0)
+    with pytest.raises(ConfigError, match="--mtp-layers=1: only"):
+        tiny_model.TinyModelSpec(arch="glm_moe_dsa", mtp_layers=1)
+
+
 def test_init_model_rejects_bad_shapes(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--hidden"):
         tiny_model.TinyModelSpec(hidden=65, heads=4)

@@ -1,7 +1,8 @@
 """YaRN rope scaling in the CPU engine against transformers, in this process: DeepSeek-V3's
 multi-latent attention (the tables' mscale ratio and mscale_all_dim's softmax factor), written the
 way DeepSeek's own config.json writes it (`rope_scaling`, `type`) and the way transformers 5 does
-(`rope_parameters`), Kimi-K2's config.json (model_type kimi_k2, beta_fast = beta_slow = 1), and a
+(`rope_parameters`), Kimi-K2's config.json (model_type kimi_k2, beta_fast = beta_slow = 1), GLM-5's
+and DeepSeek-V3.2's (whose sparse-attention indexer rotates with the same tables), and a
 plain-attention family (Qwen3, whose tables carry 0.1·ln(factor)+1).
 Prefill and decode logits equal transformers' over the sequence within 1e-5."""
 
@@ -63,6 +64,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             }
         },
     ),
+    # GLM-5 and DeepSeek-V3.2: the sparse-attention indexer rotates its queries and keys with the
+    # same scaled tables (pairs for GLM-5, halves for DeepSeek-V3.2) and picks 4 of the 40 keys.
+    **{
+        arch: (arch, {"rope_parameters": {**DEEPSEEK_YARN, "rope_type": "yarn", "rope_theta": 10000.0}})
+        for arch in ("glm_moe_dsa", "deepseek_v32")
+    },
     # Qwen3's long-context recipe: factor and original length only (attention factor derived).
     "qwen3": (
         "qwen3",

@@ -103,7 +103,12 @@ class FakeTrainer:
         return {"train/loss": 0.0}
 
     async def update_weights(
-        self, version: int, urls: list[str], *, engines_restarted: bool = False
+        self,
+        version: int,
+        urls: list[str],
+        *,
+        engines_restarted: bool = False,
+        engine_sizes: list[int] | None = None,
     ) -> LedgerEntry:
         await self._at("sync", self.applied[-1] if self.applied else -1)
         return LedgerEntry(
@@ -149,6 +154,9 @@ class FakeEngines:
         self.urls = ["http://127.0.0.1:1"]
         self.metrics: dict[str, float] = {}
         self.served_version = 0
+
+    def sizes_of(self, urls: list[str]) -> list[int]:
+        return [1] * len(urls)
 
     async def watch(self) -> None:
         await asyncio.Event().wait()

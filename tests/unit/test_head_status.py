@@ -87,6 +87,49 @@ def test_a_rejoined_engine_serves_its_catch_up_version_and_the_end_is_read(tmp_p
     assert status.trainer[0].state == "exited"
 
 
+def test_a_joined_node_and_its_engine_then_drained_from_the_records(tmp_path: Path) -> None:
+    joined = [
+        *LOST[:5],
+        {"event": "node_joined", "node": "node-c", "address": "tcp://10.0.0.3:4000", "joined": True},
+        {
+            "event": "capacity_added",
+            "node": "node-c",
+            "address": "10.0.0.3",
+            "engines": ["engine2"],
+            "version": 1,
+        },
+        {"event": "weight_sync", "version": 2},
+    ]
+    status = from_records(_run_dir(tmp_path, joined, steps=2))
+    assert [(n.node, n.address, n.state, n.joined) for n in status.nodes][-1] == (
+        "node-c",
+        "10.0.0.3",
+        "up",
+        True,
+    )
+    assert [(e.engine, e.node, e.state, e.version) for e in status.engines][-1] == (
+        "engine2",
+        "node-c",
+        "serving",
+        2,
+    )
+    assert "up (joined)" in command.render(status)
+    drained = [
+        *joined,
+        {"event": "capacity_drained", "node": "node-c", "engines": ["engine2"], "requests": {"engine2": 5}},
+        {"event": "node_drained", "node": "node-c", "engines": ["engine2"]},
+        {"event": "stopped"},
+    ]
+    (tmp_path / "later").mkdir()
+    status = from_records(_run_dir(tmp_path / "later", drained, steps=2))
+    assert [(n.node, n.state) for n in status.nodes][-1] == ("node-c", "drained")
+    assert [(e.engine, e.state, e.version) for e in status.engines] == [
+        ("engine0", "exited", 2),
+        ("engine1", "exited", 2),
+        ("engine2", "drained", None),
+    ]
+
+
 def test_the_printed_tables_have_the_documented_columns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

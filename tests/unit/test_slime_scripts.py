@@ -2100,6 +2100,107 @@ QWEN36_35B_A3B_SWE = [
     "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--colocate",
 ]  # fmt: skip
 
+HF_CONFIGS["glm5-744B-A40B"] = {  # zai-org/GLM-5's config.json (transformers' GlmMoeDsaConfig)
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": [154820, 154827, 154829],
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 6144,
+    "index_head_dim": 128,
+    "index_n_heads": 32,
+    "index_topk": 2048,
+    "intermediate_size": 12288,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 202752,
+    "moe_intermediate_size": 2048,
+    "n_group": 1,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 78,
+    "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 1,
+    "pad_token_id": 154820,
+    "q_lora_rank": 2048,
+    "qk_head_dim": 256,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "v_head_dim": 256,
+    "vocab_size": 154880,
+}
+
+# slime: scripts/run-glm5-744B-A40B.sh (MODEL_ARGS: scripts/models/glm5-744B-A40B.sh) as written: 32
+# colocated nodes (TP 4 with SP, PP 4 with 18 layers last, CP 2 in slime's all-gather layout, experts
+# at ETP 1 over EP 32, dispatched by DeepEP), engines of 64 GPUs with DP attention and DeepEP, MTP as
+# the EAGLE draft, the DSA attention backend; its WANDB_ARGS and EVAL_ARGS are empty.
+GLM5_744B_A40B = [
+    "--actor-num-nodes", "32", "--actor-num-gpus-per-node", "8", "--colocate",
+    "--update-weight-buffer-size", str(1024 * 1024 * 1024 * 2),
+    # MODEL_ARGS
+    "--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec",
+    "--moe-layer-freq", "[0]*3+[1]*75", "--num-experts", "256", "--moe-shared-expert-intermediate-size",
+    "2048", "--moe-router-topk", "8", "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-ffn-hidden-size",
+    "2048", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-aux-loss-coeff", "0", "--moe-router-dtype", "fp32", "--make-vocab-size-divisible-by", "16",
+    "--num-layers", "78", "--hidden-size", "6144", "--ffn-hidden-size", "12288",
+    "--num-attention-heads", "64", "--disable-bias-linear", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+    "--normalization", "RMSNorm", "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "2048",
+    "--kv-lora-rank", "512", "--qk-head-dim", "192", "--v-head-dim", "256", "--kv-channels", "192",
+    "--qk-pos-emb-head-dim", "64", "--vocab-size", "154880", "--rotary-base", "1000000",
+    "--enable-experimental", "--allgather-cp",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/GLM-5", "--ref-load", "/root/GLM-5_torch_dist/", "--load", "/root/GLM-5_slime/",
+    "--save", "/root/GLM-5_slime/", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "32768", "--rollout-temperature", "1", "--global-batch-size", "64",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
+    "--decoder-last-pipeline-num-layers", "18", "--expert-model-parallel-size", "32",
+    "--expert-tensor-parallel-size", "1", "--context-parallel-size", "2",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384", "--data-pad-size-multiplier", "4096",
+    "--log-probs-chunk-size", "1024",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "64", "--sglang-mem-fraction-static", "0.70",
+    "--sglang-enable-dp-attention", "--sglang-ep-size", "64", "--sglang-dp-size", "64",
+    "--sglang-moe-dense-tp-size", "1", "--sglang-enable-dp-lm-head", "--sglang-moe-a2a-backend", "deepep",
+    "--sglang-deepep-mode", "auto", "--prefill-num-servers", "1",
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
+    "--sglang-page-size", "64", "--sglang-nsa-decode-backend", "flashmla_sparse",
+    "--sglang-nsa-prefill-backend", "flashmla_sparse", "--sglang-attention-backend", "nsa",
+    "--sglang-cuda-graph-max-bs", "8", "--sglang-max-running-requests", "512",
+    "--sglang-chunked-prefill-size", "131072", "--sglang-watchdog-timeout", "3600",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash", "--moe-enable-deepep",
+    "--moe-token-dispatcher-type", "flex",
+]  # fmt: skip
+
 # script path in slime -> (its arguments, the model its MODEL_ARGS describe, the 8-GPU nodes it needs)
 MULTI_NODE_SCRIPTS: dict[str, tuple[list[str], str, int]] = {
     "scripts/run-qwen3-235B-A22B.sh": (QWEN3_235B_A22B, "qwen3-235B-A22B", 16),
@@ -2112,6 +2213,7 @@ MULTI_NODE_SCRIPTS: dict[str, tuple[list[str], str, int]] = {
     "scripts/run-minimax-m2.sh": (MINIMAX_M2, "minimax-m2.5", 16),
     "scripts/run-qwen3.5-27B.sh": (QWEN35_27B, "qwen3.5-27B", 4),
     "scripts/run-qwen3-next-80B-A3B.sh": (QWEN3_NEXT_80B_A3B, "qwen3-next-80B-A3B", 4),
+    "scripts/run-glm5-744B-A40B.sh": (GLM5_744B_A40B, "glm5-744B-A40B", 32),
     "examples/coding_agent_rl/run_qwen36_35b_a3b_swe_8nodes.sh": (QWEN36_35B_A3B_SWE, "qwen3.6-35B-A3B", 8),
 }
 
@@ -2190,6 +2292,25 @@ def test_qwen3_5_trains_with_context_parallelism_and_either_gdn_backend(tmp_path
         check_capabilities(cfg.megatron, without)
     with pytest.raises(ConfigError, match=r"--qwen-gdn-backend='flashqla': needs CUDA"):
         check_capabilities(cfg.megatron, Capabilities.cpu())
+
+
+def test_the_glm5_script_plans_sparse_attention_with_prefill_and_decode_engines(tmp_path: Path) -> None:
+    """slime's run-glm5-744B-A40B.sh: GLM-5's sparse-attention layers (--spec ...glm5 get_glm5_spec,
+    the model flags checked against its config), CP 2 in slime's all-gather layout, and
+    --prefill-num-servers 1: one 64-GPU prefill engine, the other 192 rollout GPUs decode engines."""
+    cfg, plan = plan_for(with_local_paths(GLM5_744B_A40B, "glm5-744B-A40B", tmp_path), eight_gpu_nodes(32))
+    m = cfg.megatron
+    assert (m.context_parallel_size, m.allgather_cp, m.enable_experimental) == (2, True, True)
+    assert [(e.worker_type, e.tp_size, e.nnodes) for e in plan.engines] == [("prefill", 64, 8)] + [
+        ("decode", 64, 8)
+    ] * 3
+    with pytest.raises(ConfigError, match=r"--prefill-num-servers=4: leaves no decode devices"):
+        plan_for(
+            _replaced(
+                with_local_paths(GLM5_744B_A40B, "glm5-744B-A40B", tmp_path), {"--prefill-num-servers": "4"}
+            ),
+            eight_gpu_nodes(32),
+        )
 
 
 def test_the_glm47_flash_script_is_refused_for_its_expert_layout(tmp_path: Path) -> None:
@@ -2328,4 +2449,4 @@ def test_quantized_checkpoints_are_refused(script: str, tmp_path: Path) -> None:
 
 def test_the_scripts_are_kept() -> None:
     kept = {*SCRIPTS, *MULTI_NODE_SCRIPTS, "scripts/run-glm4.7-30B-A3B.sh"}
-    assert len(kept) == len(SCRIPTS) + len(MULTI_NODE_SCRIPTS) + 1 == 29
+    assert len(kept) == len(SCRIPTS) + len(MULTI_NODE_SCRIPTS) + 1 == 30

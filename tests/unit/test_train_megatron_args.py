@@ -92,6 +92,10 @@ MOE = dataclasses.replace(
     qk_pos_emb_head_dim=8,
     v_head_dim=16,
 )
+# DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): the MLA shape with an indexer on every layer.
+SPARSE = dataclasses.replace(
+    MOE, index_heads=2, index_head_dim=16, index_topk=4, index_shared=(False,) * MOE.num_layers
+)
 CPU = Capabilities.cpu()
 GPU = Capabilities.full_gpu()
 # Steps are known (--train-iters derives from --num-rollout), so the default linear schedule builds.
@@ -658,9 +662,21 @@ def test_architecture_flags_are_checked_against_the_hf_config() -> None:
 
 
 def test_context_parallelism_reaches_megatron() -> None:
-    # What it builds is tests/unit/test_train_context_parallel.py's; slime's DSA-only layout is refused.
+    # What it builds is tests/unit/test_train_context_parallel.py's.
     assert transformer(parse("--context-parallel-size", "2")).context_parallel_size == 2
-    refused(["--allgather-cp"], "--allgather-cp", "DeepSeek sparse-attention")
+
+
+def test_allgather_cp_is_for_sparse_attention_models_only() -> None:
+    # slime's rule: the contiguous layout at CP > 1 only for DeepSeek sparse attention (the others'
+    # attention takes Megatron's load-balanced chunks); at CP = 1 there is one share either way.
+    cfg = parse("--context-parallel-size", "2", "--allgather-cp")
+    assert cfg.megatron.allgather_cp
+    assert megatron_args.init_distributed_kwargs(cfg.megatron, cfg.algorithm)["contiguous_context"]
+    with pytest.raises(ConfigError, match="sparse-attention models only") as err:
+        megatron_args.resolve_arch(MHA, cfg.megatron, tp_size=1, pp_size=1)
+    assert err.value.key == "--allgather-cp"
+    megatron_args.resolve_arch(SPARSE, cfg.megatron, tp_size=1, pp_size=1)
+    megatron_args.resolve_arch(MHA, parse("--allgather-cp").megatron, tp_size=1, pp_size=1)
 
 
 # --- mixture of experts and multi-latent attention -----------------------------------------
@@ -926,6 +942,11 @@ PROBES: dict[str, list[Probe]] = {
     "--decoder-first-pipeline-num-layers": [flag("--decoder-first-pipeline-num-layers", "1", base=PP2)],
     "--decoder-last-pipeline-num-layers": [flag("--decoder-last-pipeline-num-layers", "1", base=PP2)],
     "--context-parallel-size": [flag("--context-parallel-size", "2")],
+    "--enable-experimental": [flag("--enable-experimental")],
+    "--allgather-cp": [
+        flag("--allgather-cp", base=("--context-parallel-size", "2"), arch=SPARSE),
+        flag("--allgather-cp", base=("--context-parallel-size", "2"), expect="refused"),
+    ],
     "--expert-model-parallel-size": [
         flag("--expert-model-parallel-size", "2", base=("--moe-token-dispatcher-type", "alltoall"), arch=MOE),
         flag("--expert-model-parallel-size", "2", arch=MOE),
@@ -1264,7 +1285,7 @@ def test_every_megatron_flag_reaches_megatron_or_is_refused() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--allgather-cp"], "--allgather-cp=True:"),
+        (["--use-distributed-post"], "--use-distributed-post=True:"),
         (["--cpu-devices", "2", "--bf16", "--attention-backend", "fused"], "--attention-backend='fused':"),
         (["--cpu-devices", "2", "--offload-train"], "--offload-train=True:"),
         (["--lambd", "0.9"], "--lambd=0.9:"),

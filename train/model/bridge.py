@@ -14,7 +14,8 @@ TP splits and merges). tether uses them with its own model and loop:
   modules (experts, MLA, qk-norm); its norms accept sequence parallelism and MLA has a core attention
   (`spec`, beside this module). GLM-4 dense's layers carry their extra output norms under both (`glm4`).
 - Families: mbridge's registry, plus tether's glm4 bridge (`glm4`), which mbridge lacks; GLM-4.7-Flash
-  (`glm4_moe_lite`) and Kimi-K2 (`kimi_k2`) take mbridge's DeepSeek-V3 bridge.
+  (`glm4_moe_lite`) and Kimi-K2 (`kimi_k2`) take mbridge's DeepSeek-V3 bridge, GLM-5 and DeepSeek-V3.2
+  that bridge with their sparse-attention indexers (`dsa`).
 - Names: mbridge maps TransformerEngine's parameter names. The local spec names a few parameters
   differently (separate input/pre-MLP norms, MLA's q/kv norms, SequentialMLP's experts);
   `te_name` rewrites them to the names mbridge knows.
@@ -36,11 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tether.train.model.families.dsa import dsa_bridge_class
 from tether.train.model.families.glm4 import glm4_bridge_class, with_post_sublayer_norms
 from tether.train.model.families.minimax_m2 import minimax_m2_bridge_class, with_full_qk_norms
 from tether.train.model.families.qwen3_5 import qwen3_5_bridge_class
 from tether.train.model.families.qwen3_next import qwen3_next_bridge_class, with_gated_delta_net
 from tether.train.model.hf_config import (
+    DSA_MODEL_TYPES,
     MLA_MODEL_TYPES,
     QWEN3_5_MODEL_TYPES,
     TEXT_ONLY_MODEL_TYPES,
@@ -117,6 +120,8 @@ def _mbridge_registry() -> dict[str, Any]:
     registry.setdefault("qwen3_next", qwen3_next_bridge_class())
     # GLM-4.7-Flash and Kimi-K2 are DeepSeek-V3's decoder under DeepSeek-V3's HF names (slime loads
     # and converts them with its DeepSeek code); tether's restored facts set what differs.
+    for family in DSA_MODEL_TYPES:  # and the sparse-attention families with their indexer's tensors
+        registry.setdefault(family, dsa_bridge_class())
     for family in MLA_MODEL_TYPES:
         registry.setdefault(family, registry["deepseek_v3"])
     return registry

@@ -10,6 +10,7 @@ cannot run are refused first (`tether.train.model.capabilities`).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,12 @@ from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.model import bridge, megatron_args, mtp, stateless_adam
 from tether.train.model.capabilities import Capabilities, check_capabilities, uses_transformer_engine_spec
 from tether.train.model.custom_provider import provide_chunk
+from tether.train.model.families.dsa import (
+    SparseIndexer,
+    check_stage_starts,
+    freeze_indexers,
+    with_sparse_attention,
+)
 from tether.train.model.families.qwen3_next import mark_gated_delta_net_params, select_gdn_backend
 from tether.train.model.hf_config import ModelArch, load_arch
 from tether.train.model.hf_convert import HFWeights
@@ -96,6 +103,11 @@ def build_chunk(
         post_sublayer_norms=arch.post_sublayer_norms,
         full_qk_norms=arch.qk_norm_full,
     )
+    indexer = SparseIndexer.of(arch)
+    if indexer is not None:
+        spec = with_sparse_attention(
+            spec, indexer, context_parallel=int(config.context_parallel_size or 1) > 1
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -117,6 +129,10 @@ def build_chunk(
     mark_tensor_parallel_params(model)
     if arch.linear_attention is not None:
         mark_gated_delta_net_params(model)
+    if indexer is not None:
+        if len(model.decoder.layers):
+            check_stage_starts(indexer, int(model.decoder.layers[0].layer_number))
+        model.tether_sparse_attention = True  # step.forward passes it an explicit causal mask
     mtp.install(model, train=train_mtp)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -284,6 +300,13 @@ def build_actor(
     # --freeze/--only-train-params-name-list, before DDP and the optimizer (which skip frozen params)
     report = topo.dp_rank == 0 and topo.tp_rank == 0
     apply_freeze(chunk, opts.algorithm, report=report, where=f" pp stage {topo.pp_rank}")
+    if opts.algorithm.freeze_indexer:
+        frozen = freeze_indexers(chunk)
+        if report:
+            print(
+                f"trainer pp stage {topo.pp_rank}: --freeze-indexer froze {len(frozen)} parameters",
+                file=sys.stderr,
+            )
     if not train_mtp:
         mtp.freeze(chunk)  # slime: without --enable-mtp-training the MTP layers are not trained
     reduce_experts_over_expert_data_parallel(chunk, config)

@@ -23,10 +23,13 @@ from tether.train.config import stage_layers
 # language model sits under text_config (tether.train.model.families.qwen3_5).
 QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "glm4", "mimo", "qwen3_5")
+# DeepSeek sparse attention (DSA): DeepSeek-V3's decoder with an indexer choosing each query's keys
+# (GLM-5, DeepSeek-V3.2; tether.train.model.families.dsa).
+DSA_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 # DeepSeek-V3's decoder (multi-latent attention, its sigmoid router, shared experts, dense first
 # layers) under three names: GLM-4.7-Flash and Kimi-K2 (whose config.json is DeepSeek-V3's), as slime
-# loads and converts all three with its DeepSeek code.
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "kimi_k2")
+# loads and converts all three with its DeepSeek code; and the sparse-attention families on it.
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "kimi_k2", *DSA_MODEL_TYPES)
 # qwen3_next: Qwen2-MoE's experts under gated full attention and gated-DeltaNet linear attention
 # (tether.train.model.families.qwen3_next).
 MOE_MODEL_TYPES = (
@@ -58,11 +61,15 @@ QWEN3_NEXT_SPEC = "slime_plugins.models.qwen3_next"
 """slime's layer-spec module for Qwen3-Next (gated-DeltaNet linear attention): that family only."""
 QWEN3_5_SPEC = "slime_plugins.models.qwen3_5"
 """slime's layer-spec module for Qwen3.5 (dense and MoE): those families only."""
+GLM5_SPEC = "slime_plugins.models.glm5.glm5"
+"""slime's layer-spec module for GLM-5 (MLA with the DSA indexer), which slime's DeepSeek-V3.2 runs
+use too: the sparse-attention families."""
 # slime's family-specific layer-spec modules: the families whose layers they build, and their name.
 _FAMILY_SPECS: dict[str, tuple[tuple[str, ...], str]] = {
     MINIMAX_M2_SPEC: (("minimax_m2",), "MiniMax-M2"),
     QWEN3_NEXT_SPEC: (("qwen3_next",), "Qwen3-Next"),
     QWEN3_5_SPEC: (QWEN3_5_MODEL_TYPES, "Qwen3.5"),
+    GLM5_SPEC: (DSA_MODEL_TYPES, "GLM-5 / DeepSeek-V3.2 sparse attention"),
 }
 
 # Families a user may expect but that cannot be built exactly; the reason is the refusal's text.
@@ -165,6 +172,17 @@ class ModelArch:
     hf_kept_prefixes: tuple[str, ...] = ()
     """HF tensors the trainer does not hold (a vision tower, MTP modules it does not build): kept as
     the base checkpoint has them and written back with every HF checkpoint tether saves."""
+    # DeepSeek sparse attention (DSA_MODEL_TYPES; tether.train.model.families.dsa).
+    index_heads: int | None = None
+    """The indexer's query heads (index_n_heads); None: dense attention."""
+    index_head_dim: int | None = None
+    index_topk: int | None = None
+    """Keys each query attends to (index_topk), chosen by the indexer's scores."""
+    index_rope_interleaved: bool = True
+    """The indexer rotates interleaved pairs (GLM-5) or halves (DeepSeek-V3.2) of its RoPE dims."""
+    index_shared: tuple[bool, ...] | None = None
+    """Per layer True where it has no indexer and reuses the previous computing layer's choice
+    (GLM-5's indexer_types "shared")."""
 
     @property
     def is_moe(self) -> bool:
@@ -292,6 +310,12 @@ def _glm4_moe_lite_layers(cfg: dict[str, Any], path: Path, layers: int) -> tuple
                 "list the layers in mlp_layer_types",
             )
         return tuple(0 if i == 0 else 1 for i in range(layers))
+    return _mlp_layer_types(cfg, path, layers)
+
+
+def _mlp_layer_types(cfg: dict[str, Any], path: Path, layers: int) -> tuple[int, ...]:
+    """1 per MoE layer of transformers' `mlp_layer_types` ('dense' / 'sparse' per layer)."""
+    types = cfg.get("mlp_layer_types")
     if not (
         isinstance(types, list) and len(types) == layers and all(t in ("dense", "sparse") for t in types)
     ):
@@ -306,14 +330,71 @@ def _moe_layer_freq(cfg: dict[str, Any], model_type: str, path: Path, layers: in
     Qwen-MoE's decoder_sparse_step and mlp_only_layers (all as transformers reads them)."""
     if model_type == "glm4_moe_lite":
         return _glm4_moe_lite_layers(cfg, path, layers)
+    if model_type in DSA_MODEL_TYPES and cfg.get("mlp_layer_types") is not None:
+        return _mlp_layer_types(cfg, path, layers)
     if model_type in DEEPSEEK_ROUTER_MODEL_TYPES:
-        dense = int(cfg.get("first_k_dense_replace") or 0)
+        # transformers' GLM-5 and DeepSeek-V3.2 configs default to three dense layers.
+        dense = int(cfg.get("first_k_dense_replace", 3 if model_type in DSA_MODEL_TYPES else 0) or 0)
         return tuple(0 if i < dense else 1 for i in range(layers))
     if model_type in QWEN_MOE_MODEL_TYPES:
         step = int(cfg.get("decoder_sparse_step") or 1)
         only_mlp = set(cfg.get("mlp_only_layers") or [])
         return tuple(1 if i not in only_mlp and (i + 1) % step == 0 else 0 for i in range(layers))
     return (1,) * layers
+
+
+def _indexer_types(cfg: dict[str, Any], path: Path, layers: int) -> list[str]:
+    """GLM-5's per-layer indexer kinds as transformers' GlmMoeDsaConfig reads them: `indexer_types`,
+    else `index_topk_pattern` ('F'/'S' per layer), else the `index_topk_freq` schedule from
+    `index_skip_topk_offset` (transformers' default 2)."""
+    types = cfg.get("indexer_types")
+    if types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        kinds = {"F": "full", "S": "shared"}
+        types = [kinds.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if types is None:
+        freq = max(int(cfg.get("index_topk_freq", 1) or 1), 1)
+        offset = int(cfg.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if not (isinstance(types, list) and len(types) == layers and all(t in ("full", "shared") for t in types)):
+        raise ConfigError(
+            f"{path}:indexer_types", types, f"must list 'full' or 'shared' for each of the {layers} layers"
+        )
+    if types and types[0] == "shared":
+        raise ConfigError(f"{path}:indexer_types", types, "layer 0 has no earlier indexer to share")
+    return types
+
+
+def _sparse_attention_fields(
+    cfg: dict[str, Any], model_type: str, path: Path, layers: int, mla: dict[str, Any]
+) -> dict[str, Any]:
+    """DeepSeek sparse attention's indexer (tether.train.model.families.dsa): its heads, their size
+    (RoPE on the first qk_rope_head_dim dims, so more than those), top-k and per-layer sharing."""
+    heads = int(_field(cfg, "index_n_heads", path))
+    head_dim = int(_field(cfg, "index_head_dim", path))
+    topk = int(_field(cfg, "index_topk", path))
+    rope = int(mla["qk_pos_emb_head_dim"])
+    if head_dim <= rope:
+        raise ConfigError(
+            f"{path}:index_head_dim", head_dim, f"must exceed qk_rope_head_dim={rope} (RoPE's share of it)"
+        )
+    if topk < 1 or heads < 1:
+        raise ConfigError(f"{path}:index_topk", topk, "index_topk and index_n_heads must be positive")
+    if mla.get("q_lora_rank") is None:
+        raise ConfigError(f"{path}:q_lora_rank", None, "the indexer reads the compressed query (q_lora_rank)")
+    shared = (
+        tuple(t == "shared" for t in _indexer_types(cfg, path, layers))
+        if model_type == "glm_moe_dsa"
+        else (False,) * layers
+    )
+    return {
+        "index_heads": heads,
+        "index_head_dim": head_dim,
+        "index_topk": topk,
+        # transformers: GLM-5's indexer rotates interleaved pairs, DeepSeek-V3.2's halves.
+        "index_rope_interleaved": model_type == "glm_moe_dsa",
+        "index_shared": shared,
+    }
 
 
 def _moe_fields(cfg: dict[str, Any], model_type: str, path: Path, layers: int) -> dict[str, Any]:
@@ -532,6 +613,8 @@ def load_arch(hf_dir: str | Path) -> ModelArch:
             yarn=_yarn(cfg),
         )
         head_dim = extra["qk_head_dim"] + extra["qk_pos_emb_head_dim"]
+    if model_type in DSA_MODEL_TYPES:
+        extra.update(_sparse_attention_fields(cfg, model_type, path, layers, extra))
     # DeepSeek's MLA normalizes its compressed q and kv (Megatron's --qk-layernorm with MLA).
     qk_layernorm = model_type in (
         "qwen3",
@@ -576,6 +659,7 @@ def check_parallel(
     etp_size: int | None = None,
     sequence_parallel: bool | None = None,
     cp_size: int = 1,
+    allgather_cp: bool = False,
 ) -> None:
     """Reject TP/PP/EP/CP sizes (and uneven stage sizes) the model cannot be split by, naming the flag.
 
@@ -643,13 +727,34 @@ def check_parallel(
             else ("--expert-tensor-parallel-size", etp_size)
         )
         raise ConfigError(flag, value, f"the Hugging Face model ({arch.model_type}) has no experts")
-    stage_layers(
+    sizes = stage_layers(
         arch.num_layers,
         pp_size,
         first_stage_layers,
         last_stage_layers,
         layers_flag="num_hidden_layers of the Hugging Face config",
     )
+    if arch.index_shared is not None:
+        # A stage must start with a computing layer: a shared one reuses the previous layer's choice.
+        start = 0
+        for size in sizes[:-1]:
+            start += size
+            if arch.index_shared[start]:
+                raise ConfigError(
+                    "--pipeline-model-parallel-size",
+                    pp_size,
+                    f"a stage would start at layer {start} (0-based), which reuses an earlier layer's "
+                    "sparse-attention choice (indexer_types 'shared'); split where every stage starts "
+                    "with a 'full' layer (--decoder-first/last-pipeline-num-layers)",
+                )
+    if allgather_cp and cp_size > 1 and arch.index_heads is None:
+        raise ConfigError(
+            "--allgather-cp",
+            True,
+            "the contiguous all-gather CP layout is for DeepSeek sparse-attention models only (GLM-5 "
+            f"glm_moe_dsa, DeepSeek-V3.2 deepseek_v32; slime's rule); {arch.model_type}'s attention takes "
+            "Megatron's load-balanced chunks: remove --allgather-cp",
+        )
 
 
 def parse_moe_layer_freq(value: str, num_layers: int, flag: str = "--moe-layer-freq") -> tuple[int, ...]:
@@ -847,6 +952,14 @@ def check_mtp_layers(arch: ModelArch, mtp_num_layers: object) -> None:
             mtp_num_layers,
             f"the Hugging Face config ({arch.model_type}) has no multi-token-prediction layers; "
             f"families with them: {', '.join(MTP_MODEL_TYPES)}",
+        )
+    if arch.index_heads is not None:
+        raise ConfigError(
+            "--mtp-num-layers",
+            mtp_num_layers,
+            f"the MTP layers of a sparse-attention model ({arch.model_type}) are not built: their "
+            "indexer's selection is not trained or checked here; the engines run them as drafters "
+            "from the checkpoint as they are",
         )
     if not isinstance(mtp_num_layers, int) or mtp_num_layers > arch.mtp_layers:
         raise ConfigError(

@@ -52,6 +52,7 @@ def _check_layout(arch: ModelArch, megatron: MegatronConfig, tp_size: int, pp_si
         etp_size=megatron.expert_tensor_parallel_size,
         sequence_parallel=megatron.sequence_parallel,
         cp_size=megatron.context_parallel_size,
+        allgather_cp=megatron.allgather_cp,
     )
 
 
@@ -211,6 +212,8 @@ def init_distributed_kwargs(megatron: MegatronConfig, algorithm: AlgorithmConfig
         "expert_parallel": megatron.expert_model_parallel_size,
         "expert_tensor_parallel": megatron.expert_tensor_parallel_size,
         "context_parallel": megatron.context_parallel_size,
+        "contiguous_context": megatron.allgather_cp,
+        "experimental": megatron.enable_experimental,
     }
 
 

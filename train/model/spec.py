@@ -116,6 +116,17 @@ def local_spec(spec: Any, multi_latent_attention: bool, *, context_parallel: boo
     return spec
 
 
+def mla_core_attention(*, context_parallel: bool) -> type:
+    """MLA's local core attention (`MLADotProductAttention`), in its CP form under context parallelism."""
+    attention = _mla_attention_class()
+    if context_parallel:
+        from tether.train.parallel.context import context_parallel_attention
+
+        cp_attention: type = context_parallel_attention(attention)
+        return cp_attention
+    return attention
+
+
 def _replicated_kv_down_proj(node: Any) -> Any:
     """`node` with every MLA attention's linear_kv_down_proj built replicated (see the module doc)."""
     from megatron.core.post_training.modelopt.layers import Linear

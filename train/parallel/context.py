@@ -4,7 +4,9 @@ every micro-batch's sequence.
 Layout (Megatron's, load-balanced for causal attention): the padded sequence of length s is cut into
 2 x CP chunks and CP rank r holds chunks r and 2 x CP - 1 - r, in that order. Megatron's rotary
 embedding slices itself the same way (`get_pos_emb_on_this_cp_rank`), so the ranks here only slice
-the inputs (`localize`).
+the inputs (`localize`). With --allgather-cp (slime's layout for the sparse-attention models, whose
+attention takes its RoPE angles by these positions: `tether.train.model.families.dsa`) rank r holds
+the r-th of CP contiguous shares instead.
 
 Attention: TransformerEngine's attention runs CP itself (the TE spec). The local spec gets
 `context_parallel_attention(...)`: Megatron's local attention whose keys and values are gathered from
@@ -37,14 +39,37 @@ class CPLayout:
     size: int
     rank: int
     group: Any  # dist.ProcessGroup; None when size is 1
+    contiguous: bool = False  # --allgather-cp: one contiguous share per rank
 
     def positions(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 [seq_len / size]: the global positions this rank holds, in its local order."""
-        return positions(seq_len, self.size, self.rank, device)
+        if self.size == 1:
+            return torch.arange(seq_len, device=device)
+        return positions(seq_len, self.size, self.rank, device, contiguous=self.contiguous)
 
 
-def positions(seq_len: int, size: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Chunks `rank` and `2 * size - 1 - rank` of `seq_len` positions cut into `2 * size` chunks."""
+# The layout kind of this process's CP groups, set with them (topology.init_distributed), as
+# Megatron's own parallel state is.
+_CONTIGUOUS = [False]
+
+
+def set_contiguous(on: bool) -> None:
+    """--allgather-cp: this process's CP ranks hold contiguous shares (`current` reports it)."""
+    _CONTIGUOUS[0] = bool(on)
+
+
+def positions(
+    seq_len: int, size: int, rank: int, device: torch.device | str = "cpu", *, contiguous: bool = False
+) -> torch.Tensor:
+    """Chunks `rank` and `2 * size - 1 - rank` of `seq_len` positions cut into `2 * size` chunks
+    (`contiguous`: the `rank`-th of `size` shares)."""
+    if contiguous:
+        if seq_len % size:
+            raise ValueError(
+                f"a sequence of {seq_len} positions does not split into {size} contiguous shares"
+            )
+        share = seq_len // size
+        return torch.arange(rank * share, (rank + 1) * share, device=device)
     if seq_len % (2 * size):
         raise ValueError(
             f"a sequence of {seq_len} positions does not split into 2 x {size} context-parallel chunks"
@@ -62,15 +87,18 @@ def current() -> CPLayout:
     if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
         return CPLayout(1, 0, None)
     return CPLayout(
-        ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+        ps.get_context_parallel_world_size(),
+        ps.get_context_parallel_rank(),
+        ps.get_context_parallel_group(),
+        contiguous=_CONTIGUOUS[0],
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _global_order(local: int, size: int) -> torch.Tensor:
+def _global_order(local: int, size: int, contiguous: bool = False) -> torch.Tensor:
     """Where each global position sits among the CP ranks' shares laid end to end (rank order):
     the index that puts an all-gather back in position order. Cached: every layer asks per pass."""
-    order = torch.cat([positions(local * size, size, r) for r in range(size)])
+    order = torch.cat([positions(local * size, size, r, contiguous=contiguous) for r in range(size)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     return inverse
@@ -85,7 +113,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.dim, ctx.layout = dim, layout
         parts = [torch.empty_like(x) for _ in range(layout.size)]
         dist.all_gather(parts, x.contiguous(), group=layout.group)
-        inverse = _global_order(int(x.shape[dim]), layout.size)
+        inverse = _global_order(int(x.shape[dim]), layout.size, layout.contiguous)
         return torch.cat(parts, dim=dim).index_select(dim, inverse.to(x.device))
 
     @staticmethod

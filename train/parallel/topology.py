@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from tether.runtime.errors import ConfigError
 from tether.train.model import megatron_cpu
+from tether.train.parallel import context
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,13 @@ def init_distributed(
     expert_parallel: int = 1,
     expert_tensor_parallel: int | None = None,
     context_parallel: int = 1,
+    contiguous_context: bool = False,
+    experimental: bool = False,
 ) -> Topology:
     """Join the torchrun job and build Megatron's TP/PP/CP/DP (and MoE expert) groups; idempotent per
-    process."""
+    process. `contiguous_context` (--allgather-cp): each CP rank holds a contiguous share of the
+    sequence (`tether.train.parallel.context`). `experimental` (--enable-experimental): Megatron's
+    experimental-features flag."""
     from megatron.core import parallel_state
 
     world_size = _env_int("WORLD_SIZE")
@@ -137,6 +142,10 @@ def init_distributed(
             expert_tensor_parallel_size=expert_tensor_parallel,
             distributed_timeout_minutes=timeout_minutes,
         )
+    context.set_contiguous(contiguous_context)
+    from megatron.core import config as megatron_config
+
+    megatron_config.set_experimental_flag(experimental)
     set_seed(seed)
     if deterministic:
         use_deterministic_algorithms()

@@ -33,6 +33,7 @@ from tether.train.algorithms import loss_hooks, losses
 from tether.train.algorithms.logprobs import log_probs_and_entropy
 from tether.train.config import AlgorithmConfig
 from tether.train.model import megatron_args, mtp
+from tether.train.model.families.dsa import wants_mask
 from tether.train.model.megatron_cpu import quiet_megatron_imports
 from tether.train.parallel import context as context_parallel
 from tether.train.rank.batching import MicroBatchTensors, TrainBatch, micro_batch_tensors
@@ -86,6 +87,9 @@ def _forward_step(
         whole = next(data_iterator)
         mb = context_parallel.localize(whole, cp)
         mask = getattr(mb, "attention_mask", None)
+        if mask is None and wants_mask(model):
+            s = int(mb.tokens.shape[1])
+            mask = context_parallel.local_causal_mask(torch.arange(s), s)
         extra: dict[str, Any] = {}
         if train and mtp.training_model(model) is not None:
             # Labels and mask from the whole sequence, then this rank's positions (Megatron's MTP

@@ -746,12 +746,19 @@ class TrainerWorker(RankApi):
 
             def follow() -> None:
                 if parallel.all_true(True):  # every stage opened its part
-                    _drain(stream)
-                    parallel.all_true(True)
+                    for stage in range(topo.pp_size):  # the stages send in turn (sync_stage)
+                        if stage == topo.pp_rank:
+                            _drain(stream)
+                        parallel.all_true(True)
 
             await self._run(follow)
             return None
+        if self._transport is not None and self._engine_urls != engine_urls:
+            # Engines joined, left or were drained: every stage's source gets the same request and
+            # builds its group afresh for the engines of the moment.
+            await self._drop_transport()
         if self._transport is None:
+            self._engine_urls = list(engine_urls)
             self._engines = engine_clients(engine_urls, weight_sync.update_weight_request_timeout)
             first = topo.pp_rank == 0
             self._transport = DistributedTransport(
@@ -777,7 +784,7 @@ class TrainerWorker(RankApi):
 
         self._busy = True
         try:
-            entry = await self._transport.sync_stage(version, stream, agree)
+            entry = await self._transport.sync_stage(version, stream, agree, (topo.pp_rank, topo.pp_size))
         finally:
             self._busy = False
         return entry

@@ -85,10 +85,12 @@ def mla_project(
     pos: torch.Tensor,
     rope: Rope,
     norm: Norm,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [B, H, T, qk_dim], cache entry [B, 1, T, kv_lora_rank + qk_rope_dim]) for h [B, T, D]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q [B, H, T, qk_dim], cache entry [B, 1, T, kv_lora_rank + qk_rope_dim], the normed query
+    latent [B, T, q_lora_rank] or None without one: DSA's indexer reads it) for h [B, T, D]."""
     p = f"model.layers.{layer}.self_attn."
     b, t, _ = h.shape
+    q_latent = None
     if cfg.q_lora_rank:
         q_latent = norm(
             F.linear(h, params[p + "q_a_proj.weight"]), params[p + "q_a_layernorm.weight"], LATENT_NORM_EPS
@@ -103,7 +105,7 @@ def mla_project(
     latent = norm(latent, params[p + "kv_a_layernorm.weight"], LATENT_NORM_EPS)
     k_rot = rope(k_rot.unsqueeze(1), pos)  # [B, 1, T, rope]
     q = torch.cat((q_nope, rope(q_rot, pos)), dim=-1)
-    return q, torch.cat((latent.unsqueeze(1), k_rot), dim=-1)
+    return q, torch.cat((latent.unsqueeze(1), k_rot), dim=-1), q_latent
 
 
 def mla_attend(

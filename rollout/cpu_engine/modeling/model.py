@@ -1,6 +1,7 @@
 """The CPU engine's model: a compact pure-torch forward for Llama, Qwen2 (and MiMo), Qwen3, GLM-4 and
 the Mixture-of-Experts families (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with multi-latent
-attention and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE), Qwen3-Next (gated-delta-net linear
+attention and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE; GLM-5 and DeepSeek-V3.2, DeepSeek-V3's
+layers with sparse attention's indexer, dsa.py), Qwen3-Next (gated-delta-net linear
 attention, gdn.py, between layers of gated full attention) and Qwen3.5 (the same layers; published
 as a vision-language checkpoint whose decoder is served under model.* and whose vision tower is
 not served), with a slot-based KV cache, so one decode step runs every running sequence in one forward.
@@ -27,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-from tether.rollout.cpu_engine.modeling import gdn
-from tether.rollout.cpu_engine.modeling.families import MLA_MODEL_TYPES
+from tether.rollout.cpu_engine.modeling import dsa, gdn
+from tether.rollout.cpu_engine.modeling.dsa import DSAConfig
+from tether.rollout.cpu_engine.modeling.families import DSA_MODEL_TYPES, MLA_MODEL_TYPES
 from tether.rollout.cpu_engine.modeling.gdn import GDNConfig, GDNConfigError
 from tether.rollout.cpu_engine.modeling.mla import MLAConfig, mla_attend, mla_project
 from tether.rollout.cpu_engine.modeling.moe import MoEConfig, MoEConfigError, moe_block
@@ -52,6 +54,7 @@ SUPPORTED_TYPES = (
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
+    *DSA_MODEL_TYPES,
 )
 # Gated-delta-net families: linear attention between gated full-attention layers, norms that scale
 # by (1 + weight), a quarter of each head rotated by default, an MTP module (mtp.*) not served.
@@ -100,6 +103,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     fused_gate_up: bool = False  # GLM-4's dense MLP holds gate and up in one gate_up_proj
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    dsa: DSAConfig | None = None  # sparse attention's indexer on top of MLA (GLM-5, DeepSeek-V3.2)
     yarn: YarnConfig | None = None  # YaRN rope scaling; None: plain RoPE
     mtp_layers: int = 0  # the checkpoint's MTP layers (num_nextn_predict_layers), not served
     # Qwen3-Next: gated-delta-net linear attention on the layers gdn.linear_layers marks, norms
@@ -146,6 +150,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         try:
             moe = MoEConfig.from_raw(model_type, raw, layers)
             mla = MLAConfig.from_raw(raw) if model_type in MLA_MODEL_TYPES else None
+            sparse_attn = (
+                DSAConfig.from_raw(model_type, raw, layers) if model_type in DSA_MODEL_TYPES else None
+            )
             linear = (
                 GDNConfig.from_raw(raw, layers, split_proj=model_type in _QWEN3_5)
                 if model_type in _GDN_FAMILIES
@@ -208,6 +215,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             fused_gate_up=model_type == "glm4",
             moe=moe,
             mla=mla,
+            dsa=sparse_attn,
             yarn=yarn,
             mtp_layers=int(raw.get("num_nextn_predict_layers") or 0) if model_type in _MTP_FAMILIES else 0,
             gdn=linear,
@@ -246,10 +254,22 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return name
 
     def cache_shapes(self) -> tuple[tuple[int, int], ...]:
-        """(heads, width) of each per-layer KV cache store: keys and values, or MLA's latent."""
+        """(heads, width) of each per-layer KV cache store: keys and values, or MLA's latent (and
+        the sparse-attention indexer's keys)."""
+        if self.dsa is not None and self.mla is not None:
+            return ((1, self.mla.cache_width), (1, self.dsa.dim))
         if self.mla is not None:
             return ((1, self.mla.cache_width),)
         return ((self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim))
+
+    def cache_heads(self, layer: int, store: int) -> int:
+        """The heads layer `layer` keeps per token in cache store `store`: none for a linear
+        attention layer (its state is per slot) or in a shared-indexer layer's indexer store."""
+        if self.linear(layer):
+            return 0
+        if self.dsa is not None and store == 1 and not self.dsa.full_layers[layer]:
+            return 0
+        return self.cache_shapes()[store][0]
 
     def linear(self, layer: int) -> bool:
         """Whether layer `layer` mixes tokens with linear attention (Qwen3-Next's gated delta net)."""
@@ -294,6 +314,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 }
             if self.mla is not None:
                 shapes |= self.mla.expected_shapes(i, self.hidden, self.heads)
+                if self.dsa is not None:
+                    shapes |= self.dsa.expected_shapes(i, self.hidden, self.mla.q_lora_rank)
                 continue
             if self.gdn is not None and self.linear(i):
                 shapes |= self.gdn.expected_shapes(i, self.hidden)
@@ -360,7 +382,9 @@ def _refuse_unsupported(cfg_path: Path, model_type: str, raw: dict[str, Any]) ->
             raise ModelConfigError(f"{cfg_path}: attention_bias=true is not supported for {model_type}")
         return
     layer_types: list[str] = raw.get("layer_types") or []
-    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+    # transformers' sparse-attention configs name every layer "indexed_attention".
+    full = "indexed_attention" if model_type in DSA_MODEL_TYPES else "full_attention"
+    if raw.get("use_sliding_window") or any(t != full for t in layer_types):
         raise ModelConfigError(
             f"{cfg_path}: sliding window attention (use_sliding_window/layer_types) is not supported"
         )
@@ -546,9 +570,9 @@ class KVCache:
             new_cap *= 2
         if new_slots == self.slots and new_cap == self.capacity:
             return
-        for store, (heads, width) in zip(self.stores, self.shapes, strict=True):
+        for s, (store, (_, width)) in enumerate(zip(self.stores, self.shapes, strict=True)):
             for i in range(self.cfg.layers):
-                kept = 0 if self.cfg.linear(i) else heads  # a linear layer keeps no per-token entry
+                kept = self.cfg.cache_heads(i, s)
                 fresh = torch.zeros((new_slots, kept, new_cap, width), dtype=self.dtype, device=self.device)
                 if store[i:]:
                     fresh[: self.slots, :, : self.capacity] = store[i]
@@ -688,24 +712,37 @@ class TinyLM:
         key = "model.embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
         return self.params[key]
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """RoPE on the first rotary_dim dims of x [B, heads, T, d] at positions pos [B, T]."""
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor, half: bool = False) -> torch.Tensor:
+        """RoPE on the first rotary_dim dims of x [B, heads, T, d] at positions pos [B, T]; `half`
+        rotates halves where the model rotates pairs (DeepSeek-V3.2's indexer)."""
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        pairs = self.cfg.rope_pairs and not half
+        if self.cfg.rope_pairs and half:  # the same angles, each once per half instead of per pair
+            cos, sin = (torch.cat((t[..., 0::2], t[..., 0::2]), dim=-1) for t in (cos, sin))
         r = cos.shape[-1]
         rot = x[..., :r]
-        rotate = _rotate_pairs if self.cfg.rope_pairs else _rotate_half
+        rotate = _rotate_pairs if pairs else _rotate_half
         rot = rot * cos + rotate(rot) * sin
         return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)
 
+    def _index_rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        assert self.cfg.dsa is not None
+        return self._rope(x, pos, half=self.cfg.dsa.half_rope)
+
     def _project(
         self, i: int, h: torch.Tensor, pos: torch.Tensor
-    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None, dsa.IndexQuery | None]:
         """q [B, H, T, d], what the cache keeps ([B, heads, T, width] per store) for h [B, T, D],
-        and the output gate [B, T, H * d] when attention has one (Qwen3-Next), else None."""
+        the output gate [B, T, H * d] when attention has one (Qwen3-Next), else None, and the
+        sparse-attention indexer's queries on a layer that runs one, else None."""
         c, p = self.cfg, self.params
         if c.mla is not None:
-            q, latent = mla_project(c.mla, c.heads, p, i, h, pos, self._rope, _rms_norm)
-            return q, [latent], None
+            q, latent, q_latent = mla_project(c.mla, c.heads, p, i, h, pos, self._rope, _rms_norm)
+            if c.dsa is None:
+                return q, [latent], None, None
+            assert q_latent is not None  # DSAConfig requires q_lora_rank
+            keys = dsa.index_keys(c.dsa, p, i, h, pos, self._index_rope)
+            return q, [latent, keys], None, dsa.index_query(c.dsa, p, i, h, q_latent, pos, self._index_rope)
         pre = f"model.layers.{i}.self_attn."
         b, t, _ = h.shape
         q = F.linear(h, p[pre + "q_proj.weight"], p.get(pre + "q_proj.bias"))
@@ -725,7 +762,26 @@ class TinyLM:
             q = self._norm(q, pre + "q_norm.weight")
             k = self._norm(k, pre + "k_norm.weight")
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        return self._rope(q, pos), [self._rope(k, pos), v], gate
+        return self._rope(q, pos), [self._rope(k, pos), v], gate, None
+
+    def _sparse_mask(
+        self,
+        i: int,
+        index: dsa.IndexQuery | None,
+        kept: list[torch.Tensor],
+        valid: torch.Tensor,
+        mask: torch.Tensor,
+        chosen: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i's attention mask and the keys chosen so far: with sparse attention, only the
+        keys its indexer picks among `valid` [B, T, S] (a layer with an indexer picks afresh over
+        the cached indexer keys kept[1], a shared one reuses `chosen`); else `mask` as it is."""
+        if self.cfg.dsa is None:
+            return mask, chosen
+        if index is not None:
+            chosen = dsa.select(self.cfg.dsa, index, kept[1], valid)
+        assert chosen is not None  # DSAConfig makes layer 0 run an indexer
+        return _additive(chosen, self.dtype)[:, None], chosen
 
     def _attend(self, i: int, q: torch.Tensor, kept: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """Attention output [B, T, H * v_dim] of q over the kept entries (this step's or the cache's)."""
@@ -841,7 +897,9 @@ class TinyLM:
         pos = torch.arange(t, device=dev).expand(len(distinct), t)
         key_valid = torch.arange(t, device=dev)[None, :] < lens[:, None]
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        mask = _additive(causal[None] & key_valid[:, None, :], self.dtype)[:, None]
+        valid = causal[None] & key_valid[:, None, :]  # [N, T, T]
+        mask = _additive(valid, self.dtype)[:, None]
+        chosen: torch.Tensor | None = None  # the last indexer's keys per query (sparse attention)
         slot_idx = torch.tensor(slots, device=dev)
         x = F.embedding(tokens, self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
@@ -851,12 +909,13 @@ class TinyLM:
                     i, x, x, routes, mixed=self._linear_prefill(i, h, lens, where, slot_idx, cache)
                 )
                 continue
-            q, entries, gate = self._project(i, h, pos)
+            q, entries, gate, index = self._project(i, h, pos)
             for store, entry in zip(cache.stores, entries, strict=True):
                 # The whole padded block in one copy: a slot's positions past its sequence get
                 # padding's entries, which decode overwrites before its mask lets a query see them.
                 store[i][slot_idx, :, :t] = entry[where] if shared else entry
-            x = self._block_tail(i, x, self._attend(i, q, entries, mask), routes, gate)
+            layer_mask, chosen = self._sparse_mask(i, index, entries, valid, mask, chosen)
+            x = self._block_tail(i, x, self._attend(i, q, entries, layer_mask), routes, gate)
         if routes is not None and shared:
             for layer, experts in routes.items():
                 routes[layer] = experts[where]
@@ -891,6 +950,7 @@ class TinyLM:
         t = max(positions) + 1
         seen = torch.arange(t, device=dev)[None, :] <= pos[:, None]
         mask = _additive(seen, self.dtype)[:, None, None, :]  # [B, 1, 1, T]
+        chosen: torch.Tensor | None = None  # the last indexer's keys (sparse attention)
         x = F.embedding(torch.tensor(tokens, device=dev).view(b, 1), self.params["model.embed_tokens.weight"])
         for i in range(c.layers):
             h = self._norm(x, f"model.layers.{i}.input_layernorm.weight")
@@ -902,11 +962,12 @@ class TinyLM:
                 window[slot_idx], state[slot_idx] = window_new, state_new
                 x = self._block_tail(i, x, x, routes, mixed=mixed)
                 continue
-            q, entries, gate = self._project(i, h, pos.view(b, 1))
+            q, entries, gate, index = self._project(i, h, pos.view(b, 1))
             kept = []
             for store, entry in zip(cache.stores, entries, strict=True):
                 store[i][slot_idx, :, pos] = entry[:, :, 0]
                 known = store[i][:, :, :t]
                 kept.append(known[first : first + b] if consecutive else known.index_select(0, slot_idx))
-            x = self._block_tail(i, x, self._attend(i, q, kept, mask), routes, gate)
+            layer_mask, chosen = self._sparse_mask(i, index, kept, seen[:, None], mask, chosen)
+            x = self._block_tail(i, x, self._attend(i, q, kept, layer_mask), routes, gate)
         return F.linear(self._norm(x[:, 0], "model.norm.weight"), self._lm_head())

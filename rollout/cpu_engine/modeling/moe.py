@@ -1,6 +1,6 @@
 """Mixture-of-Experts feed-forward blocks for the CPU engine (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Mixtral,
-DeepSeek-V3 and its kin GLM-4.7-Flash and Kimi-K2, GLM-4-MoE, MiniMax-M2), over parameters under their
-Hugging Face names.
+DeepSeek-V3 and its kin GLM-4.7-Flash, Kimi-K2, GLM-5 and DeepSeek-V3.2, GLM-4-MoE, MiniMax-M2), over
+parameters under their Hugging Face names.
 
 Routing follows each family's router in transformers: softmax over the router logits and a
 top-k (Qwen, Mixtral), or sigmoid scores, a score-correction bias that only steers the choice,
@@ -18,7 +18,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from tether.rollout.cpu_engine.modeling.families import DEEPSEEK_ROUTER_MODEL_TYPES
+from tether.rollout.cpu_engine.modeling.families import DEEPSEEK_ROUTER_MODEL_TYPES, DSA_MODEL_TYPES
 
 Scoring = Literal["softmax", "sigmoid"]
 
@@ -174,11 +174,15 @@ class MoEConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 def _deepseek_sparse_layers(model_type: str, raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
     """MoE layers after first_k_dense_replace dense ones; GLM-4.7-Flash's as transformers'
-    Glm4MoeLite reads them: mlp_layer_types when given (any pattern), else layer 0 dense only."""
-    if model_type != "glm4_moe_lite":
+    Glm4MoeLite reads them: mlp_layer_types when given (any pattern), else layer 0 dense only;
+    GLM-5's and DeepSeek-V3.2's mlp_layer_types when given, else first_k_dense_replace (default 3)."""
+    types = raw.get("mlp_layer_types")
+    if model_type in DSA_MODEL_TYPES and types is None:
+        first_dense = raw.get("first_k_dense_replace")
+        return tuple(i >= (3 if first_dense is None else int(first_dense)) for i in range(layers))
+    if model_type not in ("glm4_moe_lite", *DSA_MODEL_TYPES):
         first_dense = int(raw.get("first_k_dense_replace") or 0)
         return tuple(i >= first_dense for i in range(layers))
-    types = raw.get("mlp_layer_types")
     if types is None:
         if raw.get("first_k_dense_replace") not in (None, 1):
             raise MoEConfigError(

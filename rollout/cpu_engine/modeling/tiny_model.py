@@ -10,7 +10,7 @@ attention heads and 2 KV heads (head dim 16, GQA), FFN 128, vocabulary padded to
 context 2048, RoPE theta 10000, untied embeddings, float32 safetensors.
 
 Mixture-of-Experts families (qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe_lite, kimi_k2,
-glm4_moe, minimax_m2) get 4 routed experts, top-2, each expert's FFN a quarter of --intermediate;
+glm4_moe, minimax_m2, glm_moe_dsa, deepseek_v32) get 4 routed experts, top-2, each expert's FFN a quarter of --intermediate;
 minimax_m2 rotates half of each head (rotary_dim) and its config.json carries the keys MiniMax's own
 does (scoring_func, use_routing_bias, use_qk_norm, qk_norm_type); deepseek_v3, glm4_moe_lite,
 kimi_k2 and glm4_moe keep their first layer dense (first_k_dense_replace=1; glm4_moe_lite's
@@ -36,6 +36,16 @@ under mtp.*; the decoder is qwen3_next's with linear attention's projections apa
 in_proj_z, in_proj_b, in_proj_a), a dense MLP (qwen3_5) or qwen3_next's experts stored fused
 (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]: qwen3_5_moe).
 
+glm_moe_dsa (GLM-5) and deepseek_v32 (DeepSeek-V3.2) are deepseek_v3's model (glm_moe_dsa with one
+expert group) plus DeepSeek sparse attention's indexer on every layer: 16 indexer heads of the head
+dim d (twice qk_rope), index_topk --index-topk (default 4, so prompts of a few tokens already attend
+sparsely); the indexer's key norm weights and biases are drawn around 1 and 0, and the pad token's
+embedding like any other (not zeros: see _vary_indexer_init). glm_moe_dsa runs its
+indexer on layer 0 and then every --index-topk-freq-th layer (default 2; transformers'
+index_topk_freq with index_skip_topk_offset 1), the other layers sharing the last one's choice
+("shared" in indexer_types): four layers are full, shared, full, shared, so a two-stage pipeline
+starts each stage with an indexer; 1 gives every layer its own.
+
 Multi-token-prediction layers (--mtp-layers N; deepseek_v3, glm4_moe_lite, kimi_k2 and glm4_moe,
 default 0; mimo, which is Qwen2 plus MTP layers, default 1): each is a decoder layer of the family
 with its own norms and input projection, under the family's HF names (DeepSeek-V3 and its kin,
@@ -56,7 +66,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tether.rollout.cpu_engine.modeling.families import MLA_MODEL_TYPES
+from tether.rollout.cpu_engine.modeling.families import DSA_MODEL_TYPES, MLA_MODEL_TYPES
 from tether.runtime.errors import ConfigError
 from tether.runtime.files.atomic_file import fsync_path
 
@@ -77,6 +87,8 @@ Arch = Literal[
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
+    "glm_moe_dsa",
+    "deepseek_v32",
 ]
 ARCHES: tuple[str, ...] = Arch.__args__  # type: ignore[attr-defined]
 MOE_ARCHES = frozenset(
@@ -98,8 +110,12 @@ _VL_ARCHES = frozenset({"qwen3_5", "qwen3_5_moe"})
 # Families whose first layer stays dense (first_k_dense_replace=1): they need a second layer.
 _DENSE_FIRST = frozenset({"glm4_moe", *MLA_MODEL_TYPES})
 # Families whose checkpoints carry multi-token-prediction layers (--mtp-layers); MiMo always has.
-MTP_ARCHES = frozenset({"glm4_moe", "mimo", *MLA_MODEL_TYPES})
+MTP_ARCHES = frozenset({"glm4_moe", "mimo", *MLA_MODEL_TYPES}) - frozenset(DSA_MODEL_TYPES)
 TINY_EXPERTS = 4
+# DSA's indexer heads: with few heads many keys score exactly 0 (every head's relu is 0) and which
+# of equal scores makes the top-k is arbitrary (transformers' cached decode and its full forward
+# can disagree); 16 heads make such ties at the top-k's edge rare enough for exact comparisons.
+TINY_INDEX_HEADS = 16
 TINY_EXPERTS_PER_TOKEN = 2
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
@@ -159,6 +175,10 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
     # Multi-token-prediction layers in the checkpoint (num_nextn_predict_layers); None: 1 for mimo,
     # else 0. DeepSeek-V3/GLM-4.5 number them after the decoder layers, MiMo has model.mtp_layers.
     mtp_layers: int | None = None
+    # DeepSeek sparse attention (DSA_MODEL_TYPES): keys each query attends to; for glm_moe_dsa, every
+    # how many layers (after the first two) run an indexer (None: 2), the rest sharing its choice.
+    index_topk: int = 4
+    index_topk_freq: int | None = None
 
     def __post_init__(self) -> None:
         for key, value in (
@@ -198,6 +218,17 @@ class TinyModelSpec(msgspec.Struct, kw_only=True, frozen=True):
             )
         if self.arch == "mimo" and not self.num_mtp_layers:
             raise ConfigError("--mtp-layers", self.mtp_layers, "a MiMo model has at least one MTP layer")
+        if self.index_topk < 1:
+            raise ConfigError("--index-topk", self.index_topk, "must be at least 1")
+        if self.index_topk_freq is not None:
+            if self.arch != "glm_moe_dsa":
+                raise ConfigError(
+                    "--index-topk-freq",
+                    self.index_topk_freq,
+                    "only glm_moe_dsa shares indexers between layers",
+                )
+            if self.index_topk_freq < 1:
+                raise ConfigError("--index-topk-freq", self.index_topk_freq, "must be at least 1")
         if self.bpe_merges < 0:
             raise ConfigError("--bpe-merges", self.bpe_merges, "must be at least 0")
         minimum = 256 + len(SPECIAL_TOKENS) + self.bpe_merges
@@ -341,6 +372,8 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         "qk_nope_head_dim": head_dim,
         "qk_rope_head_dim": head_dim // 2,
     }
+    if arch in DSA_MODEL_TYPES:
+        return _dsa_config(spec, common, moe, mla, expert_ffn)
     if arch == "glm4_moe_lite":
         # GLM-4.7-Flash: DeepSeek-V3's attention (values wider than the query's nope part, as its 256 to 192),
         # GLM-4.5's router with one group; transformers lists the dense layers as mlp_layer_types.
@@ -374,6 +407,54 @@ def _hf_config(spec: TinyModelSpec, tokenizer: object) -> object:
         v_head_dim=head_dim,
         num_mtp_layers=spec.num_mtp_layers,
     )
+
+
+def _dsa_config(
+    spec: TinyModelSpec, common: dict[str, Any], moe: dict[str, Any], mla: dict[str, Any], expert_ffn: int
+) -> object:
+    """GLM-5 / DeepSeek-V3.2: deepseek_v3's model with an indexer per layer (GLM-5's shared on the
+    layers index_topk_freq skips)."""
+    import transformers
+
+    head_dim = spec.hidden // spec.heads
+    kwargs: dict[str, Any] = {
+        **common,
+        **moe,
+        **mla,
+        "v_head_dim": head_dim,
+        "n_routed_experts": TINY_EXPERTS,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": expert_ffn,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "index_n_heads": TINY_INDEX_HEADS,
+        "index_head_dim": head_dim,  # twice qk_rope_head_dim: half of it rotated
+        "index_topk": spec.index_topk,
+    }
+    if spec.arch == "deepseek_v32":
+        return transformers.DeepseekV32Config(**kwargs, n_group=2, topk_group=1)
+    # Keys transformers' config reads in __post_init__ to derive indexer_types (the list is saved).
+    kwargs["index_topk_freq"] = 2 if spec.index_topk_freq is None else spec.index_topk_freq
+    kwargs["index_skip_topk_offset"] = 1
+    return transformers.GlmMoeDsaConfig(**kwargs, n_group=1, topk_group=1)
+
+
+def _vary_indexer_init(model: Any, seed: int, pad_token_id: int) -> None:
+    """The indexer's key LayerNorm starts at weight 1, bias 0: drawn around those, so a forward that
+    left out the norm's affine part would differ. The pad token's embedding (zeros after init) is
+    drawn like the others: a zero input gives the indexer zero head weights, so every key would score
+    alike for it and its top-k would be an arbitrary pick among ties."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 5)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            if ".indexer.k_norm." in name:
+                base = 1.0 if name.endswith(".weight") else 0.0
+                tensor.copy_(base + torch.randn(tensor.shape, generator=gen) * 0.1)
+        embed = model.get_input_embeddings().weight
+        embed[pad_token_id] = torch.randn(embed.shape[1], generator=gen) * float(embed.std())
 
 
 def _qwen3_5_config(
@@ -595,6 +676,8 @@ def write_tiny_model(out: str | os.PathLike[str], spec: TinyModelSpec | None = N
         _spread_routing(model, spec.seed)
     if spec.arch in _GDN_ARCHES:
         _vary_norms(model, spec.seed)
+    if spec.arch in DSA_MODEL_TYPES:
+        _vary_indexer_init(model, spec.seed, tokenizer.pad_token_id)  # type: ignore[attr-defined]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:
@@ -645,6 +728,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Multi-token-prediction layers in the checkpoint (deepseek_v3, glm4_moe_lite, kimi_k2, "
         "glm4_moe, mimo; default 1 for mimo, else 0).",
     )
+    parser.add_argument(
+        "--index-topk",
+        type=int,
+        default=d.index_topk,
+        help="Keys each query attends to (glm_moe_dsa, deepseek_v32: index_topk).",
+    )
+    parser.add_argument(
+        "--index-topk-freq",
+        type=int,
+        default=None,
+        help="glm_moe_dsa: after layers 0 and 1, every how many layers run an indexer; the others "
+        "share the last one's choice (default 2; 1: every layer its own).",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -662,6 +758,8 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         bpe_merges=args.bpe_merges,
         mtp_layers=args.mtp_layers,
+        index_topk=args.index_topk,
+        index_topk_freq=args.index_topk_freq,
     )
     try:
         out = write_tiny_model(args.out, spec)

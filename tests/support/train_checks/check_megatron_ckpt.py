@@ -640,6 +640,51 @@ def slime_linear_attention(work: Path, hf: Path, results: common.Results) -> Non
 
 
 QWEN3_5 = {"qwen3_5": {"arch": "qwen3_5"}}
+GLM5 = {"glm_moe_dsa": {"arch": "glm_moe_dsa", "layers": 4}}
+
+
+def sparse_attention(work: Path, hf: Path, results: common.Results) -> None:
+    """GLM-5 (sparse attention: its indexers under slime's names, replicated over TP) trained and
+    saved at TP=2: it resumes there with its weights and Adam state, and its weights load at PP=2
+    (a stage starting on an indexer layer) equal to the saved model's."""
+    if dist.get_rank() == 0:
+        common.make_models(work / "models", families=GLM5)
+    dist.barrier()
+    source = common.make_models(work / "models", families=GLM5)["glm_moe_dsa"]
+    topo = reinit(2, 1)
+    actor = model.build_actor(moe_options(source, 2, None), topo)
+    batch = common.make_batch(8, seed=6)
+    shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+    step.train_step(actor, shard, plan, SFT)
+    ckpt = work / "glm5"
+    checkpoint.save(
+        actor, ckpt, checkpoint.RunState(step=1, rollout_id=1, weight_version=1, data_position={})
+    )
+    want = hf_tensors(actor.chunks, actor.arch)
+    resumed = model.build_actor(moe_options(source, 2, None), topo, load_weights=False)
+    loaded = checkpoint.load(resumed, ckpt, named=True) is not None
+    results.set(
+        "sparse_attention/resume",
+        {
+            "loaded": loaded,
+            "weights": same(hf_tensors(resumed.chunks, resumed.arch), want),
+            "adam": optimizer_equal(actor, resumed),
+            "indexer": sorted(
+                n.split(".", 3)[3]
+                for n, _ in model.unwrap(resumed.chunks[0]).named_parameters()
+                if "self_attention.w" in n and n.startswith("decoder.layers.0.")
+            ),
+        },
+    )
+    del actor, resumed
+    topo = reinit(1, 2)
+    opts = moe_options(source, 1, None)
+    opts = dataclasses.replace(
+        opts, megatron=msgspec.structs.replace(opts.megatron, pipeline_model_parallel_size=2)
+    )
+    ref = model.build_reference(opts, topo, load_weights=False)
+    checkpoint.load_weights_only(ref.chunks, ckpt)
+    results.set("sparse_attention/pp2_weights", same(hf_tensors(ref.chunks, ref.arch), want))
 
 
 def main() -> None:
@@ -660,6 +705,7 @@ def main() -> None:
         ("flags", flags),
         ("expert_layout", expert_layout),
         ("slime_linear_attention", slime_linear_attention),
+        ("sparse_attention", sparse_attention),
     ):
         if only and name not in only:
             continue

@@ -12,11 +12,13 @@ source. Results go to WORK_DIR/results/rank{N}.json.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
 
 import common
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,8 @@ LAYOUTS = {
     "ep2": (1, 1, 2, 1),
     "ep2ag": (1, 1, 2, 1),
     "cp2": (1, 1, 1, 2),
+    # slime's --allgather-cp: each CP rank a contiguous share (the sparse-attention families only).
+    "cp2ag": (1, 1, 1, 2),
     # Experts narrower in TP than the dense layers (ETP=1 under TP=2, slime's MoE layout): whole on
     # both TP ranks (EP=1, their gradients summed over the expert data-parallel group), or split
     # over them by EP=2; the ETP_FAMILIES only.
@@ -55,8 +59,9 @@ LAYOUTS_4 = {
     "tp2cp2": (2, 1, 1, 2),
 }
 ALLGATHER_EP = ("qwen3_moe",)
+ALLGATHER_CP = ("glm_moe_dsa",)
 # Dense attention, MLA + MoE, and a trained MTP layer (its labels rolled across the CP ranks).
-CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp", "qwen3_5")  # and gated DeltaNet
+CONTEXT_PARALLEL = ("qwen3", "deepseek_v3", "mimo_mtp", "qwen3_5", "glm_moe_dsa")  # and DeltaNet, DSA
 MOE_ARCHES = (
     "qwen2_moe",
     "qwen3_moe",
@@ -68,6 +73,8 @@ MOE_ARCHES = (
     "kimi_k2",
     "qwen3_next",
     "qwen3_5_moe",
+    "glm_moe_dsa",
+    "deepseek_v32",
 )
 # Family name -> TinyModelSpec fields (tether init-model's families).
 FAMILIES: dict[str, dict[str, object]] = {
@@ -109,7 +116,16 @@ FAMILIES: dict[str, dict[str, object]] = {
     # attention's projections apart; dense, and MoE with its experts stored fused.
     "qwen3_5": {"arch": "qwen3_5"},
     "qwen3_5_moe": {"arch": "qwen3_5_moe"},
+    # DeepSeek sparse attention: MLA whose keys an indexer chooses (index_topk 4 of a dozen tokens);
+    # GLM-5 with interleaved indexer RoPE and every other layer sharing the previous one's choice
+    # (four layers: full, shared, full, shared), DeepSeek-V3.2 with half-split indexer RoPE.
+    "glm_moe_dsa": {"arch": "glm_moe_dsa", "layers": 4},
+    "deepseek_v32": {"arch": "deepseek_v32"},
 }
+# The sparse-attention families train as slime's GLM-5 recipe does, without the expert-bias update
+# (--moe-router-bias-update-rate 0): that update counts padding tokens too, which layouts that
+# batch the samples differently (DP=2 vs CP=2) pad differently.
+DSA_FLAGS: dict[str, object] = {"moe_router_bias_update_rate": 0.0}
 # Families built with MTP layers: their MegatronConfig flags.
 MTP_FLAGS: dict[str, dict[str, object]] = {
     "mimo_mtp": {"mtp_num_layers": 1, "enable_mtp_training": True},
@@ -185,6 +201,7 @@ TRAINED = (
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
+    "glm_moe_dsa",
 )
 # Families built with --sequence-parallel at TP=2: MoE (Megatron requires it) and GLM-4 (slime's
 # GLM-4-9B script runs with it).
@@ -228,6 +245,36 @@ def train_steps(actor: model.Actor, topo: parallel.Topology) -> list[dict[str, o
     return out
 
 
+def indexer_steps(opts: model.ModelOptions, topo: parallel.Topology) -> dict[str, int]:
+    """--freeze-indexer: with weight decay on, one SFT step changes the indexer's weights (decay is
+    all it gets: it has no gradient path), and with the flag it changes none of them."""
+    from tether.train.model.families.dsa import is_indexer_parameter
+
+    changed = {}
+    for frozen in (False, True):
+        actor = model.build_actor(
+            dataclasses.replace(
+                opts,
+                algorithm=msgspec.structs.replace(SFT, freeze_indexer=frozen),
+                megatron=msgspec.structs.replace(opts.megatron, weight_decay=0.1),
+            ),
+            topo,
+        )
+        before = {n: p.detach().clone() for n, p in model.unwrap(actor.chunks[0]).named_parameters()}
+        batch = common.make_batch(8, seed=20)
+        shard, plan = common.shard_and_plan(batch, topo.dp_size, topo.dp_rank)
+        step.train_step(actor, shard, plan, SFT)
+        after = dict(model.unwrap(actor.chunks[0]).named_parameters())
+        names = [n for n in before if is_indexer_parameter(n)]
+        key = "frozen" if frozen else "trained"
+        changed[key] = sum(not torch.equal(before[n], after[n].detach()) for n in names)
+        changed[f"{key}_others"] = sum(
+            not torch.equal(before[n], after[n].detach()) for n in before if n not in names
+        )
+        changed["indexer_params"] = len(names)
+    return changed
+
+
 def mtp_logits_unchanged(
     actor: model.Actor, opts: model.ModelOptions, topo: parallel.Topology
 ) -> float | None:
@@ -258,13 +305,21 @@ def make_models(root: Path, families: list[str]) -> dict[str, Path]:
     return common.make_models(root, families=chosen, config_changes=CONFIG_CHANGES)
 
 
-def reinit(tp: int, pp: int, ep: int, cp: int = 1, etp: int | None = None) -> parallel.Topology:
+def reinit(
+    tp: int, pp: int, ep: int, cp: int = 1, etp: int | None = None, contiguous_cp: bool = False
+) -> parallel.Topology:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     return parallel.init_distributed(
-        tp, pp, seed=1234, expert_parallel=ep, context_parallel=cp, expert_tensor_parallel=etp
+        tp,
+        pp,
+        seed=1234,
+        expert_parallel=ep,
+        context_parallel=cp,
+        expert_tensor_parallel=etp,
+        contiguous_context=contiguous_cp,
     )
 
 
@@ -353,7 +408,7 @@ def main() -> None:
     layouts = LAYOUTS_4 if int(os.environ["WORLD_SIZE"]) == 4 else LAYOUTS
     for layout, (tp, pp, ep, cp) in layouts.items():
         etp = EXPERT_TP.get(layout)
-        topo = reinit(tp, pp, ep, cp, etp)
+        topo = reinit(tp, pp, ep, cp, etp, contiguous_cp=layout == "cp2ag")
         dist.barrier()
         models = make_models(work / "models", families)
         for family, hf_dir in models.items():
@@ -364,6 +419,7 @@ def main() -> None:
                 (ep > 1 and not moe)
                 or (cp > 1 and family not in CONTEXT_PARALLEL)
                 or (layout == "ep2ag" and family not in ALLGATHER_EP)
+                or (layout == "cp2ag" and family not in ALLGATHER_CP)
                 or (etp is not None and family not in ETP_FAMILIES)
             ):
                 continue
@@ -380,8 +436,10 @@ def main() -> None:
                     expert_model_parallel_size=ep,
                     expert_tensor_parallel_size=etp,
                     context_parallel_size=cp,
+                    allgather_cp=layout == "cp2ag",
                     moe_token_dispatcher_type="alltoall" if layout == "ep2" else "allgather",
                     **MTP_FLAGS.get(family, {}),  # type: ignore[arg-type]
+                    **(DSA_FLAGS if family in ALLGATHER_CP or family == "deepseek_v32" else {}),  # type: ignore[arg-type]
                 ),
             )
             actor = model.build_actor(opts, topo)
@@ -416,6 +474,10 @@ def main() -> None:
                 for c in actor.chunks:
                     c.train()
                 results.record(f"{layout}/{family}/train", lambda a=actor, t=topo: train_steps(a, t))
+            if layout == "dp2" and family == "glm_moe_dsa":
+                results.record(
+                    f"{layout}/{family}/freeze_indexer", lambda o=opts, t=topo: indexer_steps(o, t)
+                )
             dist.barrier()
     results.set("done", True)
     parallel.destroy()

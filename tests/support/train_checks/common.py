@@ -58,7 +58,7 @@ def make_models(
             if kw.get("arch") in HF_WRITTEN:
                 HF_WRITTEN[str(kw["arch"])](path, seed=i)
             else:
-                write_tiny_model(path, TinyModelSpec(layers=layers, seed=i, **kw))
+                write_tiny_model(path, TinyModelSpec(seed=i, **{"layers": layers, **kw}))
             if config_changes and name in config_changes:
                 config = json.loads((path / "config.json").read_text())
                 (path / "config.json").write_text(json.dumps({**config, **config_changes[name]}))
