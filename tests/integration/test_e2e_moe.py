@@ -4,6 +4,7 @@ a tiny minimax_m2 (QK norms over all heads, partial RoPE, biased sigmoid routing
 Qwen3.5-MoE as published (a vision-language checkpoint with fused experts; gated-DeltaNet linear
 attention split over TP, its output norm sequence-parallel), a tiny Qwen3-Next at DP=2 (its
 grouped in_proj_qkvz/in_proj_ba regrouped into Megatron's in_proj and back for the engine) and
+a tiny dense Qwen3.5 (its linear attention without experts), and
 tiny GLM-5 and DeepSeek-V3.2 (DeepSeek sparse attention: each query attends to the 4 keys its
 indexer chooses, in the trainer's full-sequence forward and the engine's prefill and decode alike),
 trained through Megatron with distributed weight sync to the CPU engine (qwen3_moe in slime's MoE
@@ -38,6 +39,7 @@ LAYOUT = {
     "qwen3_next": (),
     "glm_moe_dsa": (),
     "deepseek_v32": (),
+    "qwen3_5": (),  # dense, beside its MoE form: the same linear attention, an MLP instead of experts
 }
 
 
