@@ -74,7 +74,9 @@ def engine(
     # --tool-call-parser: both engines read (and constrain) Qwen 2.5's tool-call format.
     extra = ["--tool-call-parser", "qwen25"]
     if request.param == "sglang":
-        extra.append("--enable-metrics")
+        # --sleep-on-idle: the server lives to the module's end; idle, its scheduler would poll a
+        # core the family cases below (CPU engine and transformers) need.
+        extra += ["--enable-metrics", "--sleep-on-idle"]
     eng, stop = start_supervised(
         request.param, models[0], tmp_path_factory.mktemp("run"), sglang_python=python, sglang_args=extra
     )
