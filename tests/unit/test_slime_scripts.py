@@ -3,9 +3,10 @@
 Each entry is the argument list a script of THUDM/slime passes to `train.py`, in the script's order
 (its MODEL_ARGS from scripts/models/<model>.sh, then CKPT_ARGS, ROLLOUT_ARGS, ... as it expands them),
 with slime's values. Only the paths are replaced, by files and directories the test creates: a
-config.json with the architecture the MODEL_ARGS assert for --hf-checkpoint, JSONL prompt files, and
-checkpoint directories. Each list is resolved by tether's parser, its hooks checked and its placement
-planned on one 8-GPU node, exactly as `tether plan` does, without starting anything.
+config.json with the architecture the MODEL_ARGS assert for --hf-checkpoint, JSONL prompt files,
+checkpoint directories, and the --sglang-config YAML a script writes. Each list is resolved by
+tether's parser, its hooks checked and its placement planned on one 8-GPU node, exactly as
+`tether plan` does, without starting anything.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ import pytest
 from tether.config import Config, horizon_note, resolve, with_counted_epochs
 from tether.placement.inventory import Gpu, Inventory, Node
 from tether.placement.plan import Plan, plan_from_config
+from tether.rollout.engine_api.launch import EngineLaunchConfig, sglang_flags
 from tether.rollout.hooks.checks import check_hooks
 from tether.runtime.errors import ConfigError
+from tether.train.config import stage_layers
 from tether.train.model import megatron_args
 from tether.train.model.capabilities import Capabilities, check_capabilities
+from tether.train.model.hf_config import load_arch
 
 # --- model configs: the Hugging Face config.json each MODEL_ARGS describes ------------------------
 
@@ -1089,6 +1093,8 @@ SCRIPTS: dict[str, tuple[list[str], str]] = {
 _DIR_FLAGS = {"--ref-load", "--load", "--save"}
 _DATA_FLAGS = {"--prompt-data"}
 _PROMPT = {"prompt": "What is 1 + 1?", "messages": [{"role": "user", "content": "1 + 1?"}], "label": "2"}
+# --sglang-config's value as a script passes it (the file it writes) -> the YAML the script writes there.
+SGLANG_CONFIGS: dict[str, str] = {}
 
 
 def with_local_paths(argv: list[str], model: str, tmp: Path) -> list[str]:
@@ -1110,6 +1116,10 @@ def with_local_paths(argv: list[str], model: str, tmp: Path) -> list[str]:
             out.append(str(tmp / "ckpt" / Path(token).name))
         elif flag in _DATA_FLAGS or (flag == "--eval-prompt-data" and token.startswith("/")):
             out.append(str(data))
+        elif flag == "--sglang-config":
+            groups = tmp / Path(token).name
+            groups.write_text(SGLANG_CONFIGS[token])
+            out.append(str(groups))
         else:
             out.append(token)
     return out
@@ -2201,6 +2211,128 @@ GLM5_744B_A40B = [
     "--moe-token-dispatcher-type", "flex",
 ]  # fmt: skip
 
+# zai-org/GLM-5.2's config.json was not found to copy; this is GLM-5's with what slime's recipe says
+# differs: scripts/models/glm5.2-744B-A40B.sh changes only --rotary-base (8000000) from GLM-5's
+# MODEL_ARGS (the same 78 layers, 3 dense, widths, MLA and experts), and its comments, the script's and
+# docs/en/examples/glm5.2-744B-A40B.md give the indexer's cross-layer sharing schedule that
+# get_glm5_spec reads from the config: index_topk_freq 4, index_skip_topk_offset 3 (computing layers
+# 1, 2, 3, 7, 11, ..., 75, 1-based; the others reuse the last computing layer's top-k).
+HF_CONFIGS["glm5.2-744B-A40B"] = {
+    **HF_CONFIGS["glm5-744B-A40B"],
+    "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"},
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+}
+
+# What run-glm5.2-744B-A40B.sh writes to its mktemp file and passes as --sglang-config: one 64-GPU
+# prefill engine and three 64-GPU decode engines, each group with its SGLang overrides.
+GLM52_SGLANG_CONFIG_FILE = "/tmp/sglang_glm52_744B_A40B_XXXXXX.yaml"
+SGLANG_CONFIGS[GLM52_SGLANG_CONFIG_FILE] = textwrap.dedent(
+    """\
+    sglang:
+      - name: default
+        server_groups:
+          - worker_type: prefill
+            num_gpus: 64
+            num_gpus_per_engine: 64
+            overrides:
+              dp_size: 64
+              ep_size: 64
+              enable_dp_attention: true
+              enable_dp_lm_head: true
+              moe_dense_tp_size: 1
+              load_balance_method: follow_bootstrap_room
+              chunked_prefill_size: 131072
+              max_running_requests: 512
+              deepep_mode: auto
+          - worker_type: decode
+            num_gpus: 192
+            num_gpus_per_engine: 64
+            overrides:
+              dp_size: 64
+              ep_size: 64
+              enable_dp_attention: true
+              enable_dp_lm_head: true
+              moe_dense_tp_size: 1
+              load_balance_method: round_robin
+              max_running_requests: 768
+              cuda_graph_max_bs: 12
+              deepep_mode: low_latency
+              moe_runner_backend: deep_gemm
+              disable_overlap_schedule: true
+    """
+)
+
+# slime: scripts/run-glm5.2-744B-A40B.sh (MODEL_ARGS: scripts/models/glm5.2-744B-A40B.sh) as written: 32
+# colocated nodes (TP 4 with SP, PP 8 split 14 / 6 x 8 / 16 so every stage starts on a layer that
+# computes its sparse-attention top-k, CP 8 in slime's all-gather layout, experts at ETP 1 over EP 32
+# with the all-to-all dispatcher), GRPO with TIS, engines of 64 GPUs from --sglang-config (prefill and
+# decode groups, PD transfer over mooncake), FP8 KV cache, MTP as the EAGLE draft; its WANDB_ARGS are
+# empty. $BASE_DIR comes from the environment: /root here. Its --hf-checkpoint is GLM-5.2-FP8 (SGLang
+# serves FP8 weights, Megatron trains the BF16 torch_dist one): planned here against the unquantized
+# config, refused against the FP8 one (QUANTIZED below).
+GLM52_744B_A40B = [
+    "--actor-num-nodes", "32", "--actor-num-gpus-per-node", "8", "--colocate",
+    "--no-check-for-nan-in-loss-and-grad", "--update-weight-buffer-size", str(1024 * 1024 * 1024 * 2),
+    # MODEL_ARGS
+    "--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec",
+    "--moe-layer-freq", "[0]*3+[1]*75", "--num-experts", "256", "--moe-shared-expert-intermediate-size",
+    "2048", "--moe-router-topk", "8", "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-ffn-hidden-size",
+    "2048", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-aux-loss-coeff", "0", "--moe-router-dtype", "fp32", "--make-vocab-size-divisible-by", "16",
+    "--num-layers", "78", "--hidden-size", "6144", "--ffn-hidden-size", "12288",
+    "--num-attention-heads", "64", "--disable-bias-linear", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+    "--normalization", "RMSNorm", "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "2048",
+    "--kv-lora-rank", "512", "--qk-head-dim", "192", "--v-head-dim", "256", "--kv-channels", "192",
+    "--qk-pos-emb-head-dim", "64", "--vocab-size", "154880", "--rotary-base", "8000000",
+    "--enable-experimental", "--allgather-cp",
+    # CKPT_ARGS
+    "--hf-checkpoint", "/root/GLM-5.2-FP8", "--ref-load", "/root/GLM-5.2_torch_dist",
+    "--load", "/root/GLM-5.2_slime", "--save", "/root/GLM-5.2_slime", "--save-interval", "20",
+    # ROLLOUT_ARGS
+    "--prompt-data", "/root/dapo-math-17k/dapo-math-17k.jsonl", "--input-key", "prompt",
+    "--label-key", "label", "--apply-chat-template", "--rollout-shuffle", "--rm-type", "deepscaler",
+    "--num-rollout", "3000", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+    "--rollout-max-response-len", "65536", "--rollout-temperature", "1.0", "--global-batch-size", "64",
+    # OPTIMIZER_ARGS
+    "--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    # GRPO_ARGS
+    "--advantage-estimator", "grpo", "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl",
+    "--kl-coef", "0.00", "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+    "--use-tis", "--tis-clip-low", "0.5", "--tis-clip", "2.0",
+    # PERF_ARGS
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--pipeline-model-parallel-size", "8",
+    "--decoder-first-pipeline-num-layers", "14", "--decoder-last-pipeline-num-layers", "16",
+    "--context-parallel-size", "8", "--expert-model-parallel-size", "32",
+    "--expert-tensor-parallel-size", "1",
+    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192", "--data-pad-size-multiplier", "1024",
+    "--log-probs-chunk-size", "16384",
+    # SGLANG_ARGS
+    "--rollout-num-gpus-per-engine", "64", "--sglang-mem-fraction-static", "0.70",
+    "--sglang-enable-dp-attention", "--sglang-ep-size", "64", "--sglang-dp-size", "64",
+    "--sglang-moe-dense-tp-size", "1", "--sglang-enable-dp-lm-head", "--sglang-moe-a2a-backend", "deepep",
+    "--sglang-deepep-mode", "auto", "--sglang-page-size", "64", "--sglang-kv-cache-dtype", "fp8_e4m3",
+    "--sglang-nsa-decode-backend", "flashmla_kv", "--sglang-nsa-prefill-backend", "flashmla_sparse",
+    "--sglang-attention-backend", "nsa", "--sglang-cuda-graph-max-bs", "8",
+    "--sglang-disable-overlap-schedule", "--sglang-max-running-requests", "512",
+    "--sglang-watchdog-timeout", "3600", "--sglang-disaggregation-transfer-backend", "mooncake",
+    "--sglang-disaggregation-ib-device",
+    "mlx5_100,mlx5_101,mlx5_102,mlx5_103,mlx5_104,mlx5_105,mlx5_106,mlx5_107",
+    "--sglang-config", GLM52_SGLANG_CONFIG_FILE,
+    "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "4",
+    "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "5",
+    "--sglang-speculative-draft-attention-backend", "nsa",
+    # MISC_ARGS
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--attention-backend", "flash", "--moe-token-dispatcher-type", "alltoall",
+]  # fmt: skip
+
 # script path in slime -> (its arguments, the model its MODEL_ARGS describe, the 8-GPU nodes it needs)
 MULTI_NODE_SCRIPTS: dict[str, tuple[list[str], str, int]] = {
     "scripts/run-qwen3-235B-A22B.sh": (QWEN3_235B_A22B, "qwen3-235B-A22B", 16),
@@ -2214,6 +2346,7 @@ MULTI_NODE_SCRIPTS: dict[str, tuple[list[str], str, int]] = {
     "scripts/run-qwen3.5-27B.sh": (QWEN35_27B, "qwen3.5-27B", 4),
     "scripts/run-qwen3-next-80B-A3B.sh": (QWEN3_NEXT_80B_A3B, "qwen3-next-80B-A3B", 4),
     "scripts/run-glm5-744B-A40B.sh": (GLM5_744B_A40B, "glm5-744B-A40B", 32),
+    "scripts/run-glm5.2-744B-A40B.sh": (GLM52_744B_A40B, "glm5.2-744B-A40B", 32),
     "examples/coding_agent_rl/run_qwen36_35b_a3b_swe_8nodes.sh": (QWEN36_35B_A3B_SWE, "qwen3.6-35B-A3B", 8),
 }
 
@@ -2313,6 +2446,80 @@ def test_the_glm5_script_plans_sparse_attention_with_prefill_and_decode_engines(
         )
 
 
+def test_the_glm52_script_splits_its_pipeline_where_stages_start_on_computing_layers(tmp_path: Path) -> None:
+    """slime's run-glm5.2-744B-A40B.sh: GLM-5.2's indexer computes its top-k on layers 1, 2, 3, 7, 11,
+    ..., 75 (1-based; index_topk_freq 4, index_skip_topk_offset 3) and the others reuse the last one's,
+    which does not cross a pipeline stage (slime's get_glm5_spec asserts it). The script's PP 8 split,
+    14 / 6 x 8 / 16, starts every stage on a computing layer and plans with CP 8 in the all-gather
+    layout and TIS; a split starting a stage on a sharing layer is refused, naming that layer. Its
+    --sglang-config groups become one prefill and three decode engines with their groups' overrides
+    over the --sglang-* flags (the PD transfer backend and IB devices included)."""
+    argv = with_local_paths(GLM52_744B_A40B, "glm5.2-744B-A40B", tmp_path)
+    cfg, plan = plan_for(argv, eight_gpu_nodes(32))
+    m = cfg.megatron
+    sizes = stage_layers(
+        78,
+        m.pipeline_model_parallel_size,
+        m.decoder_first_pipeline_num_layers,
+        m.decoder_last_pipeline_num_layers,
+        layers_flag="--num-layers",
+    )
+    assert sizes == [14, *[8] * 6, 16]
+    arch = load_arch(_flag(argv, "--hf-checkpoint"))
+    assert arch.index_shared is not None
+    computing = [i + 1 for i, shared in enumerate(arch.index_shared) if not shared]
+    assert computing[:5] == [1, 2, 3, 7, 11] and computing[-1] == 75 and len(computing) == 21
+    starts = [sum(sizes[:stage]) + 1 for stage in range(len(sizes))]
+    assert starts == [1, 15, 23, 31, 39, 47, 55, 63] and set(starts) <= set(computing)
+    assert (m.context_parallel_size, m.allgather_cp, m.tensor_model_parallel_size) == (8, True, 4)
+    assert (m.moe_token_dispatcher_type, m.no_check_for_nan_in_loss_and_grad) == ("alltoall", True)
+    a = cfg.algorithm
+    assert (a.use_tis, a.tis_clip_low, a.tis_clip) == (True, 0.5, 2.0)
+
+    assert [(e.worker_type, e.tp_size, e.nnodes) for e in plan.engines] == [("prefill", 64, 8)] + [
+        ("decode", 64, 8)
+    ] * 3
+    launch = EngineLaunchConfig.from_config(cfg.rollout, cfg.fault_tolerance, cfg.sglang_args, plan)
+    prefill, decode = (sglang_flags(e, e.parts[0], launch) for e in plan.engines[:2])
+    for flags in (prefill, decode):
+        assert flags["disaggregation-transfer-backend"] == ["mooncake"]
+        assert flags["disaggregation-ib-device"] == [",".join(f"mlx5_{i}" for i in range(100, 108))]
+        assert flags["kv-cache-dtype"] == ["fp8_e4m3"]
+        assert flags["speculative-draft-attention-backend"] == ["nsa"]
+    assert (prefill["disaggregation-mode"], decode["disaggregation-mode"]) == (["prefill"], ["decode"])
+    assert (prefill["deepep-mode"], decode["deepep-mode"]) == (["auto"], ["low_latency"])
+    assert (prefill["max-running-requests"], decode["max-running-requests"]) == (["512"], ["768"])
+    assert decode["moe-runner-backend"] == ["deep_gemm"] and "moe-runner-backend" not in prefill
+    assert decode["cuda-graph-max-bs"] == ["12"] and prefill["cuda-graph-max-bs"] == ["8"]
+
+    # Without --decoder-first/last-pipeline-num-layers, PP 8 splits the 78 layers unevenly (refused),
+    # and an even split, PP 2 (39 layers a stage), starts its second stage on layer 40 (1-based),
+    # which reuses layer 39's top-k; the script's split turned around (16 / 6 x 8 / 14) starts one on
+    # layer 17. Each is refused, naming the layer (0-based) the stage would start on.
+    first, last = (
+        argv.index("--decoder-first-pipeline-num-layers"),
+        argv.index("--decoder-last-pipeline-num-layers"),
+    )
+    assert last == first + 2
+    uniform = argv[:first] + argv[last + 2 :]
+    with pytest.raises(
+        ConfigError, match=r"--num-layers=78: leaves 78 .* --pipeline-model-parallel-size=8 stages"
+    ):
+        plan_for(uniform, eight_gpu_nodes(32))
+    even = _replaced(uniform, {"--pipeline-model-parallel-size": "2"})
+    with pytest.raises(
+        ConfigError, match=r"--pipeline-model-parallel-size=2: a stage would start at layer 39 "
+    ):
+        plan_for(even, eight_gpu_nodes(32))
+    turned = _replaced(
+        argv, {"--decoder-first-pipeline-num-layers": "16", "--decoder-last-pipeline-num-layers": "14"}
+    )
+    with pytest.raises(
+        ConfigError, match=r"--pipeline-model-parallel-size=8: a stage would start at layer 16 "
+    ):
+        plan_for(turned, eight_gpu_nodes(32))
+
+
 def test_the_glm47_flash_script_is_refused_for_its_expert_layout(tmp_path: Path) -> None:
     """slime's run-glm4.7-30B-A3B.sh trains on 1 x 8 GPUs with EP 8 and PP 2: Megatron lays the experts
     out on a grid of EP x ETP x PP = 16 ranks, which 8 ranks cannot tile (initialize_model_parallel
@@ -2397,7 +2604,9 @@ _FP8_BLOCK = {
 # The checkpoints slime's scripts point --hf-checkpoint at, quantized: the INT4 scripts' (converted
 # as slime's docs run the tool, at the OPEN_TRAINING_INT4_GROUP_SIZE each script passes: 128; Kimi-K2-
 # Thinking's own checkpoint is compressed-tensors INT4 too, symmetric, at 32), DeepSeek-R1 as published
-# (block FP8), and the FP8 conversion run-kimi-k2-Thinking.sh serves.
+# (block FP8), the FP8 conversion run-kimi-k2-Thinking.sh serves, and GLM-5.2-FP8, the FP8 release
+# run-glm5.2-744B-A40B.sh serves (its quantization_config not at hand: block FP8 as slime's converter
+# writes it; any quant_method is refused alike).
 for _model, _quant in (
     ("qwen3-30B-A3B", _int4_quantization(128, symmetric=False)),
     ("moonlight-16B-A3B", _int4_quantization(128, symmetric=False)),
@@ -2407,6 +2616,7 @@ for _model, _quant in (
 ):
     HF_CONFIGS[f"{_model}-{_quant['quant_method']}"] = {**HF_CONFIGS[_model], "quantization_config": _quant}
 HF_CONFIGS["kimi-k2-thinking-fp8"] = {**HF_CONFIGS["kimi-k2-thinking"], "quantization_config": _FP8_BLOCK}
+HF_CONFIGS["glm5.2-744B-A40B-fp8"] = {**HF_CONFIGS["glm5.2-744B-A40B"], "quantization_config": _FP8_BLOCK}
 
 # script path in slime -> (its arguments, its quantized checkpoint's model)
 QUANTIZED: dict[str, tuple[list[str], str]] = {
@@ -2428,6 +2638,7 @@ QUANTIZED: dict[str, tuple[list[str], str]] = {
     ),
     "scripts/run-kimi-k2-Thinking.sh": (KIMI_K2_THINKING, "kimi-k2-thinking-fp8"),
     "scripts/run-deepseek-r1.sh": (DEEPSEEK_R1, "deepseek-r1-fp8"),
+    "scripts/run-glm5.2-744B-A40B.sh": (GLM52_744B_A40B, "glm5.2-744B-A40B-fp8"),
 }
 
 
@@ -2449,4 +2660,4 @@ def test_quantized_checkpoints_are_refused(script: str, tmp_path: Path) -> None:
 
 def test_the_scripts_are_kept() -> None:
     kept = {*SCRIPTS, *MULTI_NODE_SCRIPTS, "scripts/run-glm4.7-30B-A3B.sh"}
-    assert len(kept) == len(SCRIPTS) + len(MULTI_NODE_SCRIPTS) + 1 == 30
+    assert len(kept) == len(SCRIPTS) + len(MULTI_NODE_SCRIPTS) + 1 == 31

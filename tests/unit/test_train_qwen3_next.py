@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tether.runtime.errors import ConfigError
+from tether.train.model import bridge
 from tether.train.model.families import qwen3_next
 from tether.train.model.hf_config import check_parallel, load_arch
 from tether.train.model.spec import SequenceParallelTorchNorm, ZeroCenteredRMSNorm
@@ -24,6 +25,10 @@ from tether.train.model.spec import SequenceParallelTorchNorm, ZeroCenteredRMSNo
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    # torch.compile machinery imported by megatron.core and mbridge warns about torch's own deprecations.
+    bridge._mbridge_registry()
+    import megatron.core.transformer.transformer_config  # noqa: F401
 
 SHAPE = qwen3_next.LinearAttentionShape(key_heads=2, value_heads=4, key_dim=8, value_dim=6)
 
@@ -234,3 +239,65 @@ def test_slimes_qwen3_next_flags_are_checked_against_the_hf_config(tmp_path: Pat
         assert err.value.key == "--" + flag.replace("_", "-")
     with pytest.raises(ConfigError, match="builds Qwen3-Next's layers"):
         check_architecture_flags(qwen3, {"spec": spec})
+
+
+def test_linear_attention_layers_on_the_te_spec_keep_the_local_names(tmp_path: Path) -> None:
+    """Under TE's spec (not buildable without TransformerEngine: a stand-in TE block is checked)
+    the linear-attention layers hold GatedDeltaNet with TE's linears and a TE input norm of their
+    own, so their parameter names are the local spec's; full-attention layers keep TE's fused norm."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    hf_dir = _write(tmp_path)
+    arch = load_arch(hf_dir)
+    opened = bridge.open_bridge(
+        arch,
+        bridge.hf_config(hf_dir),
+        dtype=torch.float32,
+        parallel=bridge.parallel_states(tp_size=1, pp_size=1),
+    )
+    config = bridge.build_config(arch, bridge.config_kwargs(dict(opened.config), arch, {}))
+    pattern = arch.linear_attention or ()
+    assert 0 in pattern and 1 in pattern
+
+    class StandInAttention:
+        pass
+
+    te_like = TransformerBlockSubmodules(
+        layer_specs=[
+            ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    input_layernorm=IdentityOp, self_attention=ModuleSpec(module=StandInAttention)
+                ),
+            )
+            for _ in pattern
+        ]
+    )
+    blocks = {
+        True: qwen3_next.with_gated_delta_net(te_like, config, True, 0),
+        False: bridge.layer_spec(config, transformer_engine=False, pp_rank=0),
+    }
+    for te, block in blocks.items():
+        for linear, layer in zip(pattern, block.layer_specs, strict=True):
+            attention = layer.submodules.self_attention
+            if not linear:
+                assert attention.module is not GatedDeltaNet
+                if te:
+                    assert layer.submodules.input_layernorm is IdentityOp  # fused into linear_qkv
+                continue
+            assert attention.module is GatedDeltaNet
+            assert attention.submodules.out_norm is qwen3_next.GatedDeltaNetOutputNorm
+            if te:
+                assert layer.submodules.input_layernorm is te_ext.TENorm
+                assert attention.submodules.in_proj is te_ext.TEColumnParallelLinear
+                assert attention.submodules.out_proj is te_ext.TERowParallelLinear
+            else:
+                assert layer.submodules.input_layernorm is not IdentityOp
+                assert attention.submodules.in_proj is ColumnParallelLinear
+                assert attention.submodules.out_proj is RowParallelLinear

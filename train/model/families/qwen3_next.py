@@ -12,8 +12,8 @@ router, a shared expert with a sigmoid gate). Each piece is Megatron's, configur
   k; the chunked gated delta rule; a gated RMSNorm per value head; the output projection. Megatron
   builds it only with flash-linear-attention (`fla`) installed; without it `torch_gated_delta_rule`
   gives the module Megatron's own pure-torch chunked rule (its deterministic path) and an L2 norm
-  written here with fla's formula. Megatron's spec for it needs TransformerEngine; `with_gated_delta_net`
-  puts it in the local spec's layers (the layer keeps its own input norm).
+  written here with fla's formula. `with_gated_delta_net` puts it in the layers of either spec (the
+  layer keeps an input norm of its own under both).
 - **Gated full attention.** `q_proj` yields each head's query and its output gate ([q_h; gate_h] per
   head): Megatron's `attention_output_gate`, whose `linear_qkv` holds, per query group, the group's
   queries, then their gates, then its key and value (`Qwen3NextBridge`).
@@ -176,41 +176,54 @@ class GatedDeltaNetOutputNorm:
 
 
 def linear_attention_spec(transformer_engine: bool) -> Any:
-    """ModuleSpec of Megatron's GatedDeltaNet with local linears (the layer's own input norm stays)."""
-    if transformer_engine:
-        raise ValueError(
-            "Qwen3-Next's linear attention is built on Megatron's local spec only; "
-            "run with --attention-backend local"
-        )
+    """ModuleSpec of Megatron's GatedDeltaNet: TE's column/row-parallel linears under TE's spec,
+    Megatron's local ones otherwise; the output norm is `GatedDeltaNetOutputNorm` under both (it
+    scales by its weight as stored, which TE's norm would read as zero-centred)."""
     torch_gated_delta_rule()
     with quiet_megatron_imports():
         from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
         from megatron.core.transformer.spec_utils import ModuleSpec
 
+    column: Any = ColumnParallelLinear
+    row: Any = RowParallelLinear
+    if transformer_engine:
+        with quiet_megatron_imports():
+            from megatron.core.extensions.transformer_engine import (
+                TEColumnParallelLinear,
+                TERowParallelLinear,
+            )
+        column, row = TEColumnParallelLinear, TERowParallelLinear
     return ModuleSpec(
         module=GatedDeltaNet,
-        submodules=GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear,
-            out_norm=GatedDeltaNetOutputNorm,
-            out_proj=RowParallelLinear,
-        ),
+        submodules=GatedDeltaNetSubmodules(in_proj=column, out_norm=GatedDeltaNetOutputNorm, out_proj=row),
     )
 
 
 def with_gated_delta_net(block: Any, config: Any, transformer_engine: bool, pp_rank: int) -> Any:
     """The block spec `block` (this stage's layers) with the linear-attention layers' self-attention
-    Megatron's GatedDeltaNet (`config.linear_attention_freq`: 1 for linear attention, per layer)."""
+    Megatron's GatedDeltaNet (`config.linear_attention_freq`: 1 for linear attention, per layer).
+
+    Under TE's spec the layer's input norm is fused into attention's linear_qkv (the layer holds an
+    IdentityOp); a linear-attention layer gets TE's norm of its own instead (zero-centred as
+    --apply-layernorm-1p says), so its parameters keep the local spec's names
+    (`input_layernorm.weight`, `self_attention.in_proj.weight`, ...) and one bridge and one
+    checkpoint layout serve both specs. Megatron's own TE spec fuses that norm into `in_proj`."""
     with quiet_megatron_imports():
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     pattern = list(config.linear_attention_freq)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     linear = linear_attention_spec(transformer_engine) if 1 in pattern else None
+    replace: dict[str, Any] = {"self_attention": linear}
+    if transformer_engine:
+        with quiet_megatron_imports():
+            from megatron.core.extensions.transformer_engine import TENorm
+        replace["input_layernorm"] = TENorm
     layers = []
     for i, spec in enumerate(block.layer_specs):
         if pattern[offset + i]:
-            submodules = dataclasses.replace(spec.submodules, self_attention=linear)
+            submodules = dataclasses.replace(spec.submodules, **replace)
             spec = dataclasses.replace(spec, submodules=submodules)
         layers.append(spec)
     return dataclasses.replace(block, layer_specs=layers)

@@ -1,7 +1,9 @@
-"""DeepSeek sparse attention (GLM-5, DeepSeek-V3.2) on a GPU under TransformerEngine's spec: the
-indexer reads the q latent through TE's fused q norm (linear_q_up_proj.layer_norm_weight) and the
-masked core attention replaces TE's fused one; the logits equal transformers' and a training step
-runs. Skipped without CUDA or TransformerEngine (the CPU side: tests/integration/test_train_model.py)."""
+"""This year's families on a GPU under TransformerEngine's spec, logits equal to transformers':
+- DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): the indexer reads the q latent through TE's
+  fused q norm (linear_q_up_proj.layer_norm_weight); the masked core attention replaces TE's fused one.
+- Gated DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE): the linear-attention layers hold TE's linears
+  and a TE input norm of their own (zero-centred), beside TE's fused full-attention layers.
+Skipped without CUDA or TransformerEngine (the CPU side: tests/integration/test_train_model.py)."""
 
 from __future__ import annotations
 
@@ -38,11 +40,9 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
 
 
 @needs_te
-@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
-def test_sparse_attention_on_the_te_spec_equals_transformers(
-    one_rank: object, tmp_path: Path, arch: str
-) -> None:
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_family_on_the_te_spec_equals_transformers(one_rank: object, tmp_path: Path, arch: str) -> None:
+    from support.hf_reference import load_causal_lm
 
     from tether.rollout.cpu_engine.modeling.tiny_model import TinyModelSpec, write_tiny_model
     from tether.train.config import AlgorithmConfig, MegatronConfig
@@ -66,7 +66,7 @@ def test_sparse_attention_on_the_te_spec_equals_transformers(
     (got,) = step.forward_logits(
         actor.chunks, actor.config, [step.MicroBatch(tokens, pos)], actor.arch.vocab_size
     )
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").cuda()
+    hf = load_causal_lm(path).cuda()
     with torch.no_grad():
         want = hf(tokens.cuda()).logits
     assert float((got.cuda() - want).abs().max()) < 1e-4
