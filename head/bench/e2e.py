@@ -15,7 +15,9 @@ and each step's split: `rollout_wait_mean_s` (the loop waiting for its rollout),
 `sync_time_mean_s` and `other_time_mean_s` (the rest of the step: hand-over, records, evaluation;
 `overlap_time_mean_s` where the async loops ran phases at once, so they sum to more than the step);
 `step_time_median_s` (the loop's own per-step seconds) and `first_step_s`, seconds from launching
-`tether run` to its first step (the "ready" event: imports, engines, trainer ranks, models built).
+`tether run` to its first step (the "ready" event: imports, engines, trainer ranks, models built),
+and `first_step_done_s`, to the end of that step (its metrics record: a first rollout that
+generated while the trainer ranks started shortens this one, not `first_step_s`).
 Each mode and the baseline also carry `load_1m`, the machine's 1-minute load average before and
 after its run: the ratios below hold for a quiet machine only when those are near 0.
 
@@ -250,12 +252,14 @@ def summarise(run_dir: Path, launched: float | None = None, cpu_s: float | None 
     rollout_wait, train_mean = sum(waits) / len(steps), sum(trains) / len(trains)
     sync_mean = sum(syncs) / len(syncs) if syncs else 0.0
     first = float(ready["time"]) - launched if launched is not None else None
+    first_done = float(steps[0]["time"]) - launched if launched is not None else None
     return {
         "steps": len(steps),
         "samples": total,
         "engines": engines,
         "startup_s": round(float(ready["time"]) - float(start["time"]), 3),
         "first_step_s": None if first is None else round(first, 3),
+        "first_step_done_s": None if first_done is None else round(first_done, 3),
         "cpu_s": None if cpu_s is None else round(cpu_s, 2),
         "wall_s": round(wall, 3),
         "shutdown_s": round(float(finished["time"]) - float(done["time"]), 3),
@@ -377,6 +381,7 @@ ROWS = (
     ("wall_s", "steady wall s"),
     ("startup_s", "start-up s"),
     ("first_step_s", "launch to first step s"),
+    ("first_step_done_s", "launch to first step done s"),
     ("cpu_s", "CPU s, whole run"),
 )
 
@@ -403,7 +408,8 @@ def table(result: dict[str, Any]) -> str:
     lines += [
         f"single process ({result['setup']['baseline']}): median step {single['step_time_median_s']} s "
         f"(rollout {single['rollout_time_mean_s']} s + train {single['train_time_mean_s']} s), "
-        f"launch to first step {single['first_step_s']} s, CPU {single['cpu_s']} s, "
+        f"launch to first step {single['first_step_s']} s (done {single.get('first_step_done_s')} s), "
+        f"CPU {single['cpu_s']} s, "
         f"load {single.get('load_1m')} (sync loop's: {modes['sync'].get('load_1m')})",
         f"target: sync loop launch to first step {first['value']} s < {first['target']} s: "
         f"{'met' if first['met'] else 'NOT met'}",

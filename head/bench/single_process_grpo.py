@@ -190,6 +190,7 @@ def summary(times: list[StepTimes], *, first_step_s: float) -> dict[str, Any]:
         "steps": len(times),
         "threads": torch.get_num_threads(),
         "first_step_s": round(first_step_s, 3),
+        "first_step_done_s": round(first_step_s + times[0].step_s, 3),
         "step_time_median_s": round(statistics.median(steps), 4),
         "step_time_mean_s": round(statistics.fmean(steps), 4),
         "rollout_time_mean_s": round(statistics.fmean(t.rollout_s for t in times), 4),

@@ -85,6 +85,33 @@ def overlap_start(cfg: Config) -> bool:
     return not cfg.cluster.colocate and not counts_epochs(cfg)
 
 
+def starts_rollout_early(cfg: Config) -> bool:
+    """Whether the first rollout generates while the trainer ranks start (engines up first).
+
+    Only where the engines already serve the weights the first step trains from: a fresh run
+    from --hf-checkpoint, which the engines load too (nothing in --load or --ref-load, no
+    --auto-resume), with the trainers starting beside the engines (`overlap_start`). Not where
+    something else must reach the engines first: --check-weight-update-equal's snapshot, or the
+    engine monitor that --use-fault-tolerance starts with the loop (a rollout before it could
+    not wait out an engine's restart).
+    """
+    debug, algorithm = cfg.debug, cfg.algorithm
+    fresh = not start_attempts(
+        algorithm.load,
+        algorithm.ref_load,
+        auto_resume=cfg.run.auto_resume,
+        save=algorithm.save,
+        load_is_hf=False,  # any --load is an attempt; whether it is HF does not matter here
+    )
+    return (
+        fresh
+        and overlap_start(cfg)
+        and not (debug.debug_rollout_only or debug.debug_train_only)
+        and not debug.check_weight_update_equal
+        and not cfg.fault_tolerance.use_fault_tolerance
+    )
+
+
 async def _concurrently(*starts: Coroutine[Any, Any, None]) -> None:
     """Run `starts` at once; the first failure cancels the others and is raised as itself."""
     try:
@@ -230,6 +257,10 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                         await release_engines_at_launch(cfg, pool, router)
                 if overlap:  # else after the trainers, as before
                     rollouts = await rollout_stack.enter_async_context(RolloutManager(cfg, router))
+                    # slime evaluates the first weights before the first rollout: not at once.
+                    if starts_rollout_early(cfg) and not rollouts.eval_before_train():
+                        await rollouts.start_early(0)
+                        run_dir.event("rollout_started_early", rollout_id=0)
 
             async def start_trainer_side(into: contextlib.AsyncExitStack) -> None:
                 nonlocal trainer

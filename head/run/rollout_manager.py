@@ -108,6 +108,8 @@ class RolloutManager:
         self._stack = contextlib.AsyncExitStack()
         self._source_loaded = False
         """--data-source-path: whether the class's `load(start_rollout_id - 1)` has been called."""
+        self._early: tuple[int, asyncio.Task[Groups]] | None = None
+        """A rollout started before the loop asked for it (`start_early`), with its id."""
 
     def _load(self) -> None:
         """Tokenizer and prompts: seconds of blocking work, so never on the head's event loop
@@ -162,10 +164,37 @@ class RolloutManager:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        early, self._early = self._early, None
+        if early is not None:  # never taken: the run ended before its first step
+            early[1].cancel()
+            with contextlib.suppress(BaseException):  # its outcome is moot now
+                await early[1]
         await self._stack.aclose()
+
+    async def start_early(self, rollout_id: int) -> None:
+        """Start rollout `rollout_id` now, before the loop asks for it: while the trainer ranks
+        start, on weights the engines already serve (the caller's to know, see
+        `tether.run.job.starts_rollout_early`). The loop's `generate` (or, fully async, the warm
+        worker's first batch) then takes it; an exit before that cancels it."""
+        if self.config.run.loop == "fully-async":
+            await self._start_worker(rollout_id)  # it draws ahead as soon as it runs
+        elif self._early is None:
+            self._early = (rollout_id, asyncio.create_task(self._generate(rollout_id)))
 
     # ----- what the loops call -----
     async def generate(self, rollout_id: int) -> Groups:
+        early = self._early
+        if early is not None:
+            self._early = None
+            if early[0] != rollout_id:  # a start the caller got wrong: nothing of it may be trained
+                early[1].cancel()
+                raise RuntimeError(
+                    f"rollout {early[0]} was started early, but the loop began at {rollout_id}"
+                )
+            return await early[1]
+        return await self._generate(rollout_id)
+
+    async def _generate(self, rollout_id: int) -> Groups:
         debug = self.config.debug
         started = time.monotonic()
         if debug.load_debug_rollout_data is not None:
@@ -196,15 +225,19 @@ class RolloutManager:
         self._after_rollout(rollout_id, groups, time.monotonic() - started)
         return groups
 
-    async def get_batch(self, rollout_id: int) -> Groups:
+    async def _start_worker(self, rollout_id: int) -> None:
+        # Started by the first step (or `start_early`), not on entry: a resume loads the data
+        # position first, and the warm worker must draw from there (it draws ahead as soon as it runs).
         if self.worker is None:
-            # Started by the first step, not on entry: a resume loads the data position first,
-            # and the warm worker must draw from there (it draws ahead as soon as it runs).
             assert self.ctx is not None and self.data is not None
             await self._load_source(rollout_id)
             self.worker = await self._stack.enter_async_context(
                 FullyAsyncWorker(self.ctx, self.data, weight_version=self.weight_version)
             )
+
+    async def get_batch(self, rollout_id: int) -> Groups:
+        await self._start_worker(rollout_id)
+        assert self.worker is not None
         started = time.monotonic()
         groups = await self.worker.get_batch(self.config.data.rollout_batch_size, rollout_id)
         assert self.ctx is not None

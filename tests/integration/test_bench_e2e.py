@@ -34,6 +34,7 @@ def test_bench_e2e_json_all_three_loops(tmp_path: Path) -> None:
     modes = result["modes"]
     for mode, figures in modes.items():  # the step's split and the time to the first step
         assert 0 < figures["first_step_s"] and figures["startup_s"] < figures["first_step_s"], mode
+        assert figures["first_step_s"] < figures["first_step_done_s"], mode
         assert figures["cpu_s"] > 0 and figures["step_time_median_s"] > 0, mode
         assert figures["rollout_wait_mean_s"] >= 0 and figures["train_time_mean_s"] > 0, mode
     # the sync loop's phases run one after the other: together they are (nearly) the whole step

@@ -37,6 +37,10 @@ def test_sync_loop_disk_tp2_and_receipt(ws: Workspace, tmp_path: Path, run_dir: 
     )
     metrics = check_run(run, transport="disk")
     assert all(m["rollout/version_lag_max"] == 0 for m in metrics)  # sync: always the newest weights
+    # A fresh run from --hf-checkpoint: the engines serve the weights the trainers start from,
+    # so the first rollout generated while the trainer ranks started, and trained on-policy.
+    events = [e["event"] for e in jsonl(run / "events.jsonl")]
+    assert events.index("rollout_started_early") < events.index("ready")
     first = load_file(str(weights / "weight_v000001" / "model-00001-of-00001.safetensors"))
     last = load_file(str(weights / f"weight_v{STEPS:06d}" / "model-00001-of-00001.safetensors"))
     base = load_file(str(ws.model / "model.safetensors"))
@@ -114,6 +118,7 @@ def test_fully_async_loop_delta(ws: Workspace, tmp_path: Path, run_dir: Path) ->
     )
     metrics = check_run(run, transport="delta")
     assert all("fully_async/queue_length" in m for m in metrics)
+    assert "rollout_started_early" in [e["event"] for e in jsonl(run / "events.jsonl")]  # the warm worker
 
 
 # TP 2: each engine rank takes its own device's trainer rank's handles. PP 2: each trainer rank holds

@@ -64,6 +64,7 @@ def test_the_engines_first_rollout_uses_the_loaded_weights(
     # Published before the first rollout's step trained: v1 is the loaded weights themselves.
     first_sync = names.index("weight_sync")
     assert names.index("ready") > first_sync
+    assert "rollout_started_early" not in names  # the engines' weights were not the loaded ones
     published = load_file(str(weights / "weight_v000001" / "model-00001-of-00001.safetensors"))
     source = load_file(str(hf / "model.safetensors"))
     assert sorted(published) == sorted(source)

@@ -145,6 +145,9 @@ def check_run(run: Path, *, transport: str, steps: int = STEPS, logprob_tol: flo
         assert m["rollout/samples"] == 16
     events = [e["event"] for e in jsonl(run / "events.jsonl")]
     assert events[0] == "start" and events[-1] == "finished"
+    if "rollout_started_early" in events:  # generated while the trainers started: before the loop
+        assert events.count("rollout_started_early") == 1
+        assert events.index("rollout_started_early") < events.index("ready")
     # On samples made with the trainer's current weights (no version lag) the trainer's
     # log-probs equal the engine's on the same tokens: the engine serves exactly the weights the
     # trainer exported, from every shard and stage. Lagging samples (async) differ by design.

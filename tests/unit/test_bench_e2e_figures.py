@@ -70,6 +70,7 @@ def test_summarise_splits_the_step_and_times_the_first_one(tmp_path: Path) -> No
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = summarise(tmp_path / "run", launched=97.5)
     assert figures["first_step_s"] == 12.5  # launch (97.5) to the "ready" event (110)
+    assert figures["first_step_done_s"] == 14.5  # launch to step 0's metrics record (112)
     assert figures["step_time_median_s"] == 4.0 and figures["step_time_mean_s"] == round(10 / 3, 4)
     # each step: 2.0 waiting for the rollout + 1.0 train + 0.5 sync = 3.5 s, more than the 10/3 s
     # step: the phases overlapped by the difference, and nothing is left for "other"
@@ -106,6 +107,7 @@ def test_table_prints_the_baseline_and_the_targets(tmp_path: Path) -> None:
         "rollout_time_mean_s": 0.1,
         "train_time_mean_s": 0.15,
         "first_step_s": 5.0,
+        "first_step_done_s": 5.25,
         "cpu_s": 9.0,
     }
     setup = {
@@ -129,9 +131,11 @@ def test_table_prints_the_baseline_and_the_targets(tmp_path: Path) -> None:
         "10",
         "10",
     ]
+    done = next(line for line in lines if line.startswith("launch to first step done s"))
+    assert done.split()[-2:] == ["12", "12"]  # to step 0's record (112), launched at 100
     assert next(line for line in lines if line.startswith("median step s")).split()[-2:] == ["0.5", "n/a"]
     assert (
-        "median step 0.25 s (rollout 0.1 s + train 0.15 s), launch to first step 5.0 s, CPU 9.0 s"
-        in lines[-3]
+        "median step 0.25 s (rollout 0.1 s + train 0.15 s), launch to first step 5.0 s (done 5.25 s), "
+        "CPU 9.0 s" in lines[-3]
     )
     assert lines[-2].endswith("10.0 s < 4.0 s: NOT met") and lines[-1].endswith("2.0 <= 1.0: NOT met")

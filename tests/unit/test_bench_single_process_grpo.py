@@ -55,4 +55,5 @@ def test_one_step_on_the_demo_model_trains_it(tmp_path: Path) -> None:
     assert changed > 0  # weight decay moves every weight even when all rewards tie
     figures = summary(times, first_step_s=1.5)
     assert figures["steps"] == 2 and figures["first_step_s"] == 1.5
+    assert figures["first_step_done_s"] == round(1.5 + times[0].step_s, 3)
     assert figures["step_time_median_s"] == round((times[0].step_s + times[1].step_s) / 2, 4)
