@@ -166,9 +166,11 @@ class RolloutManager:
     async def __aexit__(self, *exc: object) -> None:
         early, self._early = self._early, None
         if early is not None:  # never taken: the run ended before its first step
-            early[1].cancel()
-            with contextlib.suppress(BaseException):  # its outcome is moot now
-                await early[1]
+            task = early[1]
+            task.cancel()
+            await asyncio.wait([task])  # its outcome is moot; a cancellation of this exit is not
+            if not task.cancelled():
+                task.exception()  # retrieved, so that a failed rollout is not reported as lost
         await self._stack.aclose()
 
     async def start_early(self, rollout_id: int) -> None:
