@@ -2150,6 +2150,28 @@ HF_CONFIGS["glm5-744B-A40B"] = {  # zai-org/GLM-5's config.json (transformers' G
     "vocab_size": 154880,
 }
 
+
+def glm5_model_args(rotary_base: str) -> list[str]:
+    """MODEL_ARGS of slime's scripts/models/glm5-744B-A40B.sh; glm5.2-744B-A40B.sh differs only in
+    its --rotary-base."""
+    return [
+        "--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec",
+        "--moe-layer-freq", "[0]*3+[1]*75", "--num-experts", "256", "--moe-shared-expert-intermediate-size",
+        "2048", "--moe-router-topk", "8", "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-ffn-hidden-size",
+        "2048", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-aux-loss-coeff", "0", "--moe-router-dtype", "fp32", "--make-vocab-size-divisible-by", "16",
+        "--num-layers", "78", "--hidden-size", "6144", "--ffn-hidden-size", "12288",
+        "--num-attention-heads", "64", "--disable-bias-linear", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+        "--normalization", "RMSNorm", "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "2048",
+        "--kv-lora-rank", "512", "--qk-head-dim", "192", "--v-head-dim", "256", "--kv-channels", "192",
+        "--qk-pos-emb-head-dim", "64", "--vocab-size", "154880", "--rotary-base", rotary_base,
+        "--enable-experimental", "--allgather-cp",
+    ]  # fmt: skip
+
+
 # slime: scripts/run-glm5-744B-A40B.sh (MODEL_ARGS: scripts/models/glm5-744B-A40B.sh) as written: 32
 # colocated nodes (TP 4 with SP, PP 4 with 18 layers last, CP 2 in slime's all-gather layout, experts
 # at ETP 1 over EP 32, dispatched by DeepEP), engines of 64 GPUs with DP attention and DeepEP, MTP as
@@ -2158,20 +2180,7 @@ GLM5_744B_A40B = [
     "--actor-num-nodes", "32", "--actor-num-gpus-per-node", "8", "--colocate",
     "--update-weight-buffer-size", str(1024 * 1024 * 1024 * 2),
     # MODEL_ARGS
-    "--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec",
-    "--moe-layer-freq", "[0]*3+[1]*75", "--num-experts", "256", "--moe-shared-expert-intermediate-size",
-    "2048", "--moe-router-topk", "8", "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-ffn-hidden-size",
-    "2048", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
-    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0",
-    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk-scaling-factor", "2.5",
-    "--moe-aux-loss-coeff", "0", "--moe-router-dtype", "fp32", "--make-vocab-size-divisible-by", "16",
-    "--num-layers", "78", "--hidden-size", "6144", "--ffn-hidden-size", "12288",
-    "--num-attention-heads", "64", "--disable-bias-linear", "--swiglu",
-    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
-    "--normalization", "RMSNorm", "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "2048",
-    "--kv-lora-rank", "512", "--qk-head-dim", "192", "--v-head-dim", "256", "--kv-channels", "192",
-    "--qk-pos-emb-head-dim", "64", "--vocab-size", "154880", "--rotary-base", "1000000",
-    "--enable-experimental", "--allgather-cp",
+    *glm5_model_args("1000000"),
     # CKPT_ARGS
     "--hf-checkpoint", "/root/GLM-5", "--ref-load", "/root/GLM-5_torch_dist/", "--load", "/root/GLM-5_slime/",
     "--save", "/root/GLM-5_slime/", "--save-interval", "20",
@@ -2275,20 +2284,7 @@ GLM52_744B_A40B = [
     "--actor-num-nodes", "32", "--actor-num-gpus-per-node", "8", "--colocate",
     "--no-check-for-nan-in-loss-and-grad", "--update-weight-buffer-size", str(1024 * 1024 * 1024 * 2),
     # MODEL_ARGS
-    "--spec", "slime_plugins.models.glm5.glm5", "get_glm5_spec",
-    "--moe-layer-freq", "[0]*3+[1]*75", "--num-experts", "256", "--moe-shared-expert-intermediate-size",
-    "2048", "--moe-router-topk", "8", "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-ffn-hidden-size",
-    "2048", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
-    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0",
-    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk-scaling-factor", "2.5",
-    "--moe-aux-loss-coeff", "0", "--moe-router-dtype", "fp32", "--make-vocab-size-divisible-by", "16",
-    "--num-layers", "78", "--hidden-size", "6144", "--ffn-hidden-size", "12288",
-    "--num-attention-heads", "64", "--disable-bias-linear", "--swiglu",
-    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
-    "--normalization", "RMSNorm", "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "2048",
-    "--kv-lora-rank", "512", "--qk-head-dim", "192", "--v-head-dim", "256", "--kv-channels", "192",
-    "--qk-pos-emb-head-dim", "64", "--vocab-size", "154880", "--rotary-base", "8000000",
-    "--enable-experimental", "--allgather-cp",
+    *glm5_model_args("8000000"),
     # CKPT_ARGS
     "--hf-checkpoint", "/root/GLM-5.2-FP8", "--ref-load", "/root/GLM-5.2_torch_dist",
     "--load", "/root/GLM-5.2_slime", "--save", "/root/GLM-5.2_slime", "--save-interval", "20",
