@@ -4,8 +4,11 @@ Each figure is the min and median over `--repeats` runs, measured in this one ru
 cold start (head plus 4 actor processes all answering), sequential RPC round trip (p50, p99),
 pipelined RPC throughput, Sample-batch throughput (64 and 512 Samples of 1024 tokens: 512
 prompt and 512 response tokens, with loss mask and log-probs), and two floors: a raw blocking
-pyzmq round trip (REQ/REP over TCP, 64 bytes), which no RPC over ZeroMQ can beat, and a raw
-blocking Unix stream socket round trip, which no local transport can beat. The floors' round
+pyzmq round trip (REQ/REP over TCP, 64 bytes), which no RPC over ZeroMQ can beat, a raw
+blocking Unix stream socket round trip, which no local transport can beat, and a raw event-loop
+pyzmq round trip (`raw_loop_pyzmq`: the same 64 bytes over TCP between two uvloop event loops that
+watch their sockets with `add_reader`, a future per call, no framing, no authentication), which
+no RPC served and awaited on asyncio event loops, as tether's are, can beat. The floors' round
 trips are taken in blocks alternating with tether's (and, in Ray's repeats, with Ray's), so each
 ratio compares figures taken in the same seconds: this machine's thread wake-up latency, which
 every round trip here is made of, drifts by 2x and more from one second to the next. With Ray,
@@ -38,9 +41,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tether.bench.compare import with_comparison
 from tether.runtime.errors import ConfigError
@@ -52,15 +55,16 @@ TOKENS = 1024
 RESPONSE_TOKENS = 512
 BATCH_SIZES = (64, 512)
 ACTORS = 4
-TARGETS = {  # the issue's targets on this machine (issue #21)
+TARGETS = {  # the issues' targets on this machine (#21, restated by #37)
     "cold_start_ray_over_tether": 25.0,
-    "rtt_p50_ray_over_tether": 8.0,
+    "rtt_p50_ray_over_tether": 5.0,
     "samples_64_tether_over_ray": 3.0,
     "samples_512_tether_over_ray": 3.0,
     "full_samples_64_tether_over_ray": 4.0,
     "full_samples_512_tether_over_ray": 4.0,
 }
-RTT_VS_RAW_PYZMQ_TARGET = 1.5
+RTT_VS_RAW_PYZMQ_TARGET = 1.25
+FLOORS = ("raw_pyzmq", "raw_unix_socket", "raw_loop_pyzmq")
 RTT_BLOCKS = 20  # round-trip figures are taken in this many alternating blocks (see interleaved_round_trips)
 
 
@@ -153,7 +157,34 @@ while True:
     conn.sendall(m)
 """
 
+# The event-loop floor's echo: a ROUTER on a uvloop loop, drained on each ZMQ_FD wake-up.
+_LOOP_ECHO = """
+import asyncio, sys, uvloop, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); port = s.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+async def main():
+    done = asyncio.get_running_loop().create_future()
+    def drain():
+        while not done.done() and s.get(zmq.EVENTS) & zmq.POLLIN:
+            msg = s.recv_multipart(copy=False)
+            s.send_multipart(msg, copy=False)
+            if msg[-1].bytes == b"stop":
+                done.set_result(None)
+    asyncio.get_running_loop().add_reader(s.get(zmq.FD), drain)
+    drain()
+    await done
+uvloop.run(main())
+"""
+
 _PAYLOAD = b"x" * 64
+
+
+class Floor(Protocol):
+    """A floor's client: blocking round trips to its echo process, in blocks."""
+
+    def round_trips(self, n: int) -> list[float]: ...
+
+    def close(self) -> None: ...
 
 
 class EchoClient:
@@ -250,22 +281,117 @@ def raw_unix_echo(sock_dir: Path) -> EchoClient:
     return EchoClient(_UNIX_ECHO, [str(path)], connect, "raw Unix socket")
 
 
+class LoopEchoClient:
+    """The event-loop floor's client: a DEALER watched by `add_reader` on a uvloop loop of its
+    own thread (the caller's loop is blocked while a floor's block runs, as for the others), one
+    future per round trip, resolved by the reader; each round trip timed inside that loop."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import uvloop
+        import zmq
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _LOOP_ECHO], stdout=subprocess.PIPE, text=True)
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loop-floor", daemon=True)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._waiting: asyncio.Future[Any] | None = None
+        try:
+            assert self.proc.stdout is not None
+            self._sock.connect(f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}")
+            self._thread.start()
+            self._on_loop(self._watch())
+            self.round_trips(200)  # warm, as the other floors
+        except BaseException:
+            self.close()
+            raise
+
+    def _on_loop(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _watch(self) -> None:
+        import zmq
+
+        sock = self._sock
+        events, pollin = zmq.EVENTS, int(zmq.POLLIN)
+
+        def drain() -> None:
+            while cast(int, sock.get(events)) & pollin:
+                frame = sock.recv(copy=False)
+                if self._waiting is not None and not self._waiting.done():
+                    self._waiting.set_result(frame)
+
+        self._drain = drain
+        self._loop.add_reader(sock.get(zmq.FD), drain)
+
+    async def _trips(self, n: int) -> list[float]:
+        import zmq
+
+        sock, loop, drain = self._sock, self._loop, self._drain
+        events, pollin = zmq.EVENTS, int(zmq.POLLIN)
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            self._waiting = fut = loop.create_future()
+            sock.send(_PAYLOAD)
+            if cast(int, sock.get(events)) & pollin:  # the send may have taken the edge that announced input
+                drain()
+            async with asyncio.timeout(10):
+                await fut
+            times.append(time.perf_counter() - t)
+        return times
+
+    def round_trips(self, n: int) -> list[float]:
+        """`n` round trips of a 64-byte message, each awaited on the loop, seconds each."""
+        try:
+            return list(self._on_loop(self._trips(n)))
+        except TimeoutError:
+            raise RuntimeError(
+                f"the raw event-loop pyzmq echo process stopped answering (exit code {self.proc.poll()})"
+            ) from None
+
+    def close(self) -> None:
+        try:
+            with contextlib.suppress(Exception):
+                self._sock.send(b"stop")
+            if self._thread.is_alive():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(10)
+            self._sock.close()
+            self._ctx.term()
+            if not self._thread.is_alive():
+                self._loop.close()
+        finally:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+
 @contextlib.contextmanager
-def floors(sock_dir: Path) -> Iterator[dict[str, EchoClient]]:
-    """Both floors' echo processes, up for the `with` block."""
+def floors(sock_dir: Path) -> Iterator[dict[str, Floor]]:
+    """The floors' echo processes, up for the `with` block."""
     with contextlib.ExitStack() as stack:
-        out = {}
-        for name, start in (
+        out: dict[str, Floor] = {}
+        starts: tuple[tuple[str, Callable[[], Floor]], ...] = (
             ("raw_pyzmq", raw_pyzmq_echo),
             ("raw_unix_socket", lambda: raw_unix_echo(sock_dir)),
-        ):
+            ("raw_loop_pyzmq", LoopEchoClient),
+        )
+        for name, start in starts:
             out[name] = echo = start()
             stack.callback(echo.close)
         yield out
 
 
 async def interleaved_round_trips(
-    own_block: Callable[[int], Awaitable[list[float]]], echoes: dict[str, EchoClient], calls: int
+    own_block: Callable[[int], Awaitable[list[float]]], echoes: Mapping[str, Floor], calls: int
 ) -> dict[str, list[float]]:
     """`calls` round trips each of the system measured (`own_block(n)`: n round trips, seconds
     each) and of every floor, in RTT_BLOCKS alternating blocks: this machine's wake-up latency
@@ -292,7 +418,7 @@ def _rounds(args: argparse.Namespace, n: int, *, full: bool = False) -> int:
 
 
 async def _tether_once(
-    args: argparse.Namespace, run_dir: Path, batches: dict[int, Any], echoes: dict[str, EchoClient]
+    args: argparse.Namespace, run_dir: Path, batches: dict[int, Any], echoes: Mapping[str, Floor]
 ) -> dict[str, Any]:
     """One repeat of every tether figure; the floors' round trips go in `out["floors"]`."""
     from tether.bench.actors import start_actor
@@ -356,7 +482,7 @@ async def _tether_once(
 
 
 def _ray_once(
-    args: argparse.Namespace, batches: dict[int, Any], echoes: dict[str, EchoClient]
+    args: argparse.Namespace, batches: dict[int, Any], echoes: Mapping[str, Floor]
 ) -> dict[str, Any]:
     """One repeat of every Ray figure; the floors' round trips (taken between Ray's) go in
     `out["floors"]`."""
@@ -433,7 +559,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         samples = make_samples(n)
         batches[n] = (samples, encode_batch(samples))
     tether_runs = []
-    raw: dict[str, list[float]] = {"raw_pyzmq": [], "raw_unix_socket": []}
+    raw: dict[str, list[float]] = {name: [] for name in FLOORS}
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         for i in range(args.repeats):
             # The floors' echo processes start before tether's cold start and are measured
@@ -446,8 +572,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "transport": args.transport,
         "tether": _summarise(tether_runs),
-        "raw_pyzmq": {"rtt_p50_s": _stats(raw["raw_pyzmq"])},
-        "raw_unix_socket": {"rtt_p50_s": _stats(raw["raw_unix_socket"])},
+        **{name: {"rtt_p50_s": _stats(raw[name])} for name in FLOORS},
         "ray": None,
         "ratios": {},
         "targets_met": {},
@@ -456,9 +581,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = result["ratios"]
     ratios["rtt_p50_vs_raw_pyzmq"] = t["rtt_p50_s"]["median"] / result["raw_pyzmq"]["rtt_p50_s"]["median"]
     result["targets_met"]["rtt_p50_vs_raw_pyzmq"] = ratios["rtt_p50_vs_raw_pyzmq"] <= RTT_VS_RAW_PYZMQ_TARGET
+    # What the event loops alone cost, and what tether adds on top of them.
+    loop_floor = result["raw_loop_pyzmq"]["rtt_p50_s"]["median"]
+    ratios["raw_loop_pyzmq_vs_raw_pyzmq"] = loop_floor / result["raw_pyzmq"]["rtt_p50_s"]["median"]
+    ratios["rtt_p50_vs_raw_loop_pyzmq"] = t["rtt_p50_s"]["median"] / loop_floor
     if not args.skip_ray and importlib.util.find_spec("ray") is not None:
         ray_runs = []
-        ray_floors: dict[str, list[float]] = {"raw_pyzmq": [], "raw_unix_socket": []}
+        ray_floors: dict[str, list[float]] = {name: [] for name in FLOORS}
         with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
             for _ in range(args.repeats):
                 with floors(Path(tmp)) as echoes:

@@ -10,6 +10,7 @@ from tether.config import Config, check_epoch_source, help_text, resolve
 from tether.rollout.hooks.checks import check_hooks
 from tether.run.train_data_hooks import check_train_data_hooks
 from tether.runtime.errors import ConfigError
+from tether.runtime.process.gc_tuning import imports_without_gc
 
 DESCRIPTION = """Train with RL: start engines and trainer ranks, then run the sync, async or fully-async loop.
 Flags use slime's names; Megatron flags go to Megatron; --sglang-<flag> goes to SGLang as --<flag>.
@@ -29,6 +30,20 @@ def main_argv(argv: Sequence[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print("usage: tether run [--config YAML] [flags]\n\n" + DESCRIPTION + "\n" + help_text())
         return 0
+    # Resolving imports the config's modules and the hooks, then the job's modules: start-up
+    # work, with the collector off (the job itself runs with it on).
+    with imports_without_gc():
+        cfg = _checked(argv)
+        if isinstance(cfg, int):
+            return cfg
+        from tether.run.job import run_job
+        from tether.runtime.loop import run
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(run_job(cfg, list(argv)))
+
+
+def _checked(argv: Sequence[str]) -> Config | int:
+    """The resolved and checked Config, or the exit status after saying what is wrong."""
     cfg = parse(argv)
     try:
         check_epoch_source(cfg)  # --num-epoch counts a --data-source-path class by its len()
@@ -42,8 +57,4 @@ def main_argv(argv: Sequence[str]) -> int:
         except ConfigError as exc:
             print(f"tether run: {exc}", file=sys.stderr)
             return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tether.run.job import run_job
-    from tether.runtime.loop import run
-
-    return run(run_job(cfg, list(argv)))
+    return cfg

@@ -40,6 +40,7 @@ from tether.rollout.sample import Sample
 from tether.rollout.slime_api.args import slime_args
 from tether.rollout.slime_api.bridge import eval_data, eval_metrics, slime_evaluation, slime_rollout
 from tether.rollout.slime_api.convert import uses_slime_api
+from tether.runtime.process.gc_tuning import imports_without_gc
 
 Groups = list[list[Sample]]
 
@@ -116,7 +117,8 @@ class RolloutManager:
         (agents on other nodes count a stalled loop's missed heartbeats)."""
         config = self.config
         if config.rollout.hf_checkpoint is not None:
-            self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
+            with imports_without_gc():  # transformers' import, most of this load
+                self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
             if config.debug.dump_details is not None:  # slime's layout: the tokenizer beside the dumps
                 self.tokenizer.save_pretrained(str(Path(config.debug.dump_details) / "tokenizer"))
         if self._replays or is_custom_source(config.rollout.data_source_path):

@@ -45,6 +45,7 @@ from tether.run.process_threads import one_torch_thread
 from tether.run.train_data_hooks import load_train_data_hooks
 from tether.run.train_dump import save_train_data
 from tether.runtime.errors import ActorDied, ConfigError
+from tether.runtime.process.gc_tuning import imports_without_gc
 from tether.runtime.process.spec import ProcessSpec
 from tether.runtime.process.supervisor import LOCAL, ManagedProcess, Supervisor
 from tether.runtime.rpc.actors import connect
@@ -96,8 +97,9 @@ STEP_WORK_MODULES = ("tether.train.rank.rollout_calls",)
 
 def import_step_work() -> None:
     """Import the head's step-work modules (and torch); the run does it on a thread at start."""
-    for name in STEP_WORK_MODULES:
-        importlib.import_module(name)
+    with imports_without_gc():
+        for name in STEP_WORK_MODULES:
+            importlib.import_module(name)
 
 
 def _first(group: BaseExceptionGroup[Exception]) -> Exception:

@@ -268,14 +268,17 @@ def engine_device(name: str) -> torch.device:
 async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = None) -> None:
     """Serve until SIGTERM/SIGINT; `delay` (benchmarks and tests only) draws the seconds each
     request waits before it joins the batch."""
-    import torch
-    from aiohttp import web
-    from tokenizers import Tokenizer
+    from tether.runtime.process.gc_tuning import imports_without_gc
 
-    from tether.rollout.cpu_engine.http.common import EngineLimits, EngineState
-    from tether.rollout.cpu_engine.http.sglang_api import make_app
-    from tether.rollout.cpu_engine.modeling.model import ModelConfig, TinyLM, read_safetensors_dir
-    from tether.rollout.cpu_engine.scheduler import Scheduler
+    with imports_without_gc():
+        import torch
+        from aiohttp import web
+        from tokenizers import Tokenizer
+
+        from tether.rollout.cpu_engine.http.common import EngineLimits, EngineState
+        from tether.rollout.cpu_engine.http.sglang_api import make_app
+        from tether.rollout.cpu_engine.modeling.model import ModelConfig, TinyLM, read_safetensors_dir
+        from tether.rollout.cpu_engine.scheduler import Scheduler
 
     torch.set_num_threads(args.threads)
     device = engine_device(args.device)

@@ -51,6 +51,7 @@ from typing import NoReturn
 
 import msgspec
 
+from tether.runtime.process.gc_tuning import imports_without_gc
 from tether.runtime.process.proc_title import show_as
 
 PR_SET_PDEATHSIG = 1
@@ -208,8 +209,9 @@ class Zygote:
         signal.signal(signal.SIGCHLD, _noop)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_stop)
-        for module in preload:
-            self._preload(module)
+        with imports_without_gc():
+            for module in preload:
+                self._preload(module)
         self._send(Ready(pid=self.pid))
         sock = self.sock.fileno()
         while not self.stopping:
@@ -278,8 +280,9 @@ class Zygote:
             print(f"tether zygote: {self.unsafe}; forking nothing more", file=sys.stderr)
 
     def _start(self, req: Start) -> None:
-        for module in req.preload:
-            self._preload(module)
+        with imports_without_gc():
+            for module in req.preload:
+                self._preload(module)
         self._check_threads("")  # before every fork, whatever started them
         if self.unsafe:
             self._send(Refused(id=req.id, reason=self.unsafe))

@@ -25,7 +25,7 @@ from tether.runtime.rpc.secret import new_secret
 
 CHILD = [sys.executable, "-m", "support.zygote_children"]
 # What differs between any two processes (ids, own log): left out of the comparison.
-_PER_PROCESS = ("pid", "ppid", "pgid", "sid", "stdout", "stderr")
+_PER_PROCESS = ("pid", "ppid", "pgid", "sid", "stdout", "stderr", "gc_frozen")
 
 
 def _alive(pid: int) -> bool:
@@ -82,6 +82,8 @@ def test_zygote_children_match_spawned_ones(tmp_path: Path, caplog: pytest.LogCa
             assert f["stdout"] == f["stderr"] == str(tmp_path / "logs" / "forked.log")
             assert f["env"]["TETHER_PROCESS_NAME"] == "forked" and f["env"]["DROPPED"] is None and f["secret"]
             assert f["cwd"] == str(tmp_path / "work") and f["path"][1] == str(TESTS)
+            # The collector is on in both; a forked child's collections skip the zygote's imports.
+            assert f["gc_enabled"] and f["gc_frozen"] > 10_000 and s["gc_frozen"] == 0
             same = {k: v for k, v in f.items() if k not in _PER_PROCESS}
             same["env"] = {**f["env"], "TETHER_PROCESS_NAME": "spawned"}
             assert same == {k: v for k, v in s.items() if k not in _PER_PROCESS}

@@ -12,6 +12,7 @@ MODE is one of:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -44,6 +45,8 @@ def describe() -> dict[str, object]:
         "sigchld": repr(signal.getsignal(signal.SIGCHLD)),
         "sigpipe": repr(signal.getsignal(signal.SIGPIPE)),
         "unbuffered": sys.stdout.write_through,
+        "gc_enabled": gc.isenabled(),
+        "gc_frozen": gc.get_freeze_count(),  # the zygote's preloaded modules, frozen before forks
     }
 
 

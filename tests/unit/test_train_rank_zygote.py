@@ -5,6 +5,7 @@ tests' `tether run`s start their ranks this way)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -76,6 +77,7 @@ def test_the_zygote_imports_every_module_it_names() -> None:
         from tether.train.rank import preload as rank_preload
 
         assert rank_preload.preload() == []
+        assert gc.isenabled()  # back on, with the preloaded modules frozen for the forks
     assert rank_preload.FAILED == []
     for name in (*rank_preload.LEAN, *rank_preload.QUIET, *rank_preload.PLAIN):
         assert name in sys.modules, name

@@ -44,6 +44,7 @@ PLAIN = (
 
 def preload() -> list[str]:
     """Import every module above; returns those that failed to import (for the tests)."""
+    from tether.runtime.process.gc_tuning import imports_without_gc
     from tether.train.model.megatron_cpu import lean_megatron_imports, quiet_megatron_imports
 
     failed: list[str] = []
@@ -54,14 +55,15 @@ def preload() -> list[str]:
         except Exception:  # the rank imports it again and reports the error itself
             failed.append(name)
 
-    with lean_megatron_imports():
-        for name in LEAN:
+    with imports_without_gc():
+        with lean_megatron_imports():
+            for name in LEAN:
+                load(name)
+        with quiet_megatron_imports():
+            for name in QUIET:
+                load(name)
+        for name in PLAIN:
             load(name)
-    with quiet_megatron_imports():
-        for name in QUIET:
-            load(name)
-    for name in PLAIN:
-        load(name)
     return failed
 
 

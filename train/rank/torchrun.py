@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from tether.runtime.netif import bound_listener
+from tether.runtime.process.gc_tuning import imports_without_gc
 from tether.train.rank import zygote as rank_zygote
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     forked = rank_zygote.wanted(args)
     if forked:
         rank_zygote.start()  # first: it imports the ranks' modules while this process imports torch
+    with imports_without_gc():
+        import torch.distributed.run  # noqa: F401  # the agent's own import of torch
     store = rendezvous_store(args)  # referenced until torchrun returns: the server lives as long
     if not (forked and rank_zygote.launch(args)):
         from torch.distributed.run import main as torchrun_main

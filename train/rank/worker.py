@@ -934,11 +934,12 @@ def main(args: argparse.Namespace) -> int:
 
     die_with_parent()  # the rank ends with its torchrun agent, however that one ends
 
+    from tether.runtime.process.gc_tuning import imports_without_gc
     from tether.train.model.megatron_cpu import lean_megatron_imports
 
     # Once, quietly, before any rank work; without the Dynamo/Inductor, wandb and TensorBoard
     # imports Megatron's own import makes and a rank never uses (~2.5 s of each rank's start).
-    with lean_megatron_imports():
+    with imports_without_gc(), lean_megatron_imports():
         import megatron.core  # noqa: F401
     if args.ipc_dir is not None:
         args.ipc_dir.mkdir(parents=True, exist_ok=True)
