@@ -26,11 +26,14 @@ from tether.train.model.hf_config import (
     check_parallel,
     load_arch,
 )
+from tether.train.model.mbridge_import import import_all
+from tether.train.model.megatron_cpu import quiet_megatron_imports
 
 with warnings.catch_warnings():
     # torch.compile machinery imported by megatron.core and mbridge warns about torch's own deprecations.
     warnings.simplefilter("ignore")
-    bridge._mbridge_registry()
+    with quiet_megatron_imports():
+        import_all()
     import megatron.core.transformer.transformer_config  # noqa: F401
 
 BASE = {

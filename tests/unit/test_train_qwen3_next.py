@@ -20,6 +20,8 @@ from tether.runtime.errors import ConfigError
 from tether.train.model import bridge
 from tether.train.model.families import qwen3_next
 from tether.train.model.hf_config import check_parallel, load_arch
+from tether.train.model.mbridge_import import import_all
+from tether.train.model.megatron_cpu import quiet_megatron_imports
 from tether.train.model.spec import SequenceParallelTorchNorm, ZeroCenteredRMSNorm
 
 with warnings.catch_warnings():
@@ -27,7 +29,8 @@ with warnings.catch_warnings():
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     # torch.compile machinery imported by megatron.core and mbridge warns about torch's own deprecations.
-    bridge._mbridge_registry()
+    with quiet_megatron_imports():
+        import_all()
     import megatron.core.transformer.transformer_config  # noqa: F401
 
 SHAPE = qwen3_next.LinearAttentionShape(key_heads=2, value_heads=4, key_dim=8, value_dim=6)

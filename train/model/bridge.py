@@ -29,7 +29,7 @@ mbridge is used through these call sites only; where it is patched, the patch sa
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from tether.train.model.hf_config import (
     transformer_shape,
 )
 from tether.train.model.hf_convert import HFWeights
+from tether.train.model.mbridge_import import defer_mbridge, family_modules, register_families
 from tether.train.model.megatron_cpu import quiet_megatron_imports
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -109,22 +110,30 @@ _FLAG_KNOBS = (
 )
 
 
-def _mbridge_registry() -> dict[str, Any]:
+# tether's own bridges, for the families mbridge 0.15.1 lacks (mbridge's win where it has one).
+_TETHER_BRIDGES: dict[str, Callable[[], Any]] = {
+    "glm4": glm4_bridge_class,
+    "minimax_m2": minimax_m2_bridge_class,
+    "qwen3_next": qwen3_next_bridge_class,
+    # the sparse-attention families: DeepSeek-V3's bridge with their indexer's tensors
+    **dict.fromkeys(DSA_MODEL_TYPES, dsa_bridge_class),
+}
+
+
+def _bridge_class(model_type: str) -> Any | None:
+    """The bridge class for `model_type`: mbridge's where its sources register one (only that
+    module imported, see `mbridge_import`), else tether's own, else, for GLM-4.7-Flash and Kimi-K2
+    (DeepSeek-V3's decoder under DeepSeek-V3's HF names, as slime loads and converts them),
+    mbridge's DeepSeek-V3 bridge; tether's restored facts set what differs. None: no bridge."""
     with quiet_megatron_imports():
-        import mbridge.models  # noqa: F401  (registers the families)
+        if model_type not in family_modules():
+            if model_type in _TETHER_BRIDGES:
+                return _TETHER_BRIDGES[model_type]()
+            if model_type in MLA_MODEL_TYPES:
+                model_type = "deepseek_v3"
+        register_families([model_type])  # a type no source names: all of mbridge, as before
         from mbridge.core.bridge import _MODEL_REGISTRY
-    registry = dict(_MODEL_REGISTRY)
-    # mbridge 0.15.1 has no glm4 (dense) bridge: tether's joins this copy, not mbridge's registry.
-    registry.setdefault("glm4", glm4_bridge_class())
-    registry.setdefault("minimax_m2", minimax_m2_bridge_class())
-    registry.setdefault("qwen3_next", qwen3_next_bridge_class())
-    # GLM-4.7-Flash and Kimi-K2 are DeepSeek-V3's decoder under DeepSeek-V3's HF names (slime loads
-    # and converts them with its DeepSeek code); tether's restored facts set what differs.
-    for family in DSA_MODEL_TYPES:  # and the sparse-attention families with their indexer's tensors
-        registry.setdefault(family, dsa_bridge_class())
-    for family in MLA_MODEL_TYPES:
-        registry.setdefault(family, registry["deepseek_v3"])
-    return registry
+    return _MODEL_REGISTRY.get(model_type)
 
 
 def hf_config(hf_dir: str | Path) -> Any:
@@ -181,6 +190,7 @@ def load_arch_type(hf_dir: str | Path) -> str | None:
 
 def parallel_states(*, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: int | None = None) -> Any:
     """mbridge's record of the layout (sizes only: what its config mapping and TP merges read)."""
+    defer_mbridge()  # this module alone, not every family's bridge (see mbridge_import)
     with quiet_megatron_imports():
         from mbridge.core.parallel_states import ParallelStates
 
@@ -195,12 +205,13 @@ def parallel_states(*, tp_size: int, pp_size: int, ep_size: int = 1, etp_size: i
 
 def open_bridge(arch: ModelArch, hf: Any, *, dtype: torch.dtype, parallel: Any) -> Any:
     """mbridge's bridge of this family, its config kept as keyword arguments (see `config_kwargs`)."""
-    registry = _mbridge_registry()
+    base: Any
     if arch.model_type in QWEN3_5_MODEL_TYPES:  # one class per checkpoint prefix and MLP kind
-        registry[arch.model_type] = qwen3_5_bridge_class(arch.hf_prefix, arch.is_moe)
-    if arch.model_type not in registry:
+        base = qwen3_5_bridge_class(arch.hf_prefix, arch.is_moe)
+    else:
+        base = _bridge_class(arch.model_type)
+    if base is None:
         raise KeyError(f"mbridge 0.15.1 has no bridge for model_type {arch.model_type!r}")
-    base = registry[arch.model_type]
     # Patch (Bridge.__init__ → _build_config → TransformerConfigClass(**kwargs)): keep mbridge's
     # HF→Megatron kwargs as a dict, so tether corrects them before Megatron validates a config.
     # A fresh subclass per bridge also gives Qwen2's tied-embedding remap (which mutates the class's

@@ -21,10 +21,11 @@ QUIET = (
     "megatron.core.optimizer",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.transformer.mlp",
-    "mbridge.models",
     "mbridge.core.bridge",
     "mbridge.core.parallel_states",
 )
+# Not `mbridge.models`: its package imports every family's bridge; the rank imports its own
+# family's module when it builds the model (tether.train.model.mbridge_import).
 # The rank's own modules (and the torchrun pieces a forked rank unpickles its entry point with).
 PLAIN = (
     "torch.distributed.elastic.multiprocessing.api",
@@ -45,6 +46,7 @@ PLAIN = (
 def preload() -> list[str]:
     """Import every module above; returns those that failed to import (for the tests)."""
     from tether.runtime.process.gc_tuning import imports_without_gc
+    from tether.train.model.mbridge_import import defer_mbridge
     from tether.train.model.megatron_cpu import lean_megatron_imports, quiet_megatron_imports
 
     failed: list[str] = []
@@ -55,6 +57,7 @@ def preload() -> list[str]:
         except Exception:  # the rank imports it again and reports the error itself
             failed.append(name)
 
+    defer_mbridge()  # mbridge's package __init__s run only if something asks for all of it
     with imports_without_gc():
         with lean_megatron_imports():
             for name in LEAN:

@@ -1,0 +1,116 @@
+"""mbridge's bridges imported one family at a time.
+
+Importing any module of mbridge runs its package `__init__`, which imports every bridge it ships,
+the vision-language ones with transformers' modelling code among them: ~0.44 s of CPU in the
+rank zygote's preload (measured after torch, megatron-core and transformers were imported), for
+the one family a run trains, and on the path to every rank's first step.
+
+`defer_mbridge()` puts the packages `mbridge` and `mbridge.models` into `sys.modules` unexecuted
+(their specs' modules, `__path__` included), so `import mbridge.models.llama` runs that module
+alone. A bridge class asked of `mbridge.models` (`from ..models import Qwen2Bridge`, as some
+bridges import their bases) imports the module that defines it; any other attribute of either
+package runs the real `__init__`s (`mbridge.AutoBridge`, `from mbridge.models import *`), so code
+that wants the whole package still gets all of it. Which module registers a model type is read from mbridge's own
+sources (`@register_model("...")`), not listed here: a newer mbridge brings its families along.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+import types
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+_REGISTERS = re.compile(r"""@register_model\(\s*["']([^"']+)["']\s*\)""")
+_CLASSES = re.compile(r"^class (\w+)\b", re.MULTILINE)
+_PACKAGES = ("mbridge", "mbridge.models")  # parent first: finding the child's spec needs the parent
+
+
+def defer_mbridge() -> bool:
+    """Put mbridge's two packages in `sys.modules` unexecuted; False (nothing done) when mbridge
+    is already imported or not installed."""
+    if _PACKAGES[0] in sys.modules or importlib.util.find_spec(_PACKAGES[0]) is None:
+        return False
+    for name in _PACKAGES:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.loader is not None, name
+        module = importlib.util.module_from_spec(spec)
+        module.__dict__["__getattr__"] = _completer(module)  # PEP 562: asked for missing names
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    return True
+
+
+def _completer(module: types.ModuleType) -> Callable[[str], object]:
+    def __getattr__(name: str) -> object:
+        # A bridge class asked of `mbridge.models` (some bridges import their base classes so,
+        # mid-import, which must not run the package's own __init__): its module alone.
+        if module.__name__ == _PACKAGES[1] and "__getattr__" in module.__dict__:
+            defined_in = _scan(_CLASSES).get(name)
+            if defined_in is not None:
+                return getattr(importlib.import_module(defined_in), name)
+        complete_mbridge()
+        return getattr(module, name)
+
+    return __getattr__
+
+
+def complete_mbridge() -> None:
+    """Run the `__init__` of each deferred package (models first: mbridge's own imports it and
+    its registry must be whole before anyone reads it)."""
+    for name in reversed(_PACKAGES):
+        module = sys.modules.get(name)
+        if module is None or "__getattr__" not in module.__dict__:
+            continue
+        del module.__dict__["__getattr__"]  # runs once; the real namespace fills in below
+        spec = module.__spec__
+        assert spec is not None and spec.loader is not None
+        spec.loader.exec_module(module)
+
+
+def family_modules() -> dict[str, str]:
+    """model_type → the mbridge module whose `@register_model` registers it, read from the
+    sources of `mbridge.models` (defers mbridge first, so nothing is imported)."""
+    defer_mbridge()
+    return _scan(_REGISTERS)
+
+
+def _scan(pattern: re.Pattern[str]) -> dict[str, str]:
+    """What `pattern` finds in the sources of `mbridge.models` → the module it is in (first wins)."""
+    spec = importlib.util.find_spec(_PACKAGES[1])
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    out: dict[str, str] = {}
+    for root in spec.submodule_search_locations:
+        for path in sorted(Path(root).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            module = ".".join((_PACKAGES[1], *parts))
+            for found in pattern.findall(path.read_text(errors="replace")):
+                out.setdefault(found, module)
+    return out
+
+
+def register_families(model_types: Iterable[str]) -> None:
+    """Import the mbridge modules that register `model_types`. A type no source registers may
+    still be registered at run time by some module: then all of mbridge is imported, as before."""
+    modules = family_modules()
+    wanted = list(model_types)
+    if not modules or any(t not in modules for t in wanted):
+        import_all()
+        return
+    for model_type in wanted:
+        importlib.import_module(modules[model_type])
+
+
+def import_all() -> None:
+    """All of mbridge, as its own `import mbridge` gives it (deferred packages completed)."""
+    complete_mbridge()
+    importlib.import_module(_PACKAGES[0])
+    importlib.import_module(_PACKAGES[1])
