@@ -49,6 +49,7 @@ from tether.sync.hf_writer import write_hf_checkpoint
 from tether.sync.local_store import LocalCheckpointStore
 
 TENSOR_ELEMS = 16 * 1024 * 1024  # 32 MiB per bf16 tensor
+DISTRIBUTED_OVER_RAW = 0.85  # issue #37: of the raw broadcast, in every bucket row, value check on
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -334,6 +335,9 @@ async def engine_figures(
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     key = new_engine_key()
     out: dict[str, Any] = {"engine_model_bytes": nbytes}
+    # The engine's NaN/inf check alone on these tensors, one thread: what it costs next to the
+    # raw broadcast (on cores the transfer keeps busy, the sync loses that share).
+    out["value_check_gb_s"] = await asyncio.to_thread(value_check_gb_s, state)
     flags = ["--allow-nonfinite-weights"] if allow_nonfinite else []
     async with cpu_engines(model, key, extra=lambda i: flags) as (url,):
         async with EngineClient(url, name="bench", api_key=key) as client:
@@ -383,7 +387,9 @@ async def engine_figures(
                             "over_raw_paired_median": statistics.median(
                                 r / s for r, s in zip(raw_times, times, strict=True)
                             ),
-                            "targets_met": {"at_least_0_9_of_raw": min(raw_times) / min(times) >= 0.9},
+                            "targets_met": {
+                                "at_least_0_85_of_raw": min(raw_times) / min(times) >= DISTRIBUTED_OVER_RAW
+                            },
                         }
                     )
             finally:
@@ -416,10 +422,32 @@ async def engine_figures(
     return out
 
 
+def value_check_gb_s(state: dict[str, Any], repeats: int = 3) -> float:
+    """GB/s of the engine's value check (`first_nonfinite`) over `state`'s tensors on one thread,
+    best of `repeats`."""
+    import torch
+
+    from tether.rollout.cpu_engine.modeling.model import first_nonfinite
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            if first_nonfinite(state.items()) is not None:
+                raise RuntimeError("the benchmark's weights hold NaN or inf")
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / best / 1e9
+
+
 def sync_targets(result: dict[str, Any]) -> dict[str, bool | None]:
     """Whether the run met each target (those of parts it measured): the 1% delta's size, encode
     and apply speeds (the first apply also against 0.9 of the disk's raw write in the same run,
-    what this disk allows), and 0.9 of the raw broadcast in every bucket size and mode."""
+    what this disk allows), and 0.85 of the raw broadcast in every bucket size and mode (#37)."""
     targets: dict[str, bool | None] = {}
     if "delta" in result:
         one = next((r for r in result["delta"] if r["changed_fraction"] == 0.01), None)
@@ -433,8 +461,8 @@ def sync_targets(result: dict[str, Any]) -> dict[str, bool | None]:
             targets[name] = None if one is None else one["targets_met"].get(name)
     engine = result.get("engine")
     if isinstance(engine, dict):
-        targets["distributed_every_row_at_least_0_9_of_raw"] = all(
-            r["targets_met"]["at_least_0_9_of_raw"] for r in engine["distributed_by_bucket"]
+        targets["distributed_every_row_at_least_0_85_of_raw"] = all(
+            r["targets_met"]["at_least_0_85_of_raw"] for r in engine["distributed_by_bucket"]
         )
     return targets
 

@@ -21,6 +21,8 @@ def test_bench_sync_flags_reach_the_engine() -> None:
     default = _engine()
     # The CPU engine offers the streamed update and checks values unless told otherwise.
     assert default["engine_checks_values"] is True
+    check = default["value_check_gb_s"]  # the check alone, beside the sync it costs
+    assert isinstance(check, float) and check > 0
     rows = default["distributed_by_bucket"]
     assert isinstance(rows, list) and [(r["flattened_bucket"], r["streamed"]) for r in rows] == [
         (False, True),
