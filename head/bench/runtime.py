@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import statistics
@@ -574,6 +575,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tether": _summarise(tether_runs),
         **{name: {"rtt_p50_s": _stats(raw[name])} for name in FLOORS},
         "ray": None,
+        "ray_version": None,
         "ratios": {},
         "targets_met": {},
     }
@@ -596,6 +598,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ray_floors[name].append(p50)
                 ray_runs.append(once)
         r = result["ray"] = _summarise(ray_runs)
+        result["ray_version"] = importlib.metadata.version("ray")
         # The floors as measured between Ray's round trips, for the ceilings below.
         for name, p50s in ray_floors.items():
             r[f"{name}_rtt_p50_s"] = _stats(p50s)
