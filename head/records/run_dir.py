@@ -32,10 +32,27 @@ def package_versions() -> dict[str, str]:
     """Every installed distribution and its version."""
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
+        name, version = name_and_version(dist)
         if name:
-            found[name] = dist.version
+            found[name] = version
     return dict(sorted(found.items(), key=lambda kv: kv[0].lower()))
+
+
+def name_and_version(dist: importlib.metadata.Distribution) -> tuple[str | None, str]:
+    """A distribution's `Name` and `Version` as its metadata gives them, read from the metadata
+    file's first header lines: `dist.metadata` parses the whole file as an email message, ~0.2 ms
+    each, some 60 ms of every run's start for a few hundred installed distributions."""
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    headers: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line
+        key, sep, value = line.partition(":")
+        if sep and key in ("Name", "Version") and key not in headers:
+            headers[key] = value.strip()
+        if len(headers) == 2:
+            return headers["Name"], headers["Version"]
+    return dist.metadata["Name"], dist.version  # anything unusual: the email parser's reading
 
 
 def git_revision() -> str | None:
