@@ -13,7 +13,7 @@ warnings.simplefilter("ignore")
 from tether.train.model.bridge import _bridge_class, parallel_states
 from tether.train.model.mbridge_import import family_modules
 
-out = {"families": family_modules()}
+out = {"families": dict(family_modules())}
 llama = _bridge_class("llama")
 from mbridge.core.bridge import _MODEL_REGISTRY
 parallel_states(tp_size=1, pp_size=1)

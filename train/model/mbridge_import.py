@@ -16,12 +16,13 @@ sources (`@register_model("...")`), not listed here: a newer mbridge brings its 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import re
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 _REGISTERS = re.compile(r"""@register_model\(\s*["']([^"']+)["']\s*\)""")
@@ -73,18 +74,19 @@ def complete_mbridge() -> None:
         spec.loader.exec_module(module)
 
 
-def family_modules() -> dict[str, str]:
+def family_modules() -> Mapping[str, str]:
     """model_type → the mbridge module whose `@register_model` registers it, read from the
     sources of `mbridge.models` (defers mbridge first, so nothing is imported)."""
     defer_mbridge()
     return _scan(_REGISTERS)
 
 
-def _scan(pattern: re.Pattern[str]) -> dict[str, str]:
+@functools.cache  # the installed sources do not change within a process: read them once per pattern
+def _scan(pattern: re.Pattern[str]) -> Mapping[str, str]:
     """What `pattern` finds in the sources of `mbridge.models` → the module it is in (first wins)."""
     spec = importlib.util.find_spec(_PACKAGES[1])
     if spec is None or not spec.submodule_search_locations:
-        return {}
+        return types.MappingProxyType({})
     out: dict[str, str] = {}
     for root in spec.submodule_search_locations:
         for path in sorted(Path(root).rglob("*.py")):
@@ -94,7 +96,7 @@ def _scan(pattern: re.Pattern[str]) -> dict[str, str]:
             module = ".".join((_PACKAGES[1], *parts))
             for found in pattern.findall(path.read_text(errors="replace")):
                 out.setdefault(found, module)
-    return out
+    return types.MappingProxyType(out)
 
 
 def register_families(model_types: Iterable[str]) -> None:
