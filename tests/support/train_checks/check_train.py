@@ -19,6 +19,7 @@ from pathlib import Path
 import common
 import torch.distributed as dist
 
+from tether.runtime.files.atomic_file import write_bytes_atomic
 from tether.train.checkpoint import load_save as checkpoint
 from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.model import build as model
@@ -112,7 +113,8 @@ def rl_run(actor: model.Actor, results: common.Results, work: Path) -> None:
         np.float32
     )
     config = work / "tis.yaml"
-    config.write_text("cap: 2.0\nfloor: 0.75\n")
+    # Every rank writes it: atomically, so that no rank reads it while another truncates it.
+    write_bytes_atomic(config, b"cap: 2.0\nfloor: 0.75\n")
     algo = AlgorithmConfig(
         advantage_estimator="cispo",
         eps_clip=1.0,
