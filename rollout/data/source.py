@@ -197,6 +197,9 @@ def record_tools(raw: dict[str, Any], tool_key: str | None, where: str) -> list[
 
 def load_tokenizer(path: str) -> Any:
     """The Hugging Face tokenizer in a model directory (never fetched from a hub)."""
+    from tether.runtime.process.deferred_package import defer_transformers_models
+
+    defer_transformers_models()  # the tokenizer's model modules alone, not transformers' 400
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -20,10 +20,11 @@ import functools
 import importlib
 import importlib.util
 import re
-import sys
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+from tether.runtime.process import deferred_package
 
 _REGISTERS = re.compile(r"""@register_model\(\s*["']([^"']+)["']\s*\)""")
 _CLASSES = re.compile(r"^class (\w+)\b", re.MULTILINE)
@@ -33,45 +34,23 @@ _PACKAGES = ("mbridge", "mbridge.models")  # parent first: finding the child's s
 def defer_mbridge() -> bool:
     """Put mbridge's two packages in `sys.modules` unexecuted; False (nothing done) when mbridge
     is already imported or not installed."""
-    if _PACKAGES[0] in sys.modules or importlib.util.find_spec(_PACKAGES[0]) is None:
-        return False
-    for name in _PACKAGES:
-        spec = importlib.util.find_spec(name)
-        assert spec is not None and spec.loader is not None, name
-        module = importlib.util.module_from_spec(spec)
-        module.__dict__["__getattr__"] = _completer(module)  # PEP 562: asked for missing names
-        sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, module)
-    return True
+    return deferred_package.defer(_PACKAGES, _bridge_class_module)
 
 
-def _completer(module: types.ModuleType) -> Callable[[str], object]:
-    def __getattr__(name: str) -> object:
-        # A bridge class asked of `mbridge.models` (some bridges import their base classes so,
-        # mid-import, which must not run the package's own __init__): its module alone.
-        if module.__name__ == _PACKAGES[1] and "__getattr__" in module.__dict__:
-            defined_in = _scan(_CLASSES).get(name)
-            if defined_in is not None:
-                return getattr(importlib.import_module(defined_in), name)
-        complete_mbridge()
-        return getattr(module, name)
-
-    return __getattr__
+def _bridge_class_module(module: types.ModuleType, name: str) -> object:
+    # A bridge class asked of `mbridge.models` (some bridges import their base classes so,
+    # mid-import, which must not run the package's own __init__): its module alone.
+    if module.__name__ == _PACKAGES[1]:
+        defined_in = _scan(_CLASSES).get(name)
+        if defined_in is not None:
+            return getattr(importlib.import_module(defined_in), name)
+    return deferred_package.MISSING
 
 
 def complete_mbridge() -> None:
     """Run the `__init__` of each deferred package (models first: mbridge's own imports it and
     its registry must be whole before anyone reads it)."""
-    for name in reversed(_PACKAGES):
-        module = sys.modules.get(name)
-        if module is None or "__getattr__" not in module.__dict__:
-            continue
-        del module.__dict__["__getattr__"]  # runs once; the real namespace fills in below
-        spec = module.__spec__
-        assert spec is not None and spec.loader is not None
-        spec.loader.exec_module(module)
+    deferred_package.complete(_PACKAGES)
 
 
 def family_modules() -> Mapping[str, str]:

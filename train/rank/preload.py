@@ -45,6 +45,7 @@ PLAIN = (
 
 def preload() -> list[str]:
     """Import every module above; returns those that failed to import (for the tests)."""
+    from tether.runtime.process.deferred_package import defer_transformers_models
     from tether.runtime.process.gc_tuning import imports_without_gc
     from tether.train.model.mbridge_import import defer_mbridge
     from tether.train.model.megatron_cpu import lean_megatron_imports, quiet_megatron_imports
@@ -57,8 +58,9 @@ def preload() -> list[str]:
         except Exception:  # the rank imports it again and reports the error itself
             failed.append(name)
 
-    defer_mbridge()  # mbridge's package __init__s run only if something asks for all of it
     with imports_without_gc():
+        defer_mbridge()  # mbridge's package __init__s run only if something asks for all of it
+        defer_transformers_models()  # so does transformers.models' (it reads 400 models' sources)
         with lean_megatron_imports():
             for name in LEAN:
                 load(name)

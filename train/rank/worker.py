@@ -934,13 +934,16 @@ def main(args: argparse.Namespace) -> int:
 
     die_with_parent()  # the rank ends with its torchrun agent, however that one ends
 
+    from tether.runtime.process.deferred_package import defer_transformers_models
     from tether.runtime.process.gc_tuning import imports_without_gc
     from tether.train.model.megatron_cpu import lean_megatron_imports
 
     # Once, quietly, before any rank work; without the Dynamo/Inductor, wandb and TensorBoard
     # imports Megatron's own import makes and a rank never uses (~2.5 s of each rank's start).
-    with imports_without_gc(), lean_megatron_imports():
-        import megatron.core  # noqa: F401
+    with imports_without_gc():
+        defer_transformers_models()  # a rank reads its own model's config only
+        with lean_megatron_imports():
+            import megatron.core  # noqa: F401
     if args.ipc_dir is not None:
         args.ipc_dir.mkdir(parents=True, exist_ok=True)
     uvloop.run(serve(args.rpc_address_dir, args.bind_host, args.ipc_dir, args.node_address, args.job))

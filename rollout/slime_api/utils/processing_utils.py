@@ -11,6 +11,9 @@ from typing import Any
 
 def load_tokenizer(name_or_path: str, **kwargs: Any) -> Any:
     """The model's Hugging Face tokenizer (AutoTokenizer)."""
+    from tether.runtime.process.deferred_package import defer_transformers_models
+
+    defer_transformers_models()  # the tokenizer's model modules alone, not transformers' 400
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
