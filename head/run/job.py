@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from tether.records.metrics import MetricsSink
 from tether.records.progress import RunProgress
 from tether.records.run_dir import RunDir, default_run_dir, redact_argv
 from tether.rollout.data import slime_state as slime_data_state
+from tether.rollout.data.custom_source import DEFAULT_ROLLOUT, is_custom_source
 from tether.rollout.data.source import DataSource
 from tether.rollout.engine_api.auth import run_key
 from tether.rollout.routing.router import Router
@@ -49,7 +51,7 @@ from tether.runtime.process.sdnotify import Notifier
 from tether.runtime.process.signals import StopRequest, StopRequested, handle_signals
 from tether.runtime.process.supervisor import LOCAL, Heartbeat, Supervisor
 from tether.runtime.rpc.secret import SECRET_ENV, new_secret, secret_from_env
-from tether.train.checkpoint.layout import StartChoice, StartKind, start_attempts
+from tether.train.checkpoint.layout import StartChoice, StartKind, holds_megatron_checkpoint, start_attempts
 from tether.train.config import AlgorithmConfig
 from tether.train.rank.protocol import LoadedState
 
@@ -95,7 +97,7 @@ def starts_rollout_early(cfg: Config) -> bool:
     engine monitor that --use-fault-tolerance starts with the loop (a rollout before it could
     not wait out an engine's restart).
     """
-    debug, algorithm = cfg.debug, cfg.algorithm
+    algorithm = cfg.algorithm
     fresh = not start_attempts(
         algorithm.load,
         algorithm.ref_load,
@@ -103,12 +105,45 @@ def starts_rollout_early(cfg: Config) -> bool:
         save=algorithm.save,
         load_is_hf=False,  # any --load is an attempt; whether it is HF does not matter here
     )
+    return fresh and _may_start_rollout_early(cfg)
+
+
+def _may_start_rollout_early(cfg: Config) -> bool:
+    """What any early first rollout needs besides the weights (`starts_rollout_early`)."""
+    debug = cfg.debug
     return (
-        fresh
-        and overlap_start(cfg)
+        overlap_start(cfg)
         and not (debug.debug_rollout_only or debug.debug_train_only)
         and not debug.check_weight_update_equal
         and not cfg.fault_tolerance.use_fault_tolerance
+    )
+
+
+def speculates_rollout_early(cfg: Config) -> bool:
+    """Whether the first rollout generates while the trainer ranks start on weights the actor
+    may not start from: --ref-load, an HF --load, or a --load in which the head sees no
+    checkpoint (slime's first launch: `--load` = `--save`, empty, and `--ref-load` the base
+    model's Megatron conversion). The engines serve --hf-checkpoint's weights; once the actor
+    has loaded, `resume` keeps the rollout if the actor holds exactly those weights
+    (`TrainerPool.hf_difference`) and discards it unseen otherwise, drawing its prompts again
+    after the weight sync. Only where a discard puts everything back: tether's own rollout
+    function and data source, not the fully-async worker (it draws ahead without end).
+    """
+    if starts_rollout_early(cfg) or not _may_start_rollout_early(cfg):
+        return False
+    algorithm = cfg.algorithm
+    attempts = start_attempts(
+        algorithm.load, algorithm.ref_load, auto_resume=cfg.run.auto_resume, save=algorithm.save
+    )
+    resumes = any(
+        c.kind is StartKind.RESUME and c.path is not None and holds_megatron_checkpoint(Path(c.path))
+        for c in attempts
+    )
+    return (
+        not resumes
+        and cfg.run.loop != "fully-async"
+        and cfg.rollout.rollout_function_path in (None, DEFAULT_ROLLOUT)
+        and not is_custom_source(cfg.rollout.data_source_path)
     )
 
 
@@ -258,9 +293,13 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                 if overlap:  # else after the trainers, as before
                     rollouts = await rollout_stack.enter_async_context(RolloutManager(cfg, router))
                     # slime evaluates the first weights before the first rollout: not at once.
-                    if starts_rollout_early(cfg) and not rollouts.eval_before_train():
-                        await rollouts.start_early(0)
-                        run_dir.event("rollout_started_early", rollout_id=0)
+                    if not rollouts.eval_before_train():
+                        if starts_rollout_early(cfg):
+                            await rollouts.start_early(0)
+                            run_dir.event("rollout_started_early", rollout_id=0)
+                        elif await asyncio.to_thread(speculates_rollout_early, cfg):  # reads --load
+                            await rollouts.start_early(0, speculative=True)
+                            run_dir.event("rollout_started_early", rollout_id=0, speculative=True)
 
             async def start_trainer_side(into: contextlib.AsyncExitStack) -> None:
                 nonlocal trainer
@@ -514,6 +553,7 @@ async def resume(cfg: Config, steps: Steps) -> int:
     if state is None:
         what = ", ".join(f"{c.flag}={c.path}" for c in attempts) or "nothing to load"
         _discard_after(steps, -1, f"no checkpoint ({what}): starting from --hf-checkpoint")
+        await _keep_early_rollout(steps, cfg, 0, same_weights=True)
         return 0
     for bad in state.skipped:
         # A damaged newest checkpoint (e.g. a truncated shard): the ranks fell back to an older one.
@@ -525,6 +565,7 @@ async def resume(cfg: Config, steps: Steps) -> int:
     if state.rollout_id < 0:
         # Weights only (an HF --load, --ref-load, a release checkpoint, --finetune): a fresh run from them.
         first = fresh_start_rollout_id(choice)
+        kept = await _keep_early_rollout(steps, cfg, first, same_weights=False)
         _discard_after(steps, -1, f"started from {state.path}")
         steps.run_dir.event(
             "started_from", source=choice.kind.value, flag=choice.flag, path=state.path, start=first
@@ -535,14 +576,16 @@ async def resume(cfg: Config, steps: Steps) -> int:
             if position:
                 steps.position = position
                 steps.rollouts.load_position(position)
-        # The engines loaded --hf-checkpoint (version 0): publish these weights as the next version.
-        if steps.engines is not None:
+        # The engines loaded --hf-checkpoint (version 0): publish these weights as the next
+        # version, unless they are those very weights (the early rollout generated on them, kept).
+        if steps.engines is not None and not kept:
             steps.version = published
             await steps.sync_weights(-1)
         steps.progress.message(
             f"starting from {state.path} ({choice.reason}) at rollout {first}, weights v{steps.version}"
         )
         return first
+    await _keep_early_rollout(steps, cfg, state.rollout_id + 1, same_weights=False, resumed=True)
     _discard_after(steps, state.rollout_id, f"resumed from {state.path}")
     steps.completed = state.rollout_id
     position = state.data_position or await _slime_position(steps, state)
@@ -581,6 +624,38 @@ def _ckpt_step(choice: StartChoice, algorithm: AlgorithmConfig) -> dict[str, Any
     if choice.kind is StartKind.REF_LOAD and algorithm.ref_ckpt_step is not None:
         return {"ckpt_step": algorithm.ref_ckpt_step, "ckpt_step_flag": "--ref-ckpt-step"}
     return {"ckpt_step": algorithm.ckpt_step, "ckpt_step_flag": "--ckpt-step"}
+
+
+async def _keep_early_rollout(
+    steps: Steps, cfg: Config, first: int, *, same_weights: bool, resumed: bool = False
+) -> bool:
+    """Decide the speculative early rollout's fate once the actor has loaded (none started:
+    False). Kept when the loop starts at its rollout and the actor holds the engines' weights
+    (`same_weights`: known so; else compared tensor by tensor with --hf-checkpoint); else
+    cancelled, with its prompts put back, before anything is published to the engines."""
+    early = steps.rollouts.speculative_early
+    if early is None or steps.trainer is None:
+        return False
+    started = time.monotonic()
+    if resumed:
+        why = f"the run resumes from a checkpoint, at rollout {first}"
+    elif early != first:
+        why = f"the run starts at rollout {first}"
+    elif steps.ledger.entries:  # an earlier launch in this run directory: versions only increase
+        why = "this run directory has published weights before"
+    elif same_weights:
+        why = None
+    else:
+        assert cfg.rollout.hf_checkpoint is not None  # the engines loaded it
+        why = await steps.trainer.hf_difference(cfg.rollout.hf_checkpoint)
+    seconds = time.monotonic() - started
+    if why is None:
+        steps.run_dir.event("early_rollout_kept", rollout_id=early, compare_s=seconds)
+        return True
+    await steps.rollouts.discard_early()
+    steps.run_dir.event("early_rollout_discarded", rollout_id=early, reason=why, compare_s=seconds)
+    steps.progress.message(f"the early rollout {early} was generated on other weights ({why}): discarded")
+    return False
 
 
 def fresh_start_rollout_id(choice: StartChoice) -> int:

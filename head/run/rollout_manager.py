@@ -109,8 +109,10 @@ class RolloutManager:
         self._stack = contextlib.AsyncExitStack()
         self._source_loaded = False
         """--data-source-path: whether the class's `load(start_rollout_id - 1)` has been called."""
-        self._early: tuple[int, asyncio.Task[Groups]] | None = None
+        self._early: tuple[int, asyncio.Task[tuple[Groups, float]]] | None = None
         """A rollout started before the loop asked for it (`start_early`), with its id."""
+        self._before_early: dict[str, Any] | None = None
+        """The data position before a speculative early rollout drew its prompts."""
 
     def _load(self) -> None:
         """Tokenizer and prompts: seconds of blocking work, so never on the head's event loop
@@ -175,30 +177,67 @@ class RolloutManager:
                 task.exception()  # retrieved, so that a failed rollout is not reported as lost
         await self._stack.aclose()
 
-    async def start_early(self, rollout_id: int) -> None:
+    async def start_early(self, rollout_id: int, *, speculative: bool = False) -> None:
         """Start rollout `rollout_id` now, before the loop asks for it: while the trainer ranks
         start, on weights the engines already serve (the caller's to know, see
         `tether.run.job.starts_rollout_early`). The loop's `generate` (or, fully async, the warm
-        worker's first batch) then takes it; an exit before that cancels it."""
+        worker's first batch) then takes it; an exit before that cancels it.
+
+        `speculative`: on weights the trainer may not start from (`tether.run.job.
+        speculates_rollout_early`); the caller then takes it as it is or `discard_early`s it.
+        Nothing of it shows (rollout log hook, debug dump, metrics) before the loop takes it."""
+        if speculative:
+            if self.config.run.loop == "fully-async":
+                raise ValueError("a speculative early rollout cannot be a fully-async worker's")
+            self._before_early = self.position()
         if self.config.run.loop == "fully-async":
             await self._start_worker(rollout_id)  # it draws ahead as soon as it runs
         elif self._early is None:
-            self._early = (rollout_id, asyncio.create_task(self._generate(rollout_id)))
+            self._early = (rollout_id, asyncio.create_task(self._produce(rollout_id)))
+
+    @property
+    def speculative_early(self) -> int | None:
+        """The id of the speculative early rollout not taken or discarded yet, else None."""
+        return self._early[0] if self._early is not None and self._before_early is not None else None
+
+    async def discard_early(self) -> bool:
+        """Cancel the early rollout and put back everything it drew (the data source's position,
+        its buffer); False when there was none. Its requests still on the engines are aborted."""
+        early, self._early = self._early, None
+        before, self._before_early = self._before_early, None
+        if early is None:
+            return False
+        rollout_id, task = early
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: its outcome is moot
+        if self.router is not None:
+            await self.router.abort_all()
+        self._positions.pop(rollout_id, None)
+        if before is not None:
+            self.load_position(before)
+        self.metrics = {}
+        return True
 
     # ----- what the loops call -----
     async def generate(self, rollout_id: int) -> Groups:
         early = self._early
         if early is not None:
-            self._early = None
+            self._early = self._before_early = None
             if early[0] != rollout_id:  # a start the caller got wrong: nothing of it may be trained
                 early[1].cancel()
                 raise RuntimeError(
                     f"rollout {early[0]} was started early, but the loop began at {rollout_id}"
                 )
-            return await early[1]
-        return await self._generate(rollout_id)
+            groups, seconds = await early[1]
+        else:
+            groups, seconds = await self._produce(rollout_id)
+        self._after_rollout(rollout_id, groups, seconds)
+        return groups
 
-    async def _generate(self, rollout_id: int) -> Groups:
+    async def _produce(self, rollout_id: int) -> tuple[Groups, float]:
+        """Rollout `rollout_id`'s groups and the seconds they took; `generate` reports them."""
         debug = self.config.debug
         started = time.monotonic()
         if debug.load_debug_rollout_data is not None:
@@ -226,8 +265,7 @@ class RolloutManager:
             # The position a checkpoint after this step records: taken now, because in the
             # async loop the next rollout draws prompts before this step ends.
             self._positions[rollout_id] = self.position()
-        self._after_rollout(rollout_id, groups, time.monotonic() - started)
-        return groups
+        return groups, time.monotonic() - started
 
     async def _start_worker(self, rollout_id: int) -> None:
         # Started by the first step (or `start_early`), not on entry: a resume loads the data

@@ -53,6 +53,7 @@ from tether.sync.ledger import LedgerEntry
 from tether.train.checkpoint.layout import critic_checkpoint_dir
 from tether.train.megatron_roles import role_config
 from tether.train.rank.protocol import (
+    CompareHFRequest,
     ExportRequest,
     InitRequest,
     LoadedState,
@@ -556,6 +557,15 @@ class TrainerPool:
         if self.critic is not None and state is not None and not (finetune or hf):
             await self._load_critic(Path(state.path))
         return state
+
+    async def hf_difference(self, hf_dir: str) -> str | None:
+        """None when the actor holds exactly the weights of the HF checkpoint in `hf_dir` (every
+        tensor it would sync, `tether.train.checkpoint.hf_match`); else the first difference."""
+        results = await self._all(lambda rank: rank.compare_hf(CompareHFRequest(hf_dir=hf_dir)))
+        found = next((r.difference for r in results if r.difference is not None), None)
+        if found is None and not any(r.compared for r in results):
+            return "no rank compared a tensor"
+        return found
 
     async def _load_critic(self, actor_checkpoint: Path) -> None:
         """The critic's checkpoint of the step the actor resumed from, when the run saved one;

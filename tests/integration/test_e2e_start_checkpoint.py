@@ -1,6 +1,8 @@
 """The actor starts from the checkpoint slime would pick, and the engines serve it from the first
 rollout: `--ref-load` (a Megatron checkpoint made by `tether convert`) with a --load that holds
-nothing, and `--load` naming an HF directory, each with weights unlike --hf-checkpoint's."""
+nothing, and `--load` naming an HF directory, each with weights unlike --hf-checkpoint's (the
+first rollout, generated while the trainer loaded, is discarded and drawn again after the sync);
+and `--ref-load` converted from --hf-checkpoint itself (that rollout is kept, nothing synced)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,22 @@ def other(ws: Workspace, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
     mg = root / "other_torch_dist"
     tether("convert", "hf-to-megatron", "--hf-checkpoint", str(hf), "--save", str(mg))
     return hf, mg
+
+
+@pytest.fixture(scope="module")
+def same(ws: Workspace, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The workspace model's own Megatron conversion: slime's --ref-load at a first launch."""
+    mg = tmp_path_factory.mktemp("same") / "torch_dist"
+    tether("convert", "hf-to-megatron", "--hf-checkpoint", str(ws.model), "--save", str(mg))
+    return mg
+
+
+def _step_0_samples(run: Path) -> tuple[list[int], set[str]]:
+    """Step 0's sample indices, and the engine weight versions they were generated with."""
+    records = [r for r in jsonl(run / "samples.jsonl") if r["step"] == 0]
+    assert records
+    samples = [s for r in records for s in r["samples"]]
+    return sorted(index for index, _, _ in samples), {v for _, _, versions in samples for v in versions}
 
 
 @pytest.mark.parametrize("start", ["ref-load", "hf-load", "ref-load-hf"])
@@ -64,7 +82,15 @@ def test_the_engines_first_rollout_uses_the_loaded_weights(
     # Published before the first rollout's step trained: v1 is the loaded weights themselves.
     first_sync = names.index("weight_sync")
     assert names.index("ready") > first_sync
-    assert "rollout_started_early" not in names  # the engines' weights were not the loaded ones
+    # Rollout 0 began on the engines' --hf-checkpoint weights while the trainer loaded; the
+    # loaded weights differ, so it was discarded before the sync and drawn again after it.
+    early = next(e for e in events if e["event"] == "rollout_started_early")
+    assert early["speculative"] and early["rollout_id"] == 0
+    discarded = next(e for e in events if e["event"] == "early_rollout_discarded")
+    assert names.index("early_rollout_discarded") < first_sync and "values differ" in discarded["reason"]
+    assert "early_rollout_kept" not in names
+    # Drawn again after the sync: the discarded rollout's prompts were put back.
+    assert _step_0_samples(run) == (list(range(16)), {"1"})
     published = load_file(str(weights / "weight_v000001" / "model-00001-of-00001.safetensors"))
     source = load_file(str(hf / "model.safetensors"))
     assert sorted(published) == sorted(source)
@@ -76,6 +102,33 @@ def test_the_engines_first_rollout_uses_the_loaded_weights(
         assert abs(metrics[0]["train/kl"]) < 1e-6
     assert next(e["version"] for e in jsonl(run / "ledger.jsonl")) == 1
     check_clean_exit(run)
+
+
+def test_a_ref_load_of_the_engines_weights_keeps_the_early_rollout(
+    ws: Workspace, same: Path, tmp_path: Path, run_dir: Path
+) -> None:
+    """slime's first launch (`--ref-load` the base model's conversion, `--load` = `--save`
+    empty): the rollout generated while the trainer loaded is trained on, nothing is published
+    before the first step, and the engine's log-probs agree with the trainer's."""
+    empty = tmp_path / "save"
+    tether(
+        "run",
+        *ws.flags(
+            run_dir, "--num-rollout", "1", "--ref-load", str(same), "--load", str(empty), "--save", str(empty)
+        ),
+    )
+    events = jsonl(run_dir / "events.jsonl")
+    names = [e["event"] for e in events]
+    assert next(e for e in events if e["event"] == "rollout_started_early")["speculative"]
+    assert names.index("rollout_started_early") < names.index("early_rollout_kept") < names.index("ready")
+    assert "early_rollout_discarded" not in names
+    assert names.index("weight_sync") > names.index("ready")  # the first publish is step 0's
+    started = next(e for e in events if e["event"] == "started_from")
+    assert started["source"] == "ref-load" and Path(started["path"]).is_relative_to(same)
+    assert _step_0_samples(run_dir) == (list(range(16)), {"default"})  # the weights the engine loaded
+    metrics = [m for m in jsonl(run_dir / "metrics.jsonl") if m["step"] == 0]
+    assert metrics and metrics[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    check_clean_exit(run_dir)
 
 
 def test_save_hf_writes_every_checkpoint_as_slime_names_it(

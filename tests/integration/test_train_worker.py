@@ -1,5 +1,6 @@
 """The trainer worker under torchrun (2 ranks, PP=2), driven over RPC as the head drives it:
-init, log-probs, SFT steps, export to HF, save and load, bad input, health while serving, shutdown."""
+init, log-probs, SFT steps, export to HF, comparison with HF weights, save and load, bad input,
+health while serving, shutdown."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tether.runtime.rpc.actors import connect
 from tether.runtime.rpc.secret import new_secret
 from tether.train.config import AlgorithmConfig, MegatronConfig
 from tether.train.rank.protocol import (
+    CompareHFRequest,
     ExportRequest,
     InitRequest,
     LoadRequest,
@@ -73,6 +75,8 @@ async def _drive(
         )
         init = InitRequest(hf_checkpoint=str(model_dir), algorithm=algo, megatron=megatron)
         out["infos"] = await _all(ranks, lambda rank: rank.init(init))
+        loaded = CompareHFRequest(hf_dir=str(model_dir))
+        out["compare_loaded"] = await _all(ranks, lambda rank: rank.compare_hf(loaded))
         batch = make_batch(4, seed=3)
         plan = [[0, 1], [2, 3]]
         log_probs = LogProbsRequest(shard=batch, plan=plan, with_entropy=True)
@@ -85,6 +89,9 @@ async def _drive(
         out["health"] = [await rank.health() for rank in ranks]
         export = ExportRequest(out_dir=str(tmp / "hf_out"), version=7)
         out["export"] = await _all(ranks, lambda rank: rank.export_hf(export))
+        exported = CompareHFRequest(hf_dir=out["export"][0].path)
+        out["compare_exported"] = await _all(ranks, lambda rank: rank.compare_hf(exported))
+        out["compare_trained"] = await _all(ranks, lambda rank: rank.compare_hf(loaded))
         save = SaveRequest(
             save_dir=str(tmp / "ckpt"),
             step=3,
@@ -137,6 +144,13 @@ def test_worker_serves_the_head_protocol(tmp_path: Path, tiny_model: Path) -> No
 
     exported = Path(out["export"][0].path)
     assert out["export"][1].path is None
+    # Each stage's sync source compares its own layers: the loaded weights are --hf-checkpoint's,
+    # the trained ones are those exported, and no longer the checkpoint's.
+    for key in ("compare_loaded", "compare_exported"):
+        assert [r.difference for r in out[key]] == [None, None], key
+        assert all(r.compared > 0 for r in out[key]), key
+    differences = [r.difference for r in out["compare_trained"]]
+    assert all(d is not None and "values differ" in d for d in differences), differences
     index = json.loads((exported / "model.safetensors.index.json").read_text())
     with safe_open(str(tiny_model / "model.safetensors"), framework="np") as f:
         assert sorted(index["weight_map"]) == sorted(f.keys())

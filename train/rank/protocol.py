@@ -208,6 +208,18 @@ class ExportResult(msgspec.Struct, kw_only=True):
     path: str | None = None  # where rank 0 wrote it; None on the other ranks
 
 
+class CompareHFRequest(msgspec.Struct, kw_only=True):
+    """Compare the actor's weights with those of the HF checkpoint in `hf_dir`, tensor by tensor
+    (`tether.train.checkpoint.hf_match`)."""
+
+    hf_dir: str
+
+
+class CompareHFResult(msgspec.Struct, kw_only=True):
+    compared: int  # tensors this rank compared (none on a rank that only joins the TP gathers)
+    difference: str | None = None  # the first tensor that differs, and how; None: all equal
+
+
 class RankApi(Protocol):
     """The RPC surface of a trainer rank: `TrainerWorker` serves it, `RankClient` calls it.
 
@@ -233,6 +245,8 @@ class RankApi(Protocol):
         ...
 
     async def export_hf(self, request: ExportRequest) -> ExportResult: ...
+
+    async def compare_hf(self, request: CompareHFRequest) -> CompareHFResult: ...
 
     async def offload(self) -> None:
         """--offload-train: move the trainer's device memory to host now (before colocated engines
@@ -301,6 +315,9 @@ class RankClient(RankApi):
 
     async def export_hf(self, request: ExportRequest) -> ExportResult:
         return await self._call(RankApi.export_hf, ExportResult, request)
+
+    async def compare_hf(self, request: CompareHFRequest) -> CompareHFResult:
+        return await self._call(RankApi.compare_hf, CompareHFResult, request)
 
     async def offload(self) -> None:
         await self._call(RankApi.offload, None)

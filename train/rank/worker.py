@@ -44,6 +44,8 @@ from tether.train.config import AlgorithmConfig, MegatronConfig
 # Imported at run time, not only for mypy: the RPC server reads these annotations of the
 # served methods to decode each request as its Struct.
 from tether.train.rank.protocol import (
+    CompareHFRequest,
+    CompareHFResult,
     DamagedCheckpoint,
     ExportRequest,
     ExportResult,
@@ -542,6 +544,20 @@ class TrainerWorker(RankApi):
             return ExportResult(path=None if path is None else str(path))
 
         return await self._run(work)
+
+    async def compare_hf(self, request: CompareHFRequest) -> CompareHFResult:
+        """Whether the actor's weights are exactly those of an HF checkpoint; collective over all
+        ranks (the export's TP gathers); each stage's sync source compares its own tensors."""
+        actor = self._require_init()
+
+        def work() -> CompareHFResult:
+            from tether.train.checkpoint.hf_match import compare_with_hf
+
+            return compare_with_hf(
+                actor.chunks, actor.arch, request.hf_dir, compare=self._topo.is_sync_source
+            )
+
+        return await self._run(work, needs="weights")
 
     async def update_weights(self, request: UpdateWeightsRequest) -> WeightUpdateResult:
         """Publish the actor's weights as `version` to every engine; collective over all ranks.
