@@ -423,6 +423,7 @@ class RecordingTrainer:
 
 
 class RecordingRollouts:
+    speculative_early = None  # no first rollout started before the loop
     router = None
     data = None
     weight_version = 0

@@ -166,6 +166,8 @@ class FakeRollouts:
     """One group of two samples per rollout, drawn from a data source whose position is the
     number of groups drawn; the fully-async worker draws one rollout ahead."""
 
+    speculative_early = None  # no first rollout started before the loop
+
     router = None
     data = None  # not tether's DataSource: no slime data-state file is written
 

@@ -34,6 +34,8 @@ class _Trainer:
 
 
 class _Rollouts:
+    speculative_early = None  # no first rollout started before the loop
+
     def __init__(self) -> None:
         prompts = [PromptRecord(prompt=f"p{i}", tokens=[100 + i]) for i in range(10)]
         self.data = DataSource(prompts, n_samples_per_prompt=2)
