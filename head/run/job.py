@@ -654,7 +654,7 @@ async def _keep_early_rollout(
         return True
     await steps.rollouts.discard_early()
     steps.run_dir.event("early_rollout_discarded", rollout_id=early, reason=why, compare_s=seconds)
-    steps.progress.message(f"the early rollout {early} was generated on other weights ({why}): discarded")
+    steps.progress.message(f"rollout {early}, generated while the trainer loaded, is discarded: {why}")
     return False
 
 
