@@ -99,6 +99,6 @@ def defer_transformers_models() -> bool:
     """Defer `transformers.models` (see the module docstring); transformers itself is imported
     here if it is not yet. False where `transformers.models` is imported already or transformers
     is not installed. Loading a tokenizer or a config imports only that model's modules."""
-    if TRANSFORMERS_MODELS in sys.modules or importlib.util.find_spec("transformers") is None:
+    if importlib.util.find_spec("transformers") is None:  # else finding the child's spec raises
         return False
     return defer((TRANSFORMERS_MODELS,))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tether.train.checkpoint.hf_match import first_difference, tensor_difference
+from tether.train.checkpoint.hf_match import compare_with_hf, first_difference, tensor_difference
 from tether.train.model.hf_convert import HFWeights
 
 
@@ -65,3 +65,22 @@ def test_the_export_is_iterated_to_its_end_after_a_difference(hf: HFWeights) -> 
     assert taken == ["w_fp32", "w_bf16"]  # the TP gathers behind it are collectives
     taken.clear()
     assert first_difference(exported(), None).compared == 0 and taken == ["w_fp32", "w_bf16"]
+
+
+def test_an_unreadable_checkpoint_is_a_difference_not_an_error(
+    hf: HFWeights, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exported = [("w_fp32", hf.get("w_fp32"))]
+    monkeypatch.setattr(
+        "tether.train.checkpoint.hf_match.iter_hf_weights", lambda chunks, arch: iter(exported)
+    )
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    result = compare_with_hf([], None, str(bin_only), compare=True)  # type: ignore[arg-type]
+    assert result.compared == 0 and str(result.difference).startswith(
+        f"cannot read {bin_only} as safetensors"
+    )
+    assert compare_with_hf([], None, str(hf.dir), compare=True).difference is None  # type: ignore[arg-type]
+    (hf.dir / "model.safetensors").write_bytes(b"truncated")  # listed before, unreadable now
+    found = first_difference(iter(exported), hf)
+    assert found.compared == 1 and str(found.difference).startswith("w_fp32: cannot read it from")

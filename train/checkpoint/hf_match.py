@@ -44,12 +44,27 @@ def first_difference(exported: Iterable[tuple[str, torch.Tensor]], hf: HFWeights
     for name, tensor in exported:
         if hf is None or difference is not None:
             continue
-        difference = tensor_difference(name, tensor, hf)
+        try:
+            difference = tensor_difference(name, tensor, hf)
+        except Exception as exc:  # an unreadable shard: not known equal, and the export goes on
+            difference = f"{name}: cannot read it from {hf.dir}: {exc}"
         compared += 1
     return CompareHFResult(compared=compared, difference=difference)
 
 
 def compare_with_hf(chunks: list[Any], arch: ModelArch, hf_dir: str, *, compare: bool) -> CompareHFResult:
     """This rank's part of the comparison: every rank exports (collective over its TP group);
-    `compare` (a stage's sync source) reads the checkpoint and compares."""
-    return first_difference(iter_hf_weights(chunks, arch), HFWeights(hf_dir) if compare else None)
+    `compare` (a stage's sync source) reads the checkpoint and compares. A checkpoint it cannot
+    read (no safetensors: an engine may load .bin files) is a difference, not an error: the run
+    then publishes the actor's weights as it would without the comparison."""
+    hf = None
+    unreadable = None
+    if compare:
+        try:
+            hf = HFWeights(hf_dir)
+        except Exception as exc:
+            unreadable = f"cannot read {hf_dir} as safetensors: {exc}"
+    result = first_difference(iter_hf_weights(chunks, arch), hf)
+    if unreadable is not None:
+        return CompareHFResult(compared=0, difference=unreadable)
+    return result
