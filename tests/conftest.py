@@ -8,6 +8,9 @@ Helpers that are not fixtures live in tests/support/ (importable as `support.*`)
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,17 @@ from support import net
 from support.e2e import Workspace, make_workspace
 from support.engines import SLOW_ENGINE, Engine, EngineFactory, start_cpu_engine, stop_engine
 from support.sdnotify import NotifySocket
+
+from tether.rollout.data.tokenizer_choice import CACHE_ENV
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests' own cache directory (tokenizer classes: tether.rollout.data.tokenizer_choice),
+    for this process and every run it starts, never the user's; removed at the end."""
+    if CACHE_ENV not in os.environ:
+        path = tempfile.mkdtemp(prefix="tether-test-cache-")
+        os.environ[CACHE_ENV] = path
+        config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
 @pytest.fixture

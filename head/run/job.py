@@ -41,7 +41,7 @@ from tether.run.nodes.capacity import RunCapacity
 from tether.run.nodes.names import node_names, remote_nodes, used_nodes
 from tether.run.nodes.ports import PortClaims, plan_with_free_ports
 from tether.run.nodes.trainer_loss import end_run, find_lost
-from tether.run.rollout_manager import RolloutManager
+from tether.run.rollout_manager import RolloutManager, load_rollout_inputs
 from tether.run.steps import Steps
 from tether.run.trainer_pool import TrainerPool
 from tether.runtime.errors import ActorDied, ConfigError, HeartbeatLost, RemoteError, find_exception
@@ -278,6 +278,13 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
 
             async def start_rollout_side() -> None:
                 nonlocal engines, router, rollouts
+                inputs = None
+                if overlap:
+                    # The tokenizer and prompts load while the engines start (seconds of CPU
+                    # that would otherwise follow them); an engine failing first leaves the
+                    # thread to finish, its outcome read.
+                    inputs = asyncio.ensure_future(asyncio.to_thread(load_rollout_inputs, cfg))
+                    inputs.add_done_callback(lambda f: f.cancelled() or f.exception())
                 if not cfg.debug.debug_train_only:
                     progress.phase("starting engines")
                     pool = await engine_stack.enter_async_context(
@@ -291,7 +298,7 @@ async def _run_planned(cfg: Config, argv: list[str], run_dir: RunDir, plan: Plan
                     if not cfg.debug.debug_rollout_only:
                         await release_engines_at_launch(cfg, pool, router)
                 if overlap:  # else after the trainers, as before
-                    rollouts = await rollout_stack.enter_async_context(RolloutManager(cfg, router))
+                    rollouts = await rollout_stack.enter_async_context(RolloutManager(cfg, router, inputs))
                     # slime evaluates the first weights before the first rollout: not at once.
                     if not rollouts.eval_before_train():
                         if starts_rollout_early(cfg):

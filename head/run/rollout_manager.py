@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -45,6 +45,39 @@ from tether.runtime.process.gc_tuning import imports_without_gc
 Groups = list[list[Sample]]
 
 
+class RolloutInputs(NamedTuple):
+    """What the rollout side reads before its first rollout: the tokenizer and the prompts."""
+
+    tokenizer: Any
+    data: DataSource | None
+
+
+def load_rollout_inputs(config: Config) -> RolloutInputs:
+    """Tokenizer and prompts: seconds of blocking work, so never on the head's event loop
+    (agents on other nodes count a stalled loop's missed heartbeats). No prompts where every
+    rollout is a saved one or a --data-source-path class serves them (built on entry, with the
+    hooks' args)."""
+    tokenizer: Any = None
+    if config.rollout.hf_checkpoint is not None:
+        with imports_without_gc():  # transformers' import, most of this load
+            tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
+        if config.debug.dump_details is not None:  # slime's layout: the tokenizer beside the dumps
+            tokenizer.save_pretrained(str(Path(config.debug.dump_details) / "tokenizer"))
+    if replays_saved_rollouts(config) or is_custom_source(config.rollout.data_source_path):
+        return RolloutInputs(tokenizer, None)
+    if config.data.disable_rollout_global_dataset:
+        return RolloutInputs(
+            tokenizer, BlankDataSource(n_samples_per_prompt=config.data.n_samples_per_prompt)
+        )
+    return RolloutInputs(tokenizer, DataSource.from_config(config.data, config.rollout, tokenizer))
+
+
+def replays_saved_rollouts(config: Config) -> bool:
+    """Every rollout is a saved one (--debug-train-only with --load-debug-rollout-data): no data
+    source, no context."""
+    return config.debug.debug_train_only and config.debug.load_debug_rollout_data is not None
+
+
 def version_lags(groups: Groups, current: int) -> list[int]:
     """Per sample: how many versions its oldest generating weights lag behind `current`.
 
@@ -76,14 +109,17 @@ class RolloutManager:
     """Owns the rollout context (router, rewards, hooks), the data source position, and the router
     front hooks reach the engines through (`args.sglang_router_ip`/`_port`)."""
 
-    def __init__(self, config: Config, router: Router | None) -> None:
+    def __init__(
+        self, config: Config, router: Router | None, inputs: asyncio.Future[RolloutInputs] | None = None
+    ) -> None:
+        """`inputs`: the tokenizer and prompts, already loading (`load_rollout_inputs` on a
+        thread, started while the engines start); else they are loaded on entry."""
         self.config = config
+        self._inputs = inputs
         self.tokenizer: Any = None
         self.data: DataSource | None = None  # loaded on entry, off the event loop
-        debug = config.debug
-        self._replays = debug.debug_train_only and debug.load_debug_rollout_data is not None
-        """Every rollout is a saved one (--load-debug-rollout-data): no data source, no context."""
-        if router is None and debug.debug_train_only and not self._replays:
+        self._replays = replays_saved_rollouts(config)
+        if router is None and config.debug.debug_train_only and not self._replays:
             # slime's --debug-train-only with a rollout function that generates nothing (its SFT
             # rollout): the data source and hooks run, and no engine ever will.
             router = Router(
@@ -114,24 +150,11 @@ class RolloutManager:
         self._before_early: dict[str, Any] | None = None
         """The data position before a speculative early rollout drew its prompts."""
 
-    def _load(self) -> None:
-        """Tokenizer and prompts: seconds of blocking work, so never on the head's event loop
-        (agents on other nodes count a stalled loop's missed heartbeats)."""
-        config = self.config
-        if config.rollout.hf_checkpoint is not None:
-            with imports_without_gc():  # transformers' import, most of this load
-                self.tokenizer = load_tokenizer(config.rollout.hf_checkpoint)
-            if config.debug.dump_details is not None:  # slime's layout: the tokenizer beside the dumps
-                self.tokenizer.save_pretrained(str(Path(config.debug.dump_details) / "tokenizer"))
-        if self._replays or is_custom_source(config.rollout.data_source_path):
-            return  # a --data-source-path class is built on entry, with the hooks' args
-        if config.data.disable_rollout_global_dataset:
-            self.data = BlankDataSource(n_samples_per_prompt=config.data.n_samples_per_prompt)
-        else:
-            self.data = DataSource.from_config(config.data, config.rollout, self.tokenizer)
-
     async def __aenter__(self) -> RolloutManager:
-        await asyncio.to_thread(self._load)
+        inputs = self._inputs
+        if inputs is None:
+            inputs = asyncio.ensure_future(asyncio.to_thread(load_rollout_inputs, self.config))
+        self.tokenizer, self.data = await inputs
         if self.router is not None:
             # The front serves from before the context exists (hooks' args carry its address) and
             # stops before the context closes the router.

@@ -196,13 +196,11 @@ def record_tools(raw: dict[str, Any], tool_key: str | None, where: str) -> list[
 
 
 def load_tokenizer(path: str) -> Any:
-    """The Hugging Face tokenizer in a model directory (never fetched from a hub)."""
-    from tether.runtime.process.deferred_package import defer_transformers_models
+    """The Hugging Face tokenizer in a model directory (never fetched from a hub): the one
+    AutoTokenizer gives, its class remembered between runs (`tether.rollout.data.tokenizer_choice`)."""
+    from tether.rollout.data.tokenizer_choice import load_tokenizer as load
 
-    defer_transformers_models()  # the tokenizer's model modules alone, not transformers' 400
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load(path, local_files_only=True)
 
 
 class DataSource:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tether.rollout.data.tokenizer_choice import CACHE_ENV
+
 _SCRIPT = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
@@ -33,6 +35,7 @@ else:
     out["ids"] = tok("hello world, 12 + 7 = 19")["input_ids"]
     out["chat"] = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     out["eos"] = tok.eos_token_id
+    out["torch"] = "torch" in sys.modules
 out["deferred"] = is_deferred("transformers.models")
 out["models_imported"] = sorted({n.split(".")[2] for n in sys.modules if n.startswith("transformers.models.")})
 import transformers.models
@@ -42,8 +45,9 @@ print(json.dumps(out))
 """
 
 
-def _run(model: Path, role: str, *, defer: bool) -> dict:
-    env = {**os.environ, "TETHER_DEFER_IMPORTS": "1" if defer else "0"}
+def _run(model: Path, role: str, *, defer: bool, cache: str = "") -> dict:
+    # No tokenizer-class cache unless asked (tether.rollout.data.tokenizer_choice): AutoTokenizer runs.
+    env = {**os.environ, "TETHER_DEFER_IMPORTS": "1" if defer else "0", CACHE_ENV: cache}
     done = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(model), role],
         capture_output=True,
@@ -76,3 +80,16 @@ def test_a_rank_reads_its_config_without_the_package(tiny_model: Path) -> None:
     assert set(deferred["models_imported"]) < set(eager["models_imported"])
     assert deferred["megatron"] == eager["megatron"] and deferred["megatron"]["num_layers"] > 0
     assert deferred["whole"] and not deferred["deferred_after"]
+
+
+def test_a_remembered_tokenizer_class_loads_without_torch_or_the_models_config(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    cache = str(tmp_path / "cache")
+    miss = _run(tiny_model, "head", defer=True, cache=cache)  # AutoTokenizer, its class recorded
+    hit = _run(tiny_model, "head", defer=True, cache=cache)
+    assert miss["torch"] and "llama" in miss["models_imported"]
+    # AutoConfig never ran: no model's modules, and no torch (AutoTokenizer's import brings it).
+    assert not hit["torch"] and hit["models_imported"] == []
+    for key in ("tokenizer", "ids", "chat", "eos"):
+        assert hit[key] == miss[key], key

@@ -115,3 +115,19 @@ def test_a_failed_ranks_traceback_is_logged_as_before_without_torchs_exception_p
     assert record.exc_info is None and record.exc_text == expected
     assert logging.Formatter().format(record) == "failed\n" + expected
     assert "RuntimeError: rank 1 died" in expected
+
+
+def test_the_zygote_is_forked_inline_only_from_a_forkserver_it_knows(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing.forkserver as forkserver
+
+    assert rank_zygote._inline_server() is forkserver._forkserver  # type: ignore[attr-defined]
+    # A forkserver whose `main` takes other arguments (Python 3.14 authenticates clients) or
+    # that already runs is left to the standard library.
+    monkeypatch.setattr(forkserver, "main", lambda listener_fd, alive_r, preload, *, authkey_r=None: None)
+    assert rank_zygote._inline_server() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_authkey", b"k", raising=False)  # type: ignore[attr-defined]
+    assert rank_zygote._inline_server() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 1)  # type: ignore[attr-defined]
+    assert rank_zygote._inline_server() is None

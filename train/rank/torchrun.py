@@ -8,8 +8,8 @@ the launch; torchrun's own store (multi-tenant, same port) then uses that server
 address cannot be bound here, torchrun runs exactly as it would by itself.
 
 When the command is tether's worker, the ranks are forked from a zygote that imported their
-modules once (`tether.train.rank.zygote`); it starts before this process imports torch, which
-is why torch is imported in the functions below.
+modules once (`tether.train.rank.zygote`); it starts before anything else here, which is why
+torch is imported in the functions below.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     forked = rank_zygote.wanted(args)
     if forked:
-        rank_zygote.start()  # first: it imports the ranks' modules while this process imports torch
+        rank_zygote.start()  # first: before this process starts a thread or opens the store
     with imports_without_gc():
         import torch.distributed.run  # noqa: F401  # the agent's own import of torch
     store = rendezvous_store(args)  # referenced until torchrun returns: the server lives as long

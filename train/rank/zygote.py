@@ -4,9 +4,11 @@ Every rank of `python -m tether.train.rank.worker` under torchrun imports torch,
 mbridge (with transformers and TorchDynamo) from scratch: ~4 s of CPU per rank, all before the
 first step, and on a machine with as many cores as ranks the ranks' imports share the cores
 with the engines' and the head's. Here torchrun starts its ranks with the `forkserver` start
-method instead: a fresh interpreter, started first thing in the torchrun agent, imports those
-modules (`tether.train.rank.preload`) while the agent imports torch, and each rank is forked
-from it. A forkserver holds no threads, no torch thread pool and no signal handlers of the
+method instead, from a zygote that imported those modules once (`tether.train.rank.preload`):
+the torchrun agent imports them first thing, then forks the zygote from itself before torchrun starts
+its threads (where the standard library's forkserver is one `start` knows; else a fresh
+interpreter imports them while the agent imports torch), and each rank is forked from the
+zygote. The zygote holds no threads, no torch thread pool and no signal handlers of the
 agent's, so a forked rank starts where a fresh one would after its imports.
 
 A rank is still a real torchrun rank: the same elastic agent, rendezvous, per-rank environment,
@@ -72,11 +74,94 @@ def wanted(argv: Sequence[str]) -> bool:
 
 
 def start() -> None:
-    """Start the zygote now: it imports the ranks' modules while this process goes on."""
+    """Start the zygote now, before torchrun starts its threads in this process.
+
+    Where the standard library's forkserver is the one this module knows (`_inline_server`),
+    this process imports the ranks' modules itself and forks the zygote from itself: one import
+    of torch and the rest for the agent, the zygote and every rank, instead of one in the agent
+    and one in a spawned forkserver (measured: ~1 CPU-second less before the first step, on a
+    machine whose start-up is bound by CPU). Elsewhere a spawned forkserver imports them while
+    this process goes on.
+    """
     import multiprocessing.forkserver as forkserver
 
-    forkserver.set_forkserver_preload([PRELOAD_MODULE])
-    forkserver.ensure_running()
+    server = _inline_server()
+    if server is None:
+        forkserver.set_forkserver_preload([PRELOAD_MODULE])
+        forkserver.ensure_running()
+        return
+    importlib.import_module(PRELOAD_MODULE)
+    _fork_server(server)
+
+
+# The forkserver `main` whose arguments `_fork_server` passes (Python 3.11 to 3.13); a later
+# one (3.14 authenticates its clients) gets the spawned zygote instead.
+_KNOWN_MAIN = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
+_KNOWN_STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+ZYGOTE_TITLE = ["tether-rank-zygote", "(torchrun's forkserver, forked from its agent)"]
+
+
+def _inline_server() -> Any | None:
+    """The process's forkserver client, when a forked zygote can serve it; else None."""
+    import inspect
+    import multiprocessing.forkserver as forkserver
+
+    server: Any = getattr(forkserver, "_forkserver", None)
+    if server is None:
+        return None
+    try:
+        params = tuple(inspect.signature(forkserver.main).parameters)
+    except (TypeError, ValueError):
+        return None
+    known = params == _KNOWN_MAIN and all(hasattr(server, a) for a in _KNOWN_STATE)
+    if not known or hasattr(server, "_forkserver_authkey") or server._forkserver_pid is not None:
+        return None
+    return server
+
+
+def _fork_server(server: Any) -> None:
+    """Fork the zygote from this process and make it this process's forkserver: what
+    `ForkServer.ensure_running` sets up, with a fork of this process in place of a fresh one."""
+    import multiprocessing.forkserver as forkserver
+    import socket
+    from multiprocessing import connection, util
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # else the zygote's copy of a buffer could be written twice
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):  # type: ignore[attr-defined]
+            os.chmod(address, 0o600)
+        listener.listen()
+        # Every client holds the write end; the zygote exits once none does (the agent is gone).
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the zygote: it never returns from here
+            code = 1
+            try:
+                _keep_only(0, 1, 2, listener.fileno(), alive_r)  # as a spawned one holds
+                with contextlib.suppress(Exception):
+                    show_as(ZYGOTE_TITLE)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit as e:  # its way out once the alive pipe closes
+                code = e.code if isinstance(e.code, int) else 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+
+
+def _keep_only(*fds: int) -> None:
+    """Close every file descriptor but `fds`."""
+    low = 0
+    for fd in sorted(set(fds)):
+        if low < fd:  # closerange(0, 0) closes every descriptor (Python 3.11)
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
 
 
 def _tether_form(args: argparse.Namespace) -> bool:

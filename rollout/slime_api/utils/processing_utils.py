@@ -10,13 +10,11 @@ from typing import Any
 
 
 def load_tokenizer(name_or_path: str, **kwargs: Any) -> Any:
-    """The model's Hugging Face tokenizer (AutoTokenizer)."""
-    from tether.runtime.process.deferred_package import defer_transformers_models
+    """The model's Hugging Face tokenizer: AutoTokenizer's, its class remembered between runs
+    for a local directory (`tether.rollout.data.tokenizer_choice`)."""
+    from tether.rollout.data.tokenizer_choice import load_tokenizer as load
 
-    defer_transformers_models()  # the tokenizer's model modules alone, not transformers' 400
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    return load(name_or_path, **kwargs)
 
 
 def load_processor(name_or_path: str, **kwargs: Any) -> None:
