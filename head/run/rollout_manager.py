@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -34,13 +34,15 @@ from tether.rollout.rollout_fn import (
     reward_category_metrics,
     using_context,
 )
-from tether.rollout.routing.front import RouterFront
 from tether.rollout.routing.router import Router
 from tether.rollout.sample import Sample
 from tether.rollout.slime_api.args import slime_args
 from tether.rollout.slime_api.bridge import eval_data, eval_metrics, slime_evaluation, slime_rollout
 from tether.rollout.slime_api.convert import uses_slime_api
 from tether.runtime.process.gc_tuning import imports_without_gc
+
+if TYPE_CHECKING:
+    from tether.rollout.routing.front import RouterFront
 
 Groups = list[list[Sample]]
 
@@ -156,6 +158,9 @@ class RolloutManager:
             inputs = asyncio.ensure_future(asyncio.to_thread(load_rollout_inputs, self.config))
         self.tokenizer, self.data = await inputs
         if self.router is not None:
+            # Imported here, with aiohttp's server: not before the head starts its processes.
+            from tether.rollout.routing.front import RouterFront
+
             # The front serves from before the context exists (hooks' args carry its address) and
             # stops before the context closes the router.
             front = RouterFront(self.router)

@@ -15,13 +15,15 @@ import base64
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-import aiohttp
 import msgspec
 
 from tether.rollout.engine_api.auth import bearer_header
 from tether.rollout.engine_api.generate_batch import GenerateBatcher, Pending
+
+if TYPE_CHECKING:
+    import aiohttp
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 """Header carrying the session id; sglang-router (and our router) hash it to pick the engine."""
@@ -216,6 +218,10 @@ class EngineClient:
             await session.close()
 
     def _ensure_session(self) -> aiohttp.ClientSession:
+        # aiohttp is imported by the first request, not at import: the head's start imports this
+        # module before it starts its processes, and aiohttp's import (~0.1 s) can follow that.
+        import aiohttp
+
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(
                 limit=self._max_connections, limit_per_host=self._max_connections
@@ -295,6 +301,8 @@ class EngineClient:
         request_timeout: float | None,
         headers: Mapping[str, str] | None,
     ) -> bytes:
+        import aiohttp  # see _ensure_session
+
         session = self._ensure_session()
         client_timeout = aiohttp.ClientTimeout(
             total=request_timeout or self._request_timeout, sock_connect=self._connect_timeout
@@ -343,6 +351,8 @@ class EngineClient:
             raise EngineUnavailable(
                 self.name, path, ConnectionAbortedError("the engine was taken out of routing")
             )
+        import aiohttp  # see _ensure_session
+
         session = self._ensure_session()
         client_timeout = aiohttp.ClientTimeout(
             total=request_timeout or self._request_timeout, sock_connect=self._connect_timeout

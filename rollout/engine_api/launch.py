@@ -32,7 +32,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-import aiohttp
 import msgspec
 
 from tether.placement.plan import Engine, EnginePart, Plan
@@ -416,6 +415,8 @@ def http_ready(
     it sends `api_key` (the CPU engine guards /health_generate)."""
 
     async def probe() -> bool:
+        import aiohttp  # by the first probe, after the processes start (see EngineClient)
+
         try:
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,

@@ -8,9 +8,8 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 
 from tether.rollout.config import RolloutConfig, check_rm_type
@@ -28,6 +27,9 @@ from tether.rollout.rewards.types import BASE_TYPES, RULE_TYPES, split_rm_type
 from tether.rollout.sample import Reward, Sample
 from tether.rollout.slime_api.convert import reward_value, uses_slime_api
 from tether.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 class DynamicFilterOutput(msgspec.Struct):
@@ -258,6 +260,8 @@ class RewardModel:
         return rule_reward(kind, sample.response, sample.label, sample.metadata)  # type: ignore[no-any-return]
 
     async def _remote(self, sample: Sample) -> Reward:
+        import aiohttp  # a remote reward model's session only
+
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
         if self._cfg.rm_url is None:
