@@ -82,10 +82,11 @@ def _matches_by_name(path: str, patterns: list[str]) -> bool:
     return any(fnmatch(path.lower(), p) for p in patterns)
 
 
-def remembered(path: str, version: str) -> type | None:
-    """The class a miss recorded for `path`'s files under transformers `version`, or None."""
+def remembered(path: str, version: str, *, key: str | None = None) -> type | None:
+    """The class a miss recorded for `path`'s files under transformers `version`, or None.
+    `key`: `inputs_key(path)`, where the caller has it already."""
     where = cache_dir()
-    key = inputs_key(Path(path))
+    key = key or inputs_key(Path(path))
     if where is None or key is None:
         return None
     by_version = _read(where / CACHE_FILE).get("transformers", {}).get(version)
@@ -107,12 +108,12 @@ def remembered(path: str, version: str) -> type | None:
     return found if isinstance(found, type) else None
 
 
-def remember(path: str, version: str, cls: type, by_name: list[str]) -> None:
-    """Record AutoTokenizer's answer for `path`'s files; a class from a model's own code (or
-    anything outside transformers) is never recorded. Best effort: a cache that cannot be
-    written is skipped."""
+def remember(path: str, version: str, cls: type, by_name: list[str], *, key: str | None = None) -> None:
+    """Record AutoTokenizer's answer for `path`'s files (`key`: their `inputs_key`, taken before
+    AutoTokenizer read them); a class from a model's own code (or anything outside transformers)
+    is never recorded. Best effort: a cache that cannot be written is skipped."""
     where = cache_dir()
-    key = inputs_key(Path(path))
+    key = key or inputs_key(Path(path))
     if where is None or key is None or not cls.__module__.startswith("transformers."):
         return
     if _matches_by_name(path, by_name):
@@ -146,7 +147,9 @@ def load_tokenizer(path: str, **kwargs: Any) -> Any:
 
     memo = set(kwargs) <= {"trust_remote_code", "local_files_only"} and not _has_own_code(path)
     version = str(transformers.__version__)
-    cls = remembered(path, version) if memo else None
+    # Hashed once, before AutoTokenizer reads the files: what a miss records is keyed by them.
+    key = inputs_key(Path(path)) if memo and cache_dir() is not None else None
+    cls = remembered(path, version, key=key) if key is not None else None
     if cls is not None:
         # As AutoTokenizer ends, with its arguments but `trust_remote_code` (a remembered class
         # is never a model's own code).
@@ -156,9 +159,9 @@ def load_tokenizer(path: str, **kwargs: Any) -> Any:
     from transformers.models.auto import tokenization_auto
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    if memo:
+    if key is not None:
         by_name = [str(p) for p in getattr(tokenization_auto, "MODEL_IDS_TO_TOKENIZERS_BACKEND", ())]
-        remember(path, version, type(tokenizer), by_name)
+        remember(path, version, type(tokenizer), by_name, key=key)
     return tokenizer
 
 
