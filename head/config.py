@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 from msgspec import Meta
+
+if typing.TYPE_CHECKING:
+    import yaml
 
 from tether.checks.critic import check_critic, uses_critic
 from tether.checks.slime_flags import refusal
@@ -755,6 +757,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     """The parser's complaint and where, on one line (its own text spans several with a caret)."""
+    import yaml
+
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
         mark = exc.problem_mark
         return f"{exc.problem} (line {mark.line + 1}, column {mark.column + 1})"
@@ -764,6 +768,8 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 def _yaml_values(
     path: Path, by_field: dict[str, list[FlagSpec]]
 ) -> tuple[dict[tuple[str, str], Any], list[str]]:
+    import yaml  # only with --config: not on every run's way to its first process
+
     try:
         loaded = yaml.safe_load(path.read_text())
     except OSError as exc:

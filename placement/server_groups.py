@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
-import yaml
 
 from tether.runtime.errors import ConfigError
 
@@ -45,6 +44,8 @@ def load_server_groups(path: str | Path, default_per_engine: int) -> list[Server
     """Groups from a YAML file, each with its engine size filled in and checked."""
     path = Path(path)
     key = "--sglang-config"
+    import yaml  # only with the flag: not on every run's way to its first process
+
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tether.runtime.errors import ConfigError
 
 FLAG = "--custom-config-path"
@@ -21,6 +19,8 @@ FLAG = "--custom-config-path"
 
 def read_custom_config(path: str | Path) -> dict[str, Any]:
     """The YAML file's mapping (empty for an empty file); ConfigError naming the flag otherwise."""
+    import yaml  # only with the flag: not on every run's way to its first process
+
     try:
         loaded = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
-import yaml
 
 from tether.runtime.errors import ConfigError
 from tether.train.config import AlgorithmConfig, MegatronConfig, check_algorithm_against_megatron
@@ -72,6 +71,8 @@ S = TypeVar("S", AlgorithmConfig, MegatronConfig)
 
 def read_overrides(path: str, role: Role) -> dict[str, Any]:
     """The role's overrides in the file at `path` ({} without an entry for the role)."""
+    import yaml  # only with the flag: not on every run's way to its first process
+
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -53,7 +53,9 @@ from tether.runtime.process.supervisor import LOCAL, Heartbeat, Supervisor
 from tether.runtime.rpc.secret import SECRET_ENV, new_secret, secret_from_env
 from tether.train.checkpoint.layout import StartChoice, StartKind, holds_megatron_checkpoint, start_attempts
 from tether.train.config import AlgorithmConfig
-from tether.train.rank.protocol import LoadedState
+
+if TYPE_CHECKING:
+    from tether.train.rank.protocol import LoadedState
 
 log = logging.getLogger(__name__)
 

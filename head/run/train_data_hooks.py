@@ -6,7 +6,7 @@ bound to the run's `args`, and one written against slime's API gets slime's Samp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tether.checks.loss_hooks import check_loss_hooks
 from tether.checks.megatron_hooks import check_megatron_hooks
@@ -17,7 +17,9 @@ from tether.rollout.sample import Sample
 from tether.rollout.slime_api.args import custom_config_extras
 from tether.rollout.slime_api.convert import uses_slime_api
 from tether.train.config import AlgorithmConfig
-from tether.train.data.hooks import TrainDataHooks
+
+if TYPE_CHECKING:
+    from tether.train.data.hooks import TrainDataHooks
 
 REWARD_POST_PROCESS = HookCall(
     "--custom-reward-post-process-path", "fn(args, samples)", ("args", "samples"), plain=True
@@ -98,6 +100,8 @@ def load_train_data_hooks(config: Config) -> TrainDataHooks | None:
 
         def postprocess(rollout_id: int, rollout_data: dict[str, Any]) -> Any:
             return postprocess_fn(args, rollout_id, rollout_data)
+
+    from tether.train.data.hooks import TrainDataHooks  # numpy: after the run's processes start
 
     return TrainDataHooks(
         reward_post_process=reward,

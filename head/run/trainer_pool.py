@@ -31,8 +31,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-
 from tether.config import Config
 from tether.placement.colocation import handle_sources
 from tether.placement.plan import Plan, TorchrunNode
@@ -43,7 +41,6 @@ from tether.run.ci_checks import THRESHOLD_DEFAULT, CiChecks, CiOptions
 from tether.run.nodes.trainer_loss import TrainerNodeLost, confirm_lost_node, lost_node
 from tether.run.process_threads import one_torch_thread
 from tether.run.train_data_hooks import load_train_data_hooks
-from tether.run.train_dump import save_train_data
 from tether.runtime.errors import ActorDied, ConfigError
 from tether.runtime.process.gc_tuning import imports_without_gc
 from tether.runtime.process.spec import ProcessSpec
@@ -52,27 +49,25 @@ from tether.runtime.rpc.actors import connect
 from tether.sync.ledger import LedgerEntry
 from tether.train.checkpoint.layout import critic_checkpoint_dir
 from tether.train.megatron_roles import role_config
-from tether.train.rank.protocol import (
-    CompareHFRequest,
-    ExportRequest,
-    InitRequest,
-    LoadedState,
-    LoadRequest,
-    LogProbsRequest,
-    LogProbsResult,
-    RankClient,
-    SaveRequest,
-    TrainRequest,
-    TrainResult,
-    TrainRole,
-    UpdateWeightsRequest,
-    ValuesRequest,
-    ValuesResult,
-    WorkerInfo,
-)
-from tether.train.rank.worker import read_addresses
+from tether.train.rank.addresses import read_addresses
 
+# The rank protocol (and numpy, which its arrays need) is imported where a request is made: the
+# head starts its processes before that import (~60 ms), and its step work imports it anyway.
 if TYPE_CHECKING:
+    import numpy as np
+
+    from tether.train.rank.protocol import (
+        LoadedState,
+        LogProbsRequest,
+        LogProbsResult,
+        RankClient,
+        TrainRequest,
+        TrainResult,
+        TrainRole,
+        ValuesRequest,
+        ValuesResult,
+        WorkerInfo,
+    )
     from tether.train.rank.rollout_calls import Calls, Results, Trained
     from tether.train.rank.work import WorkOptions
 
@@ -249,6 +244,8 @@ class TrainerPool:
                     for n in group.nodes
                 ]
             self.procs = [t.result() for t in starts]
+            from tether.train.rank.protocol import InitRequest, RankClient
+
             one_torch_thread()  # on the loop's thread, where the step work runs (imported by now)
             addresses = read_addresses(self.address_dir, world)
             assert addresses is not None
@@ -421,6 +418,8 @@ class TrainerPool:
             )
         )
         if self.cfg.debug.save_debug_train_data is not None:  # what the ranks trained on, now in the weights
+            from tether.run.train_dump import save_train_data
+
             await asyncio.to_thread(
                 save_train_data, self.cfg.debug.save_debug_train_data, rollout_id, trained.shards
             )
@@ -490,6 +489,8 @@ class TrainerPool:
         """Publish the weights as `version`; the ledger entry of the rank that drove the engines.
         `engine_sizes`: each engine's ranks in the update group, for `engine_urls` in order (the
         engines of the moment: one lost, joined or drained changes them); by default the plan's."""
+        from tether.train.rank.protocol import UpdateWeightsRequest
+
         layout = self.plan.weight_sync
         request = UpdateWeightsRequest(
             version=version,
@@ -524,6 +525,8 @@ class TrainerPool:
         save_dir = self.cfg.algorithm.save
         if self.role == "critic":
             save_dir = str(critic_checkpoint_dir(save_dir))
+        from tether.train.rank.protocol import SaveRequest
+
         request = SaveRequest(
             save_dir=save_dir,
             step=rollout_id,
@@ -549,6 +552,8 @@ class TrainerPool:
         """The run state of the checkpoint every rank loaded, or None when there was none.
         `finetune`/`hf`: weights only (from a checkpoint / an HF directory); `ckpt_step`: that
         iteration exactly (`ckpt_step_flag` asked for it), see LoadRequest."""
+        from tether.train.rank.protocol import LoadRequest
+
         request = LoadRequest(
             load_dir=load_dir, finetune=finetune, hf=hf, ckpt_step=ckpt_step, ckpt_step_flag=ckpt_step_flag
         )
@@ -561,6 +566,8 @@ class TrainerPool:
     async def hf_difference(self, hf_dir: str) -> str | None:
         """None when the actor holds exactly the weights of the HF checkpoint in `hf_dir` (every
         tensor it would sync, `tether.train.checkpoint.hf_match`); else the first difference."""
+        from tether.train.rank.protocol import CompareHFRequest
+
         results = await self._all(lambda rank: rank.compare_hf(CompareHFRequest(hf_dir=hf_dir)))
         found = next((r.difference for r in results if r.difference is not None), None)
         if found is None and not any(r.compared for r in results):
@@ -577,12 +584,16 @@ class TrainerPool:
             self.run_dir.event("critic_fresh", actor_checkpoint=str(actor_checkpoint), missing=str(path))
             log.warning("no critic checkpoint at %s: the critic starts from --hf-checkpoint", path)
             return
+        from tether.train.rank.protocol import LoadRequest
+
         states = await self.critic._all(lambda rank: rank.load(LoadRequest(load_dir=str(path))))
         if states[0] is None:
             raise RuntimeError(f"the critic's checkpoint {path} could not be loaded")
         self.run_dir.event("critic_loaded", path=states[0].path)
 
     async def export_hf(self, out_dir: str) -> None:
+        from tether.train.rank.protocol import ExportRequest
+
         request = ExportRequest(out_dir=out_dir)
         await self._all(lambda rank: rank.export_hf(request))
 

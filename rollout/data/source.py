@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-import numpy as np
 
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.sample import Sample, SampleStatus
 from tether.runtime.errors import ConfigError, UserError
 from tether.runtime.files.atomic_file import write_bytes_atomic
+
+if TYPE_CHECKING:
+    import numpy as np
 
 STATE_VERSION = 1
 
@@ -188,7 +191,9 @@ def record_tools(raw: dict[str, Any], tool_key: str | None, where: str) -> list[
             tools = msgspec.json.decode(tools)
         except msgspec.DecodeError as exc:
             raise DataError(f"{where}: {tool_key!r} (--tool-key) is text but not JSON: {exc}") from exc
-    elif isinstance(tools, np.ndarray):
+    elif (numpy := sys.modules.get("numpy")) is not None and isinstance(tools, numpy.ndarray):
+        # Parquet's readers give arrays; numpy is imported only by what makes them (the head
+        # starts its processes before importing it).
         tools = tools.tolist()
     if not isinstance(tools, list):
         raise DataError(f"{where}: {tool_key!r} (--tool-key) must be a list of tools, got {tools!r:.80}")
@@ -284,6 +289,8 @@ class DataSource:
         return len(self._state.buffer)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
+        import numpy as np
+
         if not self._shuffle:
             return np.arange(len(self._prompts))
         return np.random.default_rng([self._seed, epoch]).permutation(len(self._prompts))

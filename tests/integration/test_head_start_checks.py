@@ -4,6 +4,7 @@ address against the plan: tests/unit/test_head_bind_address.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -81,13 +82,38 @@ def test_sigterm_during_start_up_stops_cleanly(ws: Workspace, run_dir: Path) -> 
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
 
 
-def test_the_head_starts_its_processes_before_it_imports_torch() -> None:
-    """torch costs the head ~1.2 s of import: made on a thread once the trainer ranks start
-    (`tether.run.trainer_pool.import_step_work`), not before the run starts anything."""
+# What the head imports only after it has started its first process: each is tens of ms (torch
+# ~1.2 s) that would otherwise delay every engine and trainer rank.
+IMPORTED_AFTER_THE_FIRST_PROCESS = ("torch", "numpy", "yaml", "rich", "aiohttp", "transformers")
+
+
+def test_the_head_starts_its_processes_before_its_heavy_imports(ws: Workspace, run_dir: Path) -> None:
+    """The head's way to the first process a run starts (an engine) imports none of torch,
+    numpy, yaml, rich (the bars on a terminal aside), aiohttp or transformers. The tokenizer and
+    prompts load on a thread started beside it (held here, so that only the main path counts);
+    torch comes with the step work, imported on a thread once the trainer ranks start
+    (`tether.run.trainer_pool.import_step_work`)."""
+    flags = ws.flags(run_dir, "--num-rollout", "1")
+    at = flags.index("--custom-rm-path")  # the test's own reward hook is user code: not counted
+    del flags[at : at + 2]
     code = (
-        "import sys; import tether.commands.run, tether.run.job; "
-        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('tether'))\n"
-        "from tether.run.trainer_pool import import_step_work; import_step_work(); "
+        "import asyncio, json, os, sys\n"
+        "async def first_process(*args, **kwargs):\n"
+        f"    print(json.dumps([m for m in {IMPORTED_AFTER_THE_FIRST_PROCESS!r} if m in sys.modules]))\n"
+        "    sys.stdout.flush(); os._exit(0)\n"
+        "asyncio.create_subprocess_exec = first_process\n"
+        "import threading, tether.run.job\n"
+        "tether.run.job.load_rollout_inputs = lambda cfg: threading.Event().wait()\n"
+        "from tether.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    code = (
+        "import sys; from tether.run.trainer_pool import import_step_work; import_step_work(); "
         "assert 'torch' in sys.modules and 'tether.train.rank.work' in sys.modules"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -182,7 +182,7 @@ def test_rank_that_raises_leaves_its_traceback_in_the_error_file(ws: Workspace, 
     assert errors == ["trainer-node0-error.json"]
     report = json.loads((run_dir / "logs" / errors[0]).read_text())["message"]
     assert report["message"].startswith("FileExistsError") and str(run_dir / "trainer") in report["message"]
-    assert "in _write_address" in report["extraInfo"]["py_callstack"]
+    assert "in write_address" in report["extraInfo"]["py_callstack"]
     exits = {e["name"]: e for e in jsonl(run_dir / "events.jsonl") if e["event"] == "process_exit"}
     assert (exits["trainer-node0"]["returncode"], exits["trainer-node0"]["expected"]) == (1, False)
     assert exits["engine0"]["returncode"] == 0 and exits["engine0"]["expected"] is True

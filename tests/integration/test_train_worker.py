@@ -21,6 +21,7 @@ from tether.runtime.errors import RemoteError
 from tether.runtime.rpc.actors import connect
 from tether.runtime.rpc.secret import new_secret
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.rank.addresses import read_addresses
 from tether.train.rank.protocol import (
     CompareHFRequest,
     ExportRequest,
@@ -31,7 +32,6 @@ from tether.train.rank.protocol import (
     SaveRequest,
     TrainRequest,
 )
-from tether.train.rank.worker import read_addresses
 
 WORLD = 2
 

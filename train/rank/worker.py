@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import socket
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +38,7 @@ from tether.runtime.errors import ConfigError
 from tether.sync.config import WeightSyncConfig
 from tether.sync.ledger import LedgerEntry
 from tether.train.config import AlgorithmConfig, MegatronConfig
+from tether.train.rank.addresses import write_address
 
 # Imported at run time, not only for mypy: the RPC server reads these annotations of the
 # served methods to decode each request as its Struct.
@@ -852,35 +851,6 @@ def _drain(stream: Any) -> None:
         pass
 
 
-def _write_address(directory: Path, rank: int, address: str) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"rank_{rank:05d}.json"
-    tmp = directory / f".rank_{rank:05d}.json.tmp-{os.getpid()}"
-    data = {"rank": rank, "address": address, "pid": os.getpid(), "host": socket.gethostname()}
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return path
-
-
-def read_addresses(directory: str | Path, world_size: int) -> dict[int, str] | None:
-    """The ranks' RPC addresses once all `world_size` ranks wrote theirs, else None (poll again)."""
-    found: dict[int, str] = {}
-    for rank in range(world_size):
-        path = Path(directory) / f"rank_{rank:05d}.json"
-        if not path.is_file():
-            return None
-        found[rank] = str(json.loads(path.read_text())["address"])
-    return found
-
-
 async def serve(
     address_dir: Path,
     bind_host: str,
@@ -906,7 +876,7 @@ async def serve(
         worker = TrainerWorker(executor, node_address)
         bind = endpoint or f"tcp://{bind_host}:0"
         async with RpcServer(worker, bind, secret, name=f"{job}-rank{rank}") as server:
-            _write_address(address_dir, rank, server.address)
+            write_address(address_dir, rank, server.address)
             await worker._wait_stopped()
     from tether.train.parallel import topology as parallel
 
