@@ -10,9 +10,10 @@ engine, no trainer ranks, no weight sync, no records. Its torch threads come fro
 
     python -m tether.bench.single_process_grpo --model DIR --prompts FILE --steps N --json
 
-prints one JSON object: per-step seconds (rollout, train, step) and `first_step_s`, seconds from
-the interpreter's start to the first step's start (imports and model load included), the figure
-`tether bench e2e` sets beside a `tether run`'s.
+prints one JSON object: per-step seconds (rollout, train, step), `first_step_s`, seconds from
+this module's start to the first step's start (imports and model load included), and
+`first_step_at`, that start as wall-clock time: `tether bench e2e` measures it from the moment it
+launched the process, as it measures a `tether run`'s.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def run(model_dir: Path, prompts: Path, steps: int, seed: int, recipe: Recipe) -
     for i in range(steps):
         start = (i * recipe.prompts) % max(1, len(digits) - recipe.prompts)
         times.append(trainer.step(digits[start : start + recipe.prompts]))
-    return summary(times, first_step_s=first_step - STARTED)
+    return {**summary(times, first_step_s=first_step - STARTED), "first_step_at": first_step}
 
 
 def summary(times: list[StepTimes], *, first_step_s: float) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from tether.run.train_data_hooks import load_train_data_hooks
 from tether.runtime.errors import ActorDied, ConfigError
 from tether.runtime.process.gc_tuning import imports_without_gc
 from tether.runtime.process.spec import ProcessSpec
-from tether.runtime.process.supervisor import LOCAL, ManagedProcess, Supervisor
+from tether.runtime.process.supervisor import CHEAP_READY_POLL_MAX, LOCAL, ManagedProcess, Supervisor
 from tether.runtime.rpc.actors import connect
 from tether.sync.ledger import LedgerEntry
 from tether.train.checkpoint.layout import critic_checkpoint_dir
@@ -239,7 +239,12 @@ class TrainerPool:
             async with asyncio.TaskGroup() as tg:
                 starts = [
                     tg.create_task(
-                        self.sup.start(self._spec(n), ready=all_ranks_serving, ready_timeout=600.0)
+                        self.sup.start(
+                            self._spec(n),
+                            ready=all_ranks_serving,
+                            ready_timeout=600.0,
+                            ready_poll_max=CHEAP_READY_POLL_MAX,  # file lookups: see there
+                        )
                     )
                     for n in group.nodes
                 ]

@@ -88,6 +88,9 @@ log = logging.getLogger(__name__)
 LOCAL = "local"
 NODE_LOST = "node agent lost"  # how the exit reason of a lost node's process begins
 READY_POLL_MAX = 0.1  # seconds between readiness checks of a starting process, at most
+# ... where a check is a few file lookups (a trainer job's rank address files): 10 ms late at
+# most, where every run's first step waits on the last check.
+CHEAP_READY_POLL_MAX = 0.01
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -627,14 +630,17 @@ class Supervisor:
         ready_timeout: float = 120.0,
         *,
         restartable: bool = False,
+        ready_poll_max: float = READY_POLL_MAX,
     ) -> ManagedProcess:
         """Start `spec` on its node; return once `ready()` is true (when given).
 
         Raises ActorDied, with the log tail, if the process exits first or is not ready in time
         (it is stopped then). With `restartable` a later exit is left to the owner (who awaits
         `wait()` and replaces the process) instead of ending the run through `watch()`.
+        `ready()` is asked again after 10 ms, then twice as long each time, `ready_poll_max` at
+        most (`CHEAP_READY_POLL_MAX` where a check costs no request).
         """
-        return await self._start(spec, ready, None, ready_timeout, restartable)
+        return await self._start(spec, ready, None, ready_timeout, restartable, ready_poll_max)
 
     async def _start(
         self,
@@ -643,6 +649,7 @@ class Supervisor:
         ready_future: asyncio.Future[Any] | None,
         ready_timeout: float,
         restartable: bool = False,
+        ready_poll_max: float = READY_POLL_MAX,
     ) -> ManagedProcess:
         spec.validate()
         existing = self._procs.get(spec.name)
@@ -670,12 +677,12 @@ class Supervisor:
                 if ready_future is not None:
                     await asyncio.wait((ready_future, proc.exit), return_when=asyncio.FIRST_COMPLETED)
                 elif ready is not None:
-                    delay = 0.01
+                    delay = min(0.01, ready_poll_max)
                     while proc.running and not await ready():
                         await asyncio.wait((proc.exit,), timeout=delay)
-                        # At most READY_POLL_MAX late: a check costs a directory listing or one
-                        # local HTTP request, and every run's first step waits on the last one.
-                        delay = min(delay * 2, READY_POLL_MAX)
+                        # At most `ready_poll_max` late: a check may cost a local HTTP request,
+                        # and every run's first step waits on the last one.
+                        delay = min(delay * 2, ready_poll_max)
         except TimeoutError:
             info = await self.stop(spec.name)
             raise ActorDied(

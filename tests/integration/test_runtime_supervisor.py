@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import SUPPORT, support_env
@@ -403,3 +404,40 @@ def test_same_node_actor_falls_back_to_tcp_when_the_socket_path_is_too_long(tmp_
             assert (await a.whoami())["tag"] == "A"
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    ("poll_max", "waits"),
+    [(None, [0.01, 0.02, 0.04, 0.08, 0.1, 0.1, 0.1]), (0.01, [0.01] * 7)],
+)
+def test_readiness_is_asked_again_at_most_ready_poll_max_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, poll_max: float | None, waits: list[float]
+) -> None:
+    """A starting process's `ready()` is asked again after 10 ms, then twice as long each time,
+    up to 0.1 s, or up to `ready_poll_max` (the trainer's rank-address files: 10 ms)."""
+    asked: list[float] = []
+    real_wait = asyncio.wait
+
+    async def recording_wait(fs: Any, *, timeout: float | None = None, **kwargs: Any) -> Any:  # noqa: ASYNC109  # asyncio.wait's own signature
+        if timeout is not None:
+            asked.append(timeout)
+        return await real_wait(fs, timeout=timeout, **kwargs)
+
+    async def main() -> None:
+        calls = 0
+
+        async def ready() -> bool:
+            nonlocal calls
+            calls += 1
+            return calls > len(waits)
+
+        async with Supervisor(tmp_path, new_secret(), grace=1.0) as sup:
+            monkeypatch.setattr(asyncio, "wait", recording_wait)
+            spec = ProcessSpec(name="sleeper", argv=["sleep", "60"])
+            extra = {} if poll_max is None else {"ready_poll_max": poll_max}
+            await sup.start(spec, ready=ready, ready_timeout=30, **extra)
+            monkeypatch.setattr(asyncio, "wait", real_wait)
+            await sup.stop("sleeper", grace=1.0)
+
+    run(main())
+    assert asked == waits

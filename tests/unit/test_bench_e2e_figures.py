@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.bench.e2e import RATIO_KEYS, ratios, summarise, table, targets
+from tether.bench.e2e import RATIO_KEYS, from_launch, ratios, summarise, table, targets
 
 
 def _write_run(run: Path, *, lag: float) -> None:
@@ -147,3 +147,12 @@ def test_table_prints_the_baseline_and_the_targets(tmp_path: Path) -> None:
     )
     assert lines[-2].endswith("first step / single process 2.0 <= 1.0: NOT met")
     assert lines[-1].endswith("median step / single process 2.0 <= 1.0: NOT met")
+
+
+def test_the_baseline_is_timed_from_its_launch_as_a_run_is() -> None:
+    """The single process reports its first step's wall-clock start; the figure counts from the
+    moment `bench e2e` launched it (interpreter start included, as for `tether run`)."""
+    own = {"first_step_s": 2.0, "first_step_done_s": 2.25, "first_step_at": 1000.5, "steps": 4}
+    figures = from_launch(own, launched=998.0)
+    assert figures["first_step_s"] == 2.5 and figures["first_step_done_s"] == 2.75
+    assert figures["first_step_from_module_s"] == 2.0 and "first_step_at" not in figures
