@@ -21,7 +21,7 @@ from support.e2e import Workspace, make_workspace
 from support.engines import SLOW_ENGINE, Engine, EngineFactory, start_cpu_engine, stop_engine
 from support.sdnotify import NotifySocket
 
-from tether.rollout.data.tokenizer_choice import CACHE_ENV
+from tether.runtime.files.cache_dir import CACHE_ENV
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -11,8 +11,8 @@ a class from a model's own code (`auto_map`), a path AutoTokenizer treats by its
 records its answer. A directory whose configs name code of their own (`auto_map`) always asks
 AutoTokenizer: there `trust_remote_code` decides.
 
-The cache is `tokenizer_classes.json` in `$TETHER_CACHE_DIR` (default `$XDG_CACHE_HOME/tether`,
-else `~/.cache/tether`); `TETHER_CACHE_DIR=` (empty) turns it off.
+The cache is `tokenizer_classes.json` in `$TETHER_CACHE_DIR` (`tether.runtime.files.cache_dir`:
+default `$XDG_CACHE_HOME/tether`, else `~/.cache/tether`); `TETHER_CACHE_DIR=` (empty) turns it off.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import xxhash
 
 from tether.runtime.files.atomic_file import write_bytes_atomic
+from tether.runtime.files.cache_dir import cache_dir
 
-CACHE_ENV = "TETHER_CACHE_DIR"
 CACHE_FILE = "tokenizer_classes.json"
 FORMAT = 1
 MAX_ENTRIES = 256
@@ -36,15 +36,6 @@ MAX_ENTRIES = 256
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".npz")
 # Larger files are keyed by size and modification time instead of content.
 MAX_HASHED_BYTES = 256 * 2**20
-
-
-def cache_dir() -> Path | None:
-    """Where the cache lives; None when TETHER_CACHE_DIR is set empty."""
-    configured = os.environ.get(CACHE_ENV)
-    if configured is not None:
-        return Path(configured) if configured else None
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tether"
 
 
 def inputs_key(path: Path) -> str | None:

@@ -97,8 +97,12 @@ def _completer(module: types.ModuleType, find: Find | None) -> Callable[[str], o
 
 def defer_transformers_models() -> bool:
     """Defer `transformers.models` (see the module docstring); transformers itself is imported
-    here if it is not yet. False where `transformers.models` is imported already or transformers
+    here if it is not yet, its models' name table remembered between runs
+    (`tether.runtime.process.transformers_table`). False where `transformers.models` is imported already or transformers
     is not installed. Loading a tokenizer or a config imports only that model's modules."""
     if importlib.util.find_spec("transformers") is None:  # else finding the child's spec raises
         return False
+    from tether.runtime.process.transformers_table import remember_transformers_table
+
+    remember_transformers_table()  # transformers' own name table: read, not rebuilt, if remembered
     return defer((TRANSFORMERS_MODELS,))

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tether.rollout.data.tokenizer_choice import CACHE_ENV
+from tether.runtime.files.cache_dir import CACHE_ENV
 
 _SCRIPT = """
 import json, sys, warnings
@@ -38,6 +38,8 @@ else:
     out["torch"] = "torch" in sys.modules
 out["deferred"] = is_deferred("transformers.models")
 out["models_imported"] = sorted({n.split(".")[2] for n in sys.modules if n.startswith("transformers.models.")})
+import transformers.utils.import_utils as import_utils
+out["table_scans"] = import_utils.create_import_structure_from_path.cache_info().misses
 import transformers.models
 out["whole"] = "LlamaConfig" in transformers.models.__all__  # the real package's table
 out["deferred_after"] = is_deferred("transformers.models")
@@ -91,5 +93,8 @@ def test_a_remembered_tokenizer_class_loads_without_torch_or_the_models_config(
     assert miss["torch"] and "llama" in miss["models_imported"]
     # AutoConfig never ran: no model's modules, and no torch (AutoTokenizer's import brings it).
     assert not hit["torch"] and hit["models_imported"] == []
+    # transformers' own table of the models' names, read back, not rebuilt from their sources
+    # (tether.runtime.process.transformers_table)
+    assert miss["table_scans"] > 100 and hit["table_scans"] == 0
     for key in ("tokenizer", "ids", "chat", "eos"):
         assert hit[key] == miss[key], key

@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from tether.rollout.data import tokenizer_choice as choice
+from tether.runtime.files.cache_dir import CACHE_ENV, cache_dir
 
 VERSION = str(transformers.__version__)
 TEXTS = ["hello world, 12 + 7 = 19", "  two  spaces\tand a tab\n", "ünïcödé ✓"]
@@ -24,7 +25,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     where = tmp_path / "cache"
-    monkeypatch.setenv(choice.CACHE_ENV, str(where))
+    monkeypatch.setenv(CACHE_ENV, str(where))
     return where
 
 
@@ -189,10 +190,10 @@ def test_a_broken_unwritable_or_switched_off_cache_leaves_autotokenizer(
     assert choice.remembered(model, VERSION) is not None  # replaced by a whole one
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
-    monkeypatch.setenv(choice.CACHE_ENV, str(blocked / "sub"))
+    monkeypatch.setenv(CACHE_ENV, str(blocked / "sub"))
     assert behaviour(choice.load_tokenizer(model)) == expected
-    monkeypatch.setenv(choice.CACHE_ENV, "")
-    assert choice.cache_dir() is None
+    monkeypatch.setenv(CACHE_ENV, "")
+    assert cache_dir() is None
     assert behaviour(choice.load_tokenizer(model)) == expected
     assert choice.remembered(model, VERSION) is None
 
