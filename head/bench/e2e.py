@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tether.bench.bytecode import note_uncompiled
 from tether.bench.compare import compare_table, with_comparison
 from tether.commands import demo, demo_task
 from tether.records.run_dir import read_jsonl
@@ -357,28 +358,31 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     load = os.getloadavg()[0]
     baseline = run_baseline(args, out, model, prompts)
     baseline["load_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
-    return {
-        "benchmark": "e2e",
-        "setup": {
-            "steps": args.steps,
-            "prompts": args.prompts,
-            "samples_per_prompt": args.samples,
-            "seed": args.seed,
-            "update_weight_transport": args.update_weight_transport,
-            "update_weight_mode": args.update_weight_mode,
-            "model": "demo tiny llama (hidden 128, 2 layers, byte-level vocab)",
-            "trainer": "Megatron-core DP=2 on CPU",
-            "engines": "1 CPU engine",
-            "machine": _load(),
-            "baseline": f"one process, plain torch, {args.baseline_threads} thread(s): "
-            "tether.bench.single_process_grpo",
+    return note_uncompiled(
+        {
+            "benchmark": "e2e",
+            "setup": {
+                "steps": args.steps,
+                "prompts": args.prompts,
+                "samples_per_prompt": args.samples,
+                "seed": args.seed,
+                "update_weight_transport": args.update_weight_transport,
+                "update_weight_mode": args.update_weight_mode,
+                "model": "demo tiny llama (hidden 128, 2 layers, byte-level vocab)",
+                "trainer": "Megatron-core DP=2 on CPU",
+                "engines": "1 CPU engine",
+                "machine": _load(),
+                "baseline": f"one process, plain torch, {args.baseline_threads} thread(s): "
+                "tether.bench.single_process_grpo",
+            },
+            "modes": modes,
+            "ratio_vs_sync": ratios(modes),
+            "single_process": baseline,
+            "targets": targets(modes["sync"], baseline),
+            "seconds": round(time.monotonic() - started, 1),
         },
-        "modes": modes,
-        "ratio_vs_sync": ratios(modes),
-        "single_process": baseline,
-        "targets": targets(modes["sync"], baseline),
-        "seconds": round(time.monotonic() - started, 1),
-    }
+        "e2e",
+    )
 
 
 ROWS = (

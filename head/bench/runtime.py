@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from tether.bench.bytecode import note_uncompiled
 from tether.bench.compare import with_comparison
 from tether.runtime.errors import ConfigError
 
@@ -660,7 +661,7 @@ def main(args: argparse.Namespace) -> int:
     for key in ("repeats", "calls", "batch_rounds"):
         if getattr(args, key) < 1:
             raise ConfigError(f"--{key.replace('_', '-')}", getattr(args, key), "must be at least 1")
-    print(json.dumps(with_comparison(run(args), args), indent=2))
+    print(json.dumps(with_comparison(note_uncompiled(run(args), "runtime"), args), indent=2))
     return 0
 
 

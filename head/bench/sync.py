@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tether.bench.bytecode import note_uncompiled
 from tether.bench.compare import with_comparison
 from tether.bench.engines import cpu_engines, free_port
 from tether.runtime.errors import ConfigError
@@ -497,7 +498,8 @@ def main(args: argparse.Namespace) -> int:
                 )
             )
         result["targets"] = sync_targets(result)
-        print(json.dumps(with_comparison(result, args), indent=None if args.json else 2))
+        shown = with_comparison(note_uncompiled(result, "sync"), args)
+        print(json.dumps(shown, indent=None if args.json else 2))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
