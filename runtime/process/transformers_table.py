@@ -127,6 +127,10 @@ def remember(key: str, table: Table) -> None:
     where = cache_dir()
     if where is None:
         return
+    try:
+        rows = encode_table(table)
+    except (TypeError, ValueError, AttributeError):  # a shape this module does not know: not kept
+        return
     with contextlib.suppress(OSError):
         where.mkdir(parents=True, exist_ok=True)
         data = _read(where / CACHE_FILE) or {"format": FORMAT}
@@ -134,7 +138,7 @@ def remember(key: str, table: Table) -> None:
         if not isinstance(tables, dict):
             tables = data["tables"] = {}
         tables.pop(key, None)
-        tables[key] = encode_table(table)
+        tables[key] = rows
         while len(tables) > MAX_TABLES:  # the oldest first (dicts keep insertion order)
             tables.pop(next(iter(tables)))
         write_bytes_atomic(where / CACHE_FILE, json.dumps(data, separators=(",", ":")).encode())
@@ -147,7 +151,10 @@ def remembering(original: Callable[..., Table], package_dir: Path) -> Callable[.
 
     @functools.wraps(original)
     def define_import_structure(module_path: str | os.PathLike[str], prefix: str | None = None) -> Table:
-        key = install_key(package_dir) if prefix == "models" and Path(module_path) == models else None
+        key = None
+        if prefix == "models" and Path(module_path) == models:
+            with contextlib.suppress(Exception):  # inside transformers' import: never break it
+                key = install_key(package_dir)
         if key is None:
             return original(module_path, prefix)
         table = remembered(key)

@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import transformers
@@ -123,3 +124,12 @@ def test_the_cache_keeps_the_newest_installs(cache: Path) -> None:
         tt.remember(f"key{i}", {frozenset(): {f"m{i}": {"X"}}})
     tables = json.loads(cache.read_text())["tables"]
     assert list(tables) == [f"key{i}" for i in range(2, tt.MAX_TABLES + 2)]
+
+
+def test_a_table_of_another_shape_is_passed_through_unkept(cache: Path, tmp_path: Path) -> None:
+    """A transformers whose table is not {backends: {module: names}} gets its own answer back,
+    and nothing is recorded (a later version of it may change the shape)."""
+    package = _install(tmp_path)
+    odd: Any = {frozenset(): {"models.llama": 3}}
+    assert tt.remembering(lambda path, prefix=None: odd, package)(package / "models", "models") is odd
+    assert not cache.exists()
