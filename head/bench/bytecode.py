@@ -27,7 +27,8 @@ def uncompiled_modules(root: Path | None = None) -> list[str]:
         for source in sorted((root / directory).rglob("*.py")):
             cached = Path(importlib.util.cache_from_source(str(source)))
             try:
-                header = cached.read_bytes()[:16]
+                with open(cached, "rb") as f:
+                    header = f.read(16)
                 mtime = source.stat().st_mtime
             except OSError:
                 found.append(str(source.relative_to(root)))

@@ -193,3 +193,15 @@ def test_balance_data_balances_tokens_default_is_round_robin() -> None:
     balanced = shard_for_data_parallel(batch, 2, balance=True)
     sums = sorted(int(s.total_lengths.sum()) for s in balanced)
     assert sums == [117, 175] and all(s.num_samples == 3 for s in balanced)  # greedy LPT: 58 apart, not 88
+
+
+def test_tools_read_from_parquet_arrive_as_a_list() -> None:
+    """Parquet readers give a record's tools as a numpy array; the source takes it as the list."""
+    import numpy as np
+
+    from tether.rollout.data.source import record_tools
+
+    tools = np.array([{"type": "function", "function": {"name": "add"}}], dtype=object)
+    assert record_tools({"tools": tools}, "tools", "f.parquet:1") == [
+        {"type": "function", "function": {"name": "add"}}
+    ]
