@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from tether.bench.bench_actor import offsets_frame
 from tether.bench.bytecode import note_uncompiled
 from tether.bench.compare import with_comparison
 from tether.runtime.errors import ConfigError
@@ -68,39 +69,6 @@ TARGETS = {  # the issues' targets on this machine (#21, restated by #37)
 RTT_VS_RAW_PYZMQ_TARGET = 1.25
 FLOORS = ("raw_pyzmq", "raw_unix_socket", "raw_loop_pyzmq")
 RTT_BLOCKS = 20  # round-trip figures are taken in this many alternating blocks (see interleaved_round_trips)
-
-
-def _offsets_frame() -> int:
-    from tether.bench.sample_codec import FRAME_NAMES
-
-    return 1 + FRAME_NAMES.index("token_offsets")  # frame 0 is the header
-
-
-class BenchActor:
-    """The actor every figure calls. numpy and the codec load on first use, so the cold start
-    measures the runtime, not this module's imports."""
-
-    async def echo(self, value: Any) -> Any:
-        return value
-
-    async def take_frames(self, frames: list[Any]) -> int:
-        """A batch's raw columnar frames: count its Samples without decoding them."""
-        return len(frames[_offsets_frame()]) - 1
-
-    async def take_samples(self, frame: Any) -> int:
-        """Whole Samples received: the completed ones with a response counted, as a trainer
-        filters them (each Sample's status and response length read)."""
-        from tether.bench.sample_codec import SampleBatch
-        from tether.rollout.sample import SampleStatus
-
-        done = SampleStatus.COMPLETED
-        return sum(1 for h in SampleBatch(frame).heads if h.status == done and h.response_length > 0)
-
-    async def take_samples_materialized(self, frame: Any) -> int:
-        """Whole Samples received and built in full (every per-token list decoded)."""
-        from tether.bench.sample_codec import SampleBatch
-
-        return len(list(SampleBatch(frame)))
 
 
 def make_samples(n: int, tokens: int = TOKENS, response: int = RESPONSE_TOKENS) -> list[Sample]:
@@ -436,7 +404,7 @@ async def _tether_once(
                 start_actor(
                     sup,
                     f"bench{i}",
-                    "tether.bench.runtime:BenchActor",
+                    "tether.bench.bench_actor:BenchActor",
                     heartbeat=False,
                     transport=args.transport,
                 )
@@ -501,7 +469,7 @@ def _ray_once(
                 return value
 
             def take_frames(self, frames: list[Any]) -> int:
-                return len(frames[_offsets_frame()]) - 1
+                return len(frames[offsets_frame()]) - 1
 
             def take_samples(self, samples: list[Any]) -> int:
                 return len(samples)

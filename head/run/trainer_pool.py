@@ -39,7 +39,7 @@ from tether.rollout.engine_api.auth import ENGINE_KEY_ENV
 from tether.rollout.sample import Sample
 from tether.run.ci_checks import THRESHOLD_DEFAULT, CiChecks, CiOptions
 from tether.run.nodes.trainer_loss import TrainerNodeLost, confirm_lost_node, lost_node
-from tether.run.process_threads import one_torch_thread
+from tether.run.process_threads import one_torch_thread_if_imported
 from tether.run.train_data_hooks import load_train_data_hooks
 from tether.runtime.errors import ActorDied, ConfigError
 from tether.runtime.process.gc_tuning import imports_without_gc
@@ -86,15 +86,33 @@ SHUTDOWN_GRACE = 60.0
 # After a node of the job was lost: the step cannot finish and nothing is left to save, so the
 # surviving ranks get SIGTERM and, this much later, SIGKILL.
 LOST_NODE_GRACE = 5.0
-# The head's step work (advantages, batching) needs torch: ~1.2 s of import, made while the ranks
-# start (`import_step_work`), not before the run starts them.
+# The head's step work (advantages, batching) is imported while the ranks start
+# (`import_step_work`), not before the run starts them; torch (~1 s of CPU, which the ranks' own
+# start needs on a small machine) only where that work uses it (`step_work_needs_torch`).
 STEP_WORK_MODULES = ("tether.train.rank.rollout_calls",)
 
 
-def import_step_work() -> None:
-    """Import the head's step-work modules (and torch); the run does it on a thread at start."""
+def step_work_needs_torch(cfg: Config) -> bool:
+    """Whether the head's step work uses torch in this run: grpo, gspo and cispo without KL
+    shaping, whitening, on-policy distillation or train-data hooks put each reward on its tokens
+    in numpy (`tether.train.algorithms.advantages.needs_torch`); everything else computes in torch."""
+    from tether.train.algorithms.advantages import needs_torch
+
+    algorithm = cfg.algorithm
+    hooks = (
+        algorithm.custom_reward_post_process_path,
+        algorithm.custom_advantage_function_path,
+        algorithm.custom_convert_samples_to_train_data_path,
+        algorithm.rollout_data_postprocess_path,
+    )
+    return needs_torch(algorithm) or any(path is not None for path in hooks)
+
+
+def import_step_work(with_torch: bool = True) -> None:
+    """Import the head's step-work modules (and torch, `with_torch`); the run does it on a thread
+    at start."""
     with imports_without_gc():
-        for name in STEP_WORK_MODULES:
+        for name in (*STEP_WORK_MODULES, *(("torch",) if with_torch else ())):
             importlib.import_module(name)
 
 
@@ -227,10 +245,11 @@ class TrainerPool:
         warm: list[asyncio.Task[None]] = []
 
         async def all_ranks_serving() -> bool:
-            # First asked once torchrun runs: the head's own torch import overlaps the ranks'
-            # start from then on instead of delaying it.
+            # First asked once torchrun runs: the head's step-work imports (torch among them
+            # where that work uses it) overlap the ranks' start from then on instead of delaying it.
             if not warm:
-                warm.append(tg.create_task(asyncio.to_thread(import_step_work)))
+                uses_torch = step_work_needs_torch(self.cfg)  # numpy's import: after the spawn
+                warm.append(tg.create_task(asyncio.to_thread(import_step_work, uses_torch)))
             return read_addresses(self.address_dir, world) is not None
 
         started = time.monotonic()
@@ -251,7 +270,8 @@ class TrainerPool:
             self.procs = [t.result() for t in starts]
             from tether.train.rank.protocol import InitRequest, RankClient
 
-            one_torch_thread()  # on the loop's thread, where the step work runs (imported by now)
+            # On the loop's thread, where the step work runs (torch imported by now where it uses it).
+            one_torch_thread_if_imported()
             addresses = read_addresses(self.address_dir, world)
             assert addresses is not None
             for r in range(world):
@@ -468,6 +488,7 @@ class TrainerPool:
 
         results: Results | None = None
         while True:
+            one_torch_thread_if_imported()  # a hook may have imported it since
             try:
                 call = calls.send(results)  # type: ignore[arg-type]  # None starts the generator
             except StopIteration as done:

@@ -87,12 +87,69 @@ def test_sigterm_during_start_up_stops_cleanly(ws: Workspace, run_dir: Path) -> 
 IMPORTED_AFTER_THE_FIRST_PROCESS = ("torch", "numpy", "yaml", "rich", "aiohttp", "transformers")
 
 
+# The head's step work, as the run imports it, for a grpo run (no torch: a tripwire refuses to
+# build the module, while `find_spec`, which transformers asks, still answers) and one that uses
+# torch. Each estimator's rollout is driven to its end with answers shaped as the ranks'.
+STEP_WORK = """
+import importlib.machinery, sys
+import numpy as np
+class Refuse:
+    def create_module(self, spec):
+        raise ImportError("torch imported by the head's grpo step work")
+    def exec_module(self, module):
+        pass
+class Tripwire:
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec.loader = Refuse()
+        return spec
+tripwire = Tripwire()
+sys.meta_path.insert(0, tripwire)
+from tether.run.trainer_pool import import_step_work
+import_step_work(with_torch=False)
+from tether.rollout.sample import Sample
+from tether.train.config import AlgorithmConfig
+from tether.train.rank.protocol import LogProbsResult, TrainResult
+from tether.train.rank.rollout_calls import LogProbsCall, TrainCall, actor_calls
+from tether.train.rank.work import WorkOptions
+def sample(i):
+    n = 2 + i % 3
+    return Sample(index=i, group_index=i // 2, rollout_id=i, tokens=list(range(1, 4 + n)),
+                  response_length=n, loss_mask=[1] * n, rollout_log_probs=[-0.5] * n, reward=float(i % 2))
+for estimator in ("grpo", "gspo", "cispo"):
+    groups = [[sample(2 * g), sample(2 * g + 1)] for g in range(4)]
+    calls = actor_calls(groups, 5, AlgorithmConfig(advantage_estimator=estimator),
+                        WorkOptions(global_batch_size=4), dp_size=2)
+    results = None
+    try:
+        while True:
+            call = calls.send(results)
+            if isinstance(call, LogProbsCall):
+                results = [LogProbsResult(log_probs=np.full(int(r.shard.loss_masks.size), -0.5, np.float32))
+                           for r in call.requests]
+            else:
+                assert isinstance(call, TrainCall), call
+                results = [TrainResult(metrics={"loss": 0.0}) for _ in call.requests]
+    except StopIteration as done:
+        assert done.value.steps == 2, done.value
+    assert "torch" not in sys.modules
+    print(estimator)
+sys.meta_path.remove(tripwire)
+import_step_work()
+assert "torch" in sys.modules
+print("torch")
+"""
+
+
 def test_the_head_starts_its_processes_before_its_heavy_imports(ws: Workspace, run_dir: Path) -> None:
     """The head's way to the first process a run starts (an engine) imports none of torch,
     numpy, yaml, rich (the bars on a terminal aside), aiohttp or transformers. The tokenizer and
     prompts load on a thread started beside it (held here, so that only the main path counts);
-    torch comes with the step work, imported on a thread once the trainer ranks start
-    (`tether.run.trainer_pool.import_step_work`)."""
+    the step work is imported on a thread once the trainer ranks start
+    (`tether.run.trainer_pool.import_step_work`), torch with it only where that work uses it: a
+    grpo rollout's step work runs to its end without it."""
     flags = ws.flags(run_dir, "--num-rollout", "1")
     at = flags.index("--custom-rm-path")  # the test's own reward hook is user code: not counted
     del flags[at : at + 2]
@@ -112,9 +169,6 @@ def test_the_head_starts_its_processes_before_its_heavy_imports(ws: Workspace, r
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
-    code = (
-        "import sys; from tether.run.trainer_pool import import_step_work; import_step_work(); "
-        "assert 'torch' in sys.modules and 'tether.train.rank.work' in sys.modules"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", STEP_WORK], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["grpo", "gspo", "cispo", "torch"]

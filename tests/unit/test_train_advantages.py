@@ -139,3 +139,56 @@ def test_compute_advantages_end_to_end_with_kl_shaping_and_whitening() -> None:
         adv.compute_advantages(
             cfg, rewards=torch.tensor([1.0]), response_lengths=[1], loss_mask=torch.ones(1)
         )
+
+
+@pytest.mark.parametrize("estimator", sorted(adv.REWARD_ON_EVERY_TOKEN))
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=9), min_size=1, max_size=12),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+)
+def test_reward_per_token_gives_compute_advantages_values_bit_for_bit(
+    estimator: str, lengths: list[int], seed: int
+) -> None:
+    """Where `needs_torch` is False the head's numpy path must equal the torch computation exactly
+    (rewards processed in float64, as process_rewards gives them)."""
+    cfg = AlgorithmConfig(advantage_estimator=estimator)  # type: ignore[arg-type]
+    assert not adv.needs_torch(cfg)
+    rng = np.random.default_rng(seed)
+    rewards = rng.normal(size=len(lengths)) * 10.0 ** rng.integers(-8, 8)
+    mask = (rng.random(sum(lengths)) < 0.7).astype(np.float32)
+    expected = adv.compute_advantages(
+        cfg,
+        rewards=torch.from_numpy(rewards.astype(np.float32)),
+        response_lengths=lengths,
+        loss_mask=torch.from_numpy(mask),
+    )
+    got = adv.reward_per_token(rewards, np.asarray(lengths), mask)
+    assert got.dtype == np.float32
+    assert np.array_equal(got, expected.numpy().astype(np.float32))
+
+
+def test_reward_per_token_refuses_shapes_that_do_not_fit() -> None:
+    with pytest.raises(ValueError, match=r"rewards has shape \(3,\); expected \(2,\)"):
+        adv.reward_per_token(np.zeros(3), [1, 2], np.ones(3))
+    with pytest.raises(ValueError, match=r"loss_mask has shape \(4,\); expected \(3,\)"):
+        adv.reward_per_token(np.zeros(2), [1, 2], np.ones(4))
+
+
+@pytest.mark.parametrize(
+    ("change", "needs"),
+    [
+        ({}, False),
+        ({"advantage_estimator": "gspo"}, False),
+        ({"advantage_estimator": "cispo"}, False),
+        ({"disable_grpo_std_normalization": True}, False),  # reward processing is numpy either way
+        ({"advantage_estimator": "ppo"}, True),
+        ({"advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True}, True),
+        ({"advantage_estimator": "reinforce_plus_plus_baseline", "normalize_advantages": True}, True),
+        ({"kl_coef": 0.1}, True),
+        ({"normalize_advantages": True}, True),
+        ({"use_opd": True, "opd_type": "sglang"}, True),
+    ],
+)
+def test_needs_torch_only_beyond_copying_each_reward_onto_its_tokens(change: dict, needs: bool) -> None:  # type: ignore[type-arg]
+    assert adv.needs_torch(AlgorithmConfig(**change)) is needs

@@ -5,6 +5,7 @@ with one result per DP rank. Driven here with answers built by the test, no rank
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,16 @@ def test_an_answer_of_the_wrong_kind_is_refused_naming_the_call() -> None:
     assert isinstance(call, TrainCall)
     with pytest.raises(TypeError, match="TrainCall must be TrainResults"):
         calls.send([ValuesResult(values=np.zeros(1, np.float32))])
+
+
+def test_the_head_imports_torch_for_step_work_that_uses_it(tmp_path: Path) -> None:
+    from tether.config import resolve
+    from tether.run.trainer_pool import step_work_needs_torch
+
+    hook = tmp_path / "hook.py"
+    hook.write_text("def post(args, samples):\n    return [0.0] * len(samples), [0.0] * len(samples)\n")
+    base = ["--hf-checkpoint", str(tmp_path), "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
+    assert not step_work_needs_torch(resolve(base))
+    assert step_work_needs_torch(resolve([*base, "--normalize-advantages"]))
+    assert step_work_needs_torch(resolve([*base, "--advantage-estimator", "ppo"]))
+    assert step_work_needs_torch(resolve([*base, "--custom-reward-post-process-path", f"{hook}:post"]))

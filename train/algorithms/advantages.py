@@ -13,21 +13,27 @@ Two stages, as in slime:
    - ppo: GAE (gamma, lambd) over token rewards -kl_coef * KL plus the reward on the last response
      token, with the critic's values (`tether.train.algorithms.gae`).
    Then, with --normalize-advantages, `whiten` over the step's trainable tokens across DP ranks.
+
+grpo, gspo and cispo without KL shaping or whitening copy each reward onto its tokens, which
+`reward_per_token` does in numpy: the head's step work then needs no torch (`needs_torch`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tether.train.algorithms.gae import gae, ppo_token_rewards
-from tether.train.algorithms.losses import approx_kl
 from tether.train.config import AdvantageEstimator, AlgorithmConfig
+
+if TYPE_CHECKING:
+    import torch
 
 GROUP_NORMALISED: frozenset[str] = frozenset({"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"})
 STD_NORMALISED: frozenset[str] = frozenset({"grpo", "gspo", "cispo"})
+REWARD_ON_EVERY_TOKEN: frozenset[str] = frozenset({"grpo", "gspo", "cispo"})
 
 
 def group_normalize(
@@ -66,8 +72,35 @@ def process_rewards(
     return raw
 
 
+def needs_torch(cfg: AlgorithmConfig) -> bool:
+    """Whether `compute_advantages` is needed for `cfg` (torch), rather than `reward_per_token`."""
+    return not (
+        cfg.advantage_estimator in REWARD_ON_EVERY_TOKEN
+        and cfg.kl_coef == 0
+        and not cfg.normalize_advantages
+        and not cfg.use_opd
+    )
+
+
+def reward_per_token(
+    rewards: np.ndarray, response_lengths: Sequence[int] | np.ndarray, loss_mask: np.ndarray
+) -> np.ndarray:
+    """float32 per-response-token advantages where `needs_torch` is False: each sample's
+    (processed) reward on every one of its tokens, the values `compute_advantages` gives then."""
+    lengths = np.asarray(response_lengths, dtype=np.int64)
+    r = np.asarray(rewards).astype(np.float32)
+    if r.shape != lengths.shape:
+        raise ValueError(f"rewards has shape {r.shape}; expected ({lengths.size},)")
+    total = int(lengths.sum())
+    if np.shape(loss_mask) != (total,):
+        raise ValueError(f"loss_mask has shape {np.shape(loss_mask)}; expected ({total},)")
+    return np.repeat(r, lengths)
+
+
 def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma * G_{t+1} along the last axis."""
+    import torch
+
     out = torch.empty_like(token_rewards)
     running = torch.zeros_like(token_rewards[..., 0])
     for t in range(token_rewards.shape[-1] - 1, -1, -1):
@@ -93,6 +126,8 @@ def token_advantages(
     `rewards` holds one processed reward per sample; `kl` is the per-token KL(policy || ref) used for
     reward shaping (reinforce++ variants; grpo/gspo ignore it, as slime does).
     """
+    import torch
+
     n = len(response_lengths)
     if rewards.shape != (n,):
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}; expected ({n},)")
@@ -138,6 +173,8 @@ def whiten(
     `all_reduce` sums a tensor over the data-parallel group (None on one rank). Every rank must call
     it, even one with no tokens.
     """
+    import torch
+
     m = mask.to(torch.float64)
     v = values.to(torch.float64)
     stats = torch.stack([(v * m).sum(), (v * v * m).sum(), m.sum()])
@@ -170,6 +207,8 @@ def compute_advantages(
     KL reward shaping uses `cfg.kl_loss_type`'s estimator between the old policy and the reference,
     as slime does; it needs both log-probs when `cfg.kl_coef` is non-zero.
     """
+    from tether.train.algorithms.losses import approx_kl
+
     kl = None
     if cfg.kl_coef != 0:
         if log_probs is None or ref_log_probs is None:

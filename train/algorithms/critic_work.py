@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from tether.rollout.sample import Sample
 from tether.train.algorithms.gae import gae, ppo_token_rewards
@@ -38,6 +37,8 @@ from tether.train.rank.work import WorkOptions, rollout_batch, shard_and_plan
 
 def critic_returns(batch: TrainBatch, algorithm: AlgorithmConfig) -> np.ndarray:
     """float32 per-token GAE returns of `batch` from its rewards and its `values` (no KL shaping)."""
+    import torch
+
     if batch.values is None:
         raise ValueError("the batch has no critic values")
     lengths = batch.response_lengths.tolist()
@@ -51,6 +52,8 @@ def critic_returns(batch: TrainBatch, algorithm: AlgorithmConfig) -> np.ndarray:
 def custom_critic_returns(hooks: TrainDataHooks, algorithm: AlgorithmConfig, batch: TrainBatch) -> np.ndarray:
     """float32 per-token returns from --custom-advantage-function-path: slime's critic calls that
     hook too (it replaces compute_advantages_and_returns) and trains towards its `returns`."""
+    import torch
+
     captured: dict[str, Any] = {}
     assert hooks.advantage is not None
     hook = hooks.advantage

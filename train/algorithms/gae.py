@@ -14,8 +14,10 @@ as slime's critic computes them (it has no policy log-probs to shape with).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def ppo_token_rewards(
@@ -27,6 +29,8 @@ def ppo_token_rewards(
 ) -> torch.Tensor:
     """Flat per-response-token rewards: -kl_coef * KL on every token, each sample's reward added
     on its last response token."""
+    import torch
+
     lengths = [int(n) for n in response_lengths]
     total = sum(lengths)
     if rewards.shape != (len(lengths),):
@@ -50,6 +54,8 @@ def gae(
     lambd: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), flat per response token, each sample's recursion on its own tokens."""
+    import torch
+
     lengths = [int(n) for n in response_lengths]
     total = sum(lengths)
     for name, column in (("token_rewards", token_rewards), ("values", values)):
@@ -79,6 +85,8 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped value loss of a micro-batch as a weighted sum (the step's weights add to its
     mean), and its metrics: value_loss, value_clipfrac (same weighting)."""
+    import torch
+
     diff = values - old_values
     clipped = old_values + diff.clamp(-value_clip, value_clip)
     per_token = torch.maximum((clipped - returns) ** 2, (values - returns) ** 2)

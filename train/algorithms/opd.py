@@ -22,11 +22,14 @@ loss averages them (its loss weights; a plain token mean with --calculate-per-to
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tether.train.config import AlgorithmConfig
+
+if TYPE_CHECKING:
+    import torch
 from tether.train.rank.batching import TrainBatch
 
 METRIC = "opd_reverse_kl"
@@ -66,6 +69,8 @@ def reverse_kl(algorithm: AlgorithmConfig, batch: TrainBatch) -> np.ndarray:
 
 def apply_opd(advantages: torch.Tensor, rkl: np.ndarray, kl_coef: float) -> torch.Tensor:
     """advantages - kl_coef * rkl, token by token (flat, sample order)."""
+    import torch
+
     d = torch.from_numpy(np.asarray(rkl, dtype=np.float32)).to(advantages.device, advantages.dtype)
     if d.shape != advantages.shape:
         raise ValueError(f"reverse KL has shape {tuple(d.shape)}, advantages {tuple(advantages.shape)}")

@@ -12,11 +12,13 @@ all-reduce would. Filler copies (loss mask all 0) add nothing to the sums.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
+# torch loads where a shard whitens: the head's step work imports this without it.
+AllReduce = Callable[["torch.Tensor"], "torch.Tensor"]
 """What `tether.train.algorithms.advantages.whiten` calls with a rank's masked sums: the group's total back."""
 
 R = TypeVar("R")
@@ -34,6 +36,8 @@ def whiten_across_shards(computations: Sequence[Callable[[AllReduce | None], R]]
     local: list[torch.Tensor] = []
 
     def record(stats: torch.Tensor) -> torch.Tensor:
+        import torch
+
         local.append(stats.detach().clone())
         # This pass's result is dropped: sums of mean 0, variance 1 whiten without failing on a
         # shard with no trainable token (the group as a whole may have some).
@@ -44,6 +48,8 @@ def whiten_across_shards(computations: Sequence[Callable[[AllReduce | None], R]]
         return first  # nothing was whitened
     if len(local) != len(computations):
         raise RuntimeError(f"{len(local)} of {len(computations)} shards reached the whitening all-reduce")
+    import torch
+
     total = torch.stack(local).sum(dim=0)
     return [compute(lambda _stats: total.clone()) for compute in computations]
 

@@ -96,7 +96,7 @@ def custom_advantages(
     rewards in sample order, for `raw_reward` (default: the batch's)."""
     import torch
 
-    from tether.train.algorithms.advantages import approx_kl
+    from tether.train.algorithms.losses import approx_kl
 
     assert hooks.advantage is not None
     path = hooks.advantage_path

@@ -28,16 +28,22 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
 
 from tether.rollout.config import DataConfig
 from tether.rollout.sample import Sample
 from tether.runtime.errors import ConfigError
 from tether.train.algorithms import opd
-from tether.train.algorithms.advantages import compute_advantages, process_rewards, whiten
+from tether.train.algorithms.advantages import (
+    compute_advantages,
+    needs_torch,
+    process_rewards,
+    reward_per_token,
+    whiten,
+)
 from tether.train.algorithms.shard_whitening import AllReduce, whiten_across_shards
 from tether.train.config import AlgorithmConfig
 from tether.train.data.hooks import TrainDataHooks, custom_advantages, post_process_rewards
@@ -52,6 +58,9 @@ from tether.train.rank.batching import (
 )
 from tether.train.rank.flops_balance import FlopsModel, flops_balanced_schedule, flops_model
 from tether.train.rank.protocol import LogProbModel, LogProbsRequest, MicroBatchPlan, TrainRequest
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WorkOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -166,6 +175,11 @@ def advantage_computation(
     uses (None: over `batch` alone; `tether.train.algorithms.shard_whitening` gives a step's shards the
     group's sums). --custom-advantage-function-path runs once, here, not once per call, and sees
     `rollout_raw_reward` (the whole rollout's) as `raw_reward`, as slime's rollout_data holds it."""
+    if (hooks is None or hooks.advantage is None) and not needs_torch(algorithm):
+        # Nothing to whiten, so `all_reduce` is never called (see whiten_across_shards).
+        return lambda _all_reduce: reward_per_token(batch.rewards, batch.response_lengths, batch.loss_masks)
+    import torch
+
     distill = opd_penalty(algorithm, batch)
     if hooks is not None and hooks.advantage is not None:
         custom = custom_advantages(hooks, algorithm, batch, rollout_raw_reward)
