@@ -108,11 +108,6 @@ def step_work_needs_torch(cfg: Config) -> bool:
     return needs_torch(algorithm) or any(path is not None for path in hooks)
 
 
-def import_run_step_work(cfg: Config) -> None:
-    """`import_step_work` for `cfg`'s run (deciding imports numpy: on the thread, not the loop)."""
-    import_step_work(with_torch=step_work_needs_torch(cfg))
-
-
 def import_step_work(with_torch: bool = True) -> None:
     """Import the head's step-work modules (and torch, `with_torch`); the run does it on a thread
     at start."""
@@ -253,7 +248,8 @@ class TrainerPool:
             # First asked once torchrun runs: the head's step-work imports (torch among them
             # where that work uses it) overlap the ranks' start from then on instead of delaying it.
             if not warm:
-                warm.append(tg.create_task(asyncio.to_thread(import_run_step_work, self.cfg)))
+                uses_torch = step_work_needs_torch(self.cfg)  # numpy's import: after the spawn
+                warm.append(tg.create_task(asyncio.to_thread(import_step_work, uses_torch)))
             return read_addresses(self.address_dir, world) is not None
 
         started = time.monotonic()
