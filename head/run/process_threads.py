@@ -25,7 +25,7 @@ def one_torch_thread() -> None:
 
 def one_torch_thread_if_imported() -> None:
     """`one_torch_thread()` on the calling thread where torch is imported (by anything) and not
-    yet set to one thread there; nothing where torch is not imported (or still importing)."""
+    yet set to one thread there; nothing where torch is not imported."""
     torch = sys.modules.get("torch")
     get, set_threads = getattr(torch, "get_num_threads", None), getattr(torch, "set_num_threads", None)
     if get is not None and set_threads is not None and get() != 1:

@@ -95,7 +95,9 @@ STEP_WORK_MODULES = ("tether.train.rank.rollout_calls",)
 def step_work_needs_torch(cfg: Config) -> bool:
     """Whether the head's step work uses torch in this run: grpo, gspo and cispo without KL
     shaping, whitening, on-policy distillation or train-data hooks put each reward on its tokens
-    in numpy (`tether.train.algorithms.advantages.needs_torch`); everything else computes in torch."""
+    in numpy (`tether.train.algorithms.advantages.needs_torch`); everything else computes in torch.
+    Any train-data hook counts (most hand torch tensors to the hook), so this warms torch for a
+    reward post-process hook too, whose own step work stays in numpy (`tether.train.rank.work`)."""
     from tether.train.algorithms.advantages import needs_torch
 
     algorithm = cfg.algorithm
