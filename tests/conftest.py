@@ -79,7 +79,7 @@ def cpu_engine(tiny_model: Path, tmp_path: Path) -> Iterator[EngineFactory]:
 
 @pytest.fixture
 def slow_engine(cpu_engine: EngineFactory) -> EngineFactory:
-    """`cpu_engine` running tether.bench.slow_engine: pass `delay_argv(...)` among the flags."""
+    """`cpu_engine` running tether.bench.engines.slow_engine: pass `delay_argv(...)` among the flags."""
 
     def start(*extra: str, **kwargs: Any) -> Engine:
         return cpu_engine(*extra, module=SLOW_ENGINE, **kwargs)

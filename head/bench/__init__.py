@@ -12,22 +12,22 @@ from tether.bench.compare import add_compare_argument, load_result
 
 BENCHES = {
     "runtime": (
-        "tether.bench.runtime",
+        "tether.bench.runtime.bench",
         "RPC and process start-up against raw pyzmq (and Ray when installed).",
     ),
     "engine": (
-        "tether.bench.engine",
+        "tether.bench.engines.throughput",
         "CPU engine tokens/s at 1, 8 and 64 concurrent requests; reload time.",
     ),
     "rollout": (
-        "tether.bench.rollout",
+        "tether.bench.engines.rollout",
         "Synchronous rollout against the fully-async worker on long-tail engines.",
     ),
     "sync": (
-        "tether.bench.sync",
+        "tether.bench.sync.bench",
         "Delta sizes and speeds, disk and delta sync, bucketed against raw broadcast.",
     ),
-    "e2e": ("tether.bench.e2e", "A short demo-sized run in each loop mode, side by side."),
+    "e2e": ("tether.bench.e2e.bench", "A short demo-sized run in each loop mode, side by side."),
 }
 
 

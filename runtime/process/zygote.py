@@ -1,7 +1,7 @@
 """`python -m tether.runtime.process.zygote --fd N --parent-pid P --grace G`: a fork server for the
 Python processes a node agent starts with `ProcessSpec.zygote` set.
 
-A fresh `python -m tether.bench.actor_host` spends ~0.17 s starting the interpreter and importing
+A fresh `python -m tether.bench.runtime.actor_host` spends ~0.17 s starting the interpreter and importing
 asyncio, uvloop, msgspec, ZeroMQ and tether's RPC before it runs a line of its own; a fork of a
 process that already imported them costs a few milliseconds. The zygote is that process: the
 agent starts it once (see runtime/process/zygote_client.py), it imports the runtime (`RUNTIME_PRELOAD`)

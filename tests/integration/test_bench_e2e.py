@@ -8,7 +8,7 @@ from pathlib import Path
 
 from support.e2e import tether
 
-from tether.bench.e2e import MODES, RATIO_KEYS
+from tether.bench.e2e.bench import MODES, RATIO_KEYS
 
 FRACTIONS = ("trainer_busy_fraction", "engine_busy_fraction")
 

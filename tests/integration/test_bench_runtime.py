@@ -7,7 +7,8 @@ import json
 
 from support.e2e import tether
 
-from tether.bench.runtime import BATCH_SIZES, FLOORS, RTT_VS_RAW_PYZMQ_TARGET, LoopEchoClient
+from tether.bench.runtime.bench import BATCH_SIZES, RTT_VS_RAW_PYZMQ_TARGET
+from tether.bench.runtime.floors import FLOORS, LoopEchoClient
 
 
 def test_bench_runtime_json_figures_and_floors() -> None:

@@ -44,7 +44,7 @@ from support.engines import (
 )
 from support.net import free_port
 
-from tether.bench.slow_engine import delay_argv
+from tether.bench.engines.slow_engine import delay_argv
 from tether.rollout.cpu_engine.modeling.tiny_model import ARCHES, TinyModelSpec, write_tiny_model
 from tether.rollout.engine_api.weights import encode_named_tensors
 from tether.runtime.weight_group import broadcast, destroy_weight_group, init_weight_group

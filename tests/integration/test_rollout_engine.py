@@ -11,7 +11,7 @@ import pytest
 from support.engines import SLOW_ENGINE, cpu_engine, engine_client
 from support.rollout import make_config
 
-from tether.bench.slow_engine import delay_argv
+from tether.bench.engines.slow_engine import delay_argv
 from tether.rollout.data.source import DataSource, PromptRecord, load_tokenizer
 from tether.rollout.engine_api.client import EngineClient, EngineError, EngineUnavailable
 from tether.rollout.fully_async import FullyAsyncWorker

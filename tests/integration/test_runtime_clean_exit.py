@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from support import support_env
 
-from tether.bench.actors import start_actor
+from tether.bench.runtime.actors import start_actor
 from tether.runtime.loop import run
 from tether.runtime.process.spec import ExitInfo, ProcessSpec
 from tether.runtime.process.supervisor import Heartbeat, Supervisor

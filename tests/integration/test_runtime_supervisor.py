@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from support import SUPPORT, support_env
 
-from tether.bench.actors import start_actor
+from tether.bench.runtime.actors import start_actor
 from tether.runtime.errors import ActorDied, HeartbeatLost, NodeLost
 from tether.runtime.loop import run
 from tether.runtime.process.spec import ExitInfo, ProcessSpec

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support import TESTS, support_env
 
-from tether.bench.actors import start_actor
+from tether.bench.runtime.actors import start_actor
 from tether.runtime.errors import ActorDied
 from tether.runtime.loop import run
 from tether.runtime.process.spec import ExitInfo, ProcessSpec

@@ -55,7 +55,7 @@ EngineFactory = Callable[..., "Engine"]
 """The `cpu_engine` and `slow_engine` fixtures: call with extra flags (and keywords) to start one."""
 
 CPU_ENGINE = "tether.rollout.cpu_engine"
-SLOW_ENGINE = "tether.bench.slow_engine"
+SLOW_ENGINE = "tether.bench.engines.slow_engine"
 """The CPU engine with a per-request delay; takes the CPU engine's flags plus `delay_argv(...)`."""
 
 

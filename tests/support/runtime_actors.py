@@ -64,7 +64,7 @@ def _children(pid: int) -> list[int]:
 
 
 async def _head(run_dir: Path) -> int:
-    from tether.bench.actors import start_actor
+    from tether.bench.runtime.actors import start_actor
     from tether.runtime.process.sdnotify import Notifier
     from tether.runtime.process.signals import StopRequested, handle_signals
     from tether.runtime.process.supervisor import Heartbeat, ProcessSpec, Supervisor

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.bench.e2e import RATIO_KEYS, from_launch, ratios, summarise, table, targets
+from tether.bench.e2e.bench import RATIO_KEYS, from_launch, ratios, summarise, table, targets
 
 
 def _write_run(run: Path, *, lag: float) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from tether.bench.runtime import RTT_BLOCKS, EchoClient, interleaved_round_trips
+from tether.bench.runtime.floors import RTT_BLOCKS, EchoClient, interleaved_round_trips
 
 
 class _Recorder:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.bench.sample_codec import (
+from tether.bench.runtime.sample_codec import (
     LAZY_FIELDS,
     WHOLE_VERSION,
     SampleBatch,

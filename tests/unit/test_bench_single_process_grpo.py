@@ -1,4 +1,4 @@
-"""`tether bench e2e`'s single-process baseline (head/bench/single_process_grpo.py): GRPO's
+"""`tether bench e2e`'s single-process baseline (head/bench/e2e/single_process_grpo.py): GRPO's
 advantages and PPO's clipped loss on hand-made numbers, and one real step on the demo's model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether.bench.single_process_grpo import (
+from tether.bench.e2e.single_process_grpo import (
     Recipe,
     SingleProcessGRPO,
     clipped_pg_loss,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tether.bench.compare import compare
-from tether.bench.sync import add_arguments, main, raw_write_gb_s, sync_targets, value_check_gb_s
+from tether.bench.sync.bench import add_arguments, main, raw_write_gb_s, sync_targets, value_check_gb_s
 from tether.runtime.errors import ConfigError
 
 

@@ -74,7 +74,7 @@ def test_zygote_environment_holds_no_secret_and_is_unbuffered() -> None:
 
 
 def test_spec_fields_are_checked() -> None:
-    ok = ProcessSpec(name="a", argv=PY, zygote=True, preload=["tether.bench.actor_host"])
+    ok = ProcessSpec(name="a", argv=PY, zygote=True, preload=["tether.bench.runtime.actor_host"])
     ok.validate()
     with pytest.raises(ValueError, match="zygote=True needs run_secret=True"):
         ProcessSpec(name="a", argv=PY, zygote=True, run_secret=False).validate()

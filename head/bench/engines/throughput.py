@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from tether.bench.compare import with_comparison
-from tether.bench.engines import cpu_engines
+from tether.bench.engines.launch import cpu_engines
 from tether.rollout.engine_api.auth import bearer_header, new_engine_key
 
 
@@ -108,6 +108,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tether.bench.engine", description=__doc__)
+    _parser = argparse.ArgumentParser(prog="python -m tether.bench.engines.throughput", description=__doc__)
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tether.bench.engines import cpu_engines
+from tether.bench.engines.launch import cpu_engines
 from tether.sync.config import WeightSyncConfig
 
 

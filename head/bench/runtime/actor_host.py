@@ -1,4 +1,4 @@
-"""`python -m tether.bench.actor_host`: the process behind `tether.bench.actors.start_actor`.
+"""`python -m tether.bench.runtime.actor_host`: the process behind `tether.bench.runtime.actors.start_actor`.
 
 It fetches its constructor arguments from the head (`process_setup`, so they never sit on a
 command line), builds the target object, serves it with `RpcServer`, tells the head its address
@@ -74,7 +74,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tether.bench.actor_host")
+    parser = argparse.ArgumentParser(prog="python -m tether.bench.runtime.actor_host")
     parser.add_argument("--name", required=True)
     parser.add_argument("--target", required=True, help="module.path:ClassName")
     parser.add_argument("--head", required=True, help="The head's control address.")

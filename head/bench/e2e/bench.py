@@ -23,7 +23,7 @@ after its run: the ratios below hold for a quiet machine only when those are nea
 
 Beside them, the same-run baselines: each figure's ratio against the sync loop measured in the
 same invocation, and the demo's GRPO step in one plain-torch process on the same model, prompts,
-seed and recipe (`tether.bench.single_process_grpo`), its first step too timed from the moment
+seed and recipe (`tether.bench.e2e.single_process_grpo`), its first step too timed from the moment
 this command launched it, with the targets (issue #37): launch to the first step no later than
 the single process's, and the sync loop's median step no slower than the single process's.
 """
@@ -185,7 +185,7 @@ def run_baseline(args: argparse.Namespace, out: Path, model: Path, prompts: Path
     argv = [
         sys.executable,
         "-m",
-        "tether.bench.single_process_grpo",
+        "tether.bench.e2e.single_process_grpo",
         "--model",
         str(model),
         "--prompts",
@@ -373,7 +373,7 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "engines": "1 CPU engine",
                 "machine": _load(),
                 "baseline": f"one process, plain torch, {args.baseline_threads} thread(s): "
-                "tether.bench.single_process_grpo",
+                "tether.bench.e2e.single_process_grpo",
             },
             "modes": modes,
             "ratio_vs_sync": ratios(modes),

@@ -9,7 +9,7 @@ from typing import Any
 
 def offsets_frame() -> int:
     """Which frame of a columnar Sample batch holds the token offsets (frame 0 is the header)."""
-    from tether.bench.sample_codec import FRAME_NAMES
+    from tether.bench.runtime.sample_codec import FRAME_NAMES
 
     return 1 + FRAME_NAMES.index("token_offsets")
 
@@ -28,7 +28,7 @@ class BenchActor:
     async def take_samples(self, frame: Any) -> int:
         """Whole Samples received: the completed ones with a response counted, as a trainer
         filters them (each Sample's status and response length read)."""
-        from tether.bench.sample_codec import SampleBatch
+        from tether.bench.runtime.sample_codec import SampleBatch
         from tether.rollout.sample import SampleStatus
 
         done = SampleStatus.COMPLETED
@@ -36,6 +36,6 @@ class BenchActor:
 
     async def take_samples_materialized(self, frame: Any) -> int:
         """Whole Samples received and built in full (every per-token list decoded)."""
-        from tether.bench.sample_codec import SampleBatch
+        from tether.bench.runtime.sample_codec import SampleBatch
 
         return len(list(SampleBatch(frame)))

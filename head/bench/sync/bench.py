@@ -39,7 +39,7 @@ import torch
 
 from tether.bench.bytecode import note_uncompiled
 from tether.bench.compare import with_comparison
-from tether.bench.engines import cpu_engines, free_port
+from tether.bench.engines.launch import cpu_engines, free_port
 from tether.runtime.errors import ConfigError
 from tether.runtime.files.atomic_file import staged_dir
 from tether.sync.checkpoint_files import TORCH_TO_ST, open_checkpoint, tensor_bytes
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("cpu", "cuda"),
         default="cpu",
         help="cuda: the engine runs on the GPU and the figures are the colocated CUDA IPC sync's "
-        "against a device-to-device copy of the same bytes (tether.bench.sync_cuda); the distributed "
+        "against a device-to-device copy of the same bytes (tether.bench.sync.cuda); the distributed "
         "rows need two GPUs and are left out.",
     )
 
@@ -480,7 +480,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.skip_delta:
             result["delta"] = delta_figures(tmp / "delta", args.size_gib, fractions, args.threads)
         if not args.skip_engine and args.device == "cuda":
-            from tether.bench.sync_cuda import cuda_engine_figures
+            from tether.bench.sync.cuda import cuda_engine_figures
 
             result["engine_cuda"] = uvloop.run(
                 cuda_engine_figures(tmp / "engine", args.engine_hidden, args.engine_layers, args.syncs)
@@ -506,6 +506,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tether.bench.sync", description=__doc__)
+    _parser = argparse.ArgumentParser(prog="python -m tether.bench.sync.bench", description=__doc__)
     add_arguments(_parser)
     raise SystemExit(main(_parser.parse_args()))

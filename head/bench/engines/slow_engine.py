@@ -1,4 +1,4 @@
-"""`python -m tether.bench.slow_engine`: the CPU engine with a seeded per-request delay.
+"""`python -m tether.bench.engines.slow_engine`: the CPU engine with a seeded per-request delay.
 
 For benchmarks and tests only: each request waits a random delay before it joins the batch, to
 imitate the long tail of real engines. Takes every flag of `tether engine` plus `--delay-*`.
@@ -71,6 +71,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tether.bench.slow_engine", description=__doc__)
+    _parser = argparse.ArgumentParser(prog="python -m tether.bench.engines.slow_engine", description=__doc__)
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

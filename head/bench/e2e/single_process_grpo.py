@@ -8,7 +8,7 @@ gradient clip. The demo's model, prompts, seed and recipe (lr, temperature, 8 ne
 engine, no trainer ranks, no weight sync, no records. Its torch threads come from OMP_NUM_THREADS
 (`tether bench e2e --baseline-threads`).
 
-    python -m tether.bench.single_process_grpo --model DIR --prompts FILE --steps N --json
+    python -m tether.bench.e2e.single_process_grpo --model DIR --prompts FILE --steps N --json
 
 prints one JSON object: per-step seconds (rollout, train, step), `first_step_s`, seconds from
 this module's start to the first step's start (imports and model load included), and
@@ -201,7 +201,9 @@ def summary(times: list[StepTimes], *, first_step_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tether.bench.single_process_grpo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tether.bench.e2e.single_process_grpo", description=__doc__
+    )
     parser.add_argument("--model", type=Path, required=True, help="The demo's HF model directory.")
     parser.add_argument("--prompts", type=Path, required=True, help="The training prompts (JSONL).")
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps.")

@@ -5,7 +5,7 @@
         await ref.score(batch)
         await sup.watch()          # raises ActorDied / HeartbeatLost at the first failure
 
-The process is `python -m tether.bench.actor_host`, started through the supervisor like any
+The process is `python -m tether.bench.runtime.actor_host`, started through the supervisor like any
 other (forked from its node's zygote: `ProcessSpec.zygote`): it fetches its constructor arguments with the head's `process_setup`, serves the object
 with `RpcServer` and announces its address with `process_ready` (see
 `Supervisor.start_announced`). The product starts no Python actors; `tether bench runtime`
@@ -23,7 +23,7 @@ from tether.runtime.rpc.actors import ActorHandle
 from tether.runtime.rpc.endpoints import ipc_endpoint
 
 TRANSPORTS = ("auto", "tcp", "ipc")
-_HOST_MODULE = "tether.bench.actor_host"
+_HOST_MODULE = "tether.bench.runtime.actor_host"
 
 
 async def start_actor(

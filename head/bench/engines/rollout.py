@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from tether.bench.compare import with_comparison
-from tether.bench.engines import cpu_engines
-from tether.bench.slow_engine import delay_argv
+from tether.bench.engines.launch import cpu_engines
+from tether.bench.engines.slow_engine import delay_argv
 from tether.rollout.config import DataConfig, RolloutConfig
 from tether.rollout.data.source import DataSource, PromptRecord, load_tokenizer
 from tether.rollout.engine_api.auth import new_engine_key
@@ -107,7 +107,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         key = new_engine_key()
         slow = lambda i: delay_argv("lognormal", args.delay_mean_ms, args.delay_sigma, seed=i)  # noqa: E731
         async with cpu_engines(
-            model, key, args.engines, module="tether.bench.slow_engine", extra=slow
+            model, key, args.engines, module="tether.bench.engines.slow_engine", extra=slow
         ) as urls:
             sync = await _measure("sync", args, urls, model, key)
             fully = await _measure("fully_async", args, urls, model, key)

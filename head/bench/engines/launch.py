@@ -35,7 +35,7 @@ async def cpu_engines(
 ) -> AsyncIterator[list[str]]:
     """`count` engine processes serving `model`, each answering /health; yields their URLs.
 
-    `module` is the CPU engine or tether.bench.slow_engine; `extra(i)` adds engine i's flags.
+    `module` is the CPU engine or tether.bench.engines.slow_engine; `extra(i)` adds engine i's flags.
     Logs go to `log_dir`/engine-<i>.log when given (else nowhere). Every engine is stopped on exit.
     """
     from tether.rollout.cpu_engine.server import check_model_path
