@@ -265,6 +265,15 @@ def engine_device(name: str) -> torch.device:
     return device
 
 
+def _collective_interfaces() -> str:
+    """The interfaces its weight-update groups will use, as the node agent set them (a forked
+    engine's environment does not show in /proc/PID/environ)."""
+    from tether.runtime.netif import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV
+
+    named = [f"{k}={os.environ[k]}" for k in (GLOO_IFNAME_ENV, NCCL_IFNAME_ENV) if os.environ.get(k)]
+    return f"; collectives: {' '.join(named)}" if named else ""
+
+
 async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = None) -> None:
     """Serve until SIGTERM/SIGINT; `delay` (benchmarks and tests only) draws the seconds each
     request waits before it joins the batch."""
@@ -354,7 +363,7 @@ async def serve(args: argparse.Namespace, delay: Callable[[], float] | None = No
         await web.TCPSite(runner, args.host, args.port).start()
         print(
             f"tether cpu engine serving {args.model_path} on http://{args.host}:{args.port} "
-            f"({device.type}, {str(dtype).removeprefix('torch.')})",
+            f"({device.type}, {str(dtype).removeprefix('torch.')}){_collective_interfaces()}",
             flush=True,
         )
         await stop.wait()

@@ -10,7 +10,10 @@ reads `--api-key`/`--admin-api-key` from its command line, so it starts through 
 which moves the key from the environment into its own `sys.argv` and runs
 `sglang.launch_server` (what `ps` shows is the argv the process was started with) and redacts
 the key from SGLang's logs. Engines get the engine key and not the run secret
-(`ProcessSpec.run_secret`).
+(`ProcessSpec.run_secret`). An embedded engine on a CPU plan is forked from its node's
+secret-less zygote (`ProcessSpec.zygote`, `tether.rollout.cpu_engine.preload`): the first start
+pays its imports as a spawn would, every later engine of the node (and every restart) starts at
+its model load.
 
     launch_cfg = EngineLaunchConfig.from_config(cfg.rollout, cfg.fault_tolerance, cfg.sglang_args, plan)
     launch = build_launch(engine, launch_cfg, node_name=lambda part: nodes[part.hostname])
@@ -43,6 +46,7 @@ from tether.runtime.config import FaultToleranceConfig
 from tether.runtime.errors import ConfigError
 from tether.runtime.process.spec import ProcessSpec
 from tether.runtime.process.supervisor import ManagedProcess, Supervisor
+from tether.runtime.process.zygote_client import SECRETLESS_ZYGOTE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ SGLANG_VENV_ENV = "TETHER_SGLANG_VENV"
 """Environment variable naming the SGLang venv that tests/support/sglang_env.sh builds."""
 DEFAULT_SGLANG_VENV = Path.home() / ".cache" / "tether" / "sglang-venv"
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+CPU_ENGINE_PRELOAD = "tether.rollout.cpu_engine.preload"
 
 # Flags the placement plan sets; a user value would break port and device bookkeeping.
 PLAN_FLAGS: dict[str, str] = {
@@ -346,9 +351,18 @@ def server_env(part: EnginePart, cfg: EngineLaunchConfig) -> dict[str, str]:
     env = dict(part.env)
     if cfg.backend == "sglang" and cfg.device_kind == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if forked_from_zygote(cfg):
+        env.update(SECRETLESS_ZYGOTE_ENV)  # the zygote's own: numpy's BLAS on one thread
     if cfg.api_key is not None:
         env[ENGINE_KEY_ENV] = cfg.api_key
     return env
+
+
+def forked_from_zygote(cfg: EngineLaunchConfig) -> bool:
+    """The embedded engine on the CPU is forked from its node's secret-less zygote. Not on a
+    GPU (CUDA, once initialised, does not survive a fork: each engine starts afresh), nor SGLang
+    (its own interpreter, another venv)."""
+    return cfg.backend == "cpu" and cfg.device_kind == "cpu"
 
 
 def engine_name(engine: Engine, part: EnginePart) -> str:
@@ -390,6 +404,8 @@ def build_launch(
             node=node_name(part),
             address=address(part),
             run_secret=False,  # an engine speaks HTTP with the engine key, never tether's RPC
+            zygote=forked_from_zygote(cfg),
+            preload=[CPU_ENGINE_PRELOAD] if forked_from_zygote(cfg) else [],
         )
         for part in sorted(engine.parts, key=lambda p: -p.node_rank)
     ]

@@ -22,8 +22,11 @@ ends the node's engines and tells the agent to exit, and it exits 0.
 Every process runs under `tether.runtime.process.shim` in its own session and process group, with
 its output in `<run_dir>/logs/<name>.log`, and with its gloo and NCCL sockets on the interface
 holding its node's planned address (`ProcessSpec.address`, see runtime/netif.py). A process
-whose spec sets `zygote` is forked instead from the agent's zygote (runtime/process/zygote.py, started
-with the agent), which stands in for the shim; when the zygote cannot start it, it is spawned.
+whose spec sets `zygote` is forked instead from one of the agent's zygotes (runtime/process/zygote.py,
+each started at its first use), which stands in for the shim; when the zygote cannot start it, it
+is spawned. Processes that hold the run secret come from the runtime zygote; those that must not
+(a CPU engine) from the secret-less one, which imports nothing up front and has never seen the
+secret (`SECRETLESS_ZYGOTE_ENV` is its environment on top of the agent's).
 """
 
 from __future__ import annotations
@@ -46,7 +49,14 @@ from tether.runtime.errors import ConfigError, HeartbeatLost, RemoteError, UserE
 from tether.runtime.netif import socket_ifname_env
 from tether.runtime.process import shim
 from tether.runtime.process.spec import ExitInfo, ProcessSpec, log_path, read_log_tail
-from tether.runtime.process.zygote_client import ZYGOTE_LOG, ZygoteChild, ZygoteClient, ZygoteUnavailable
+from tether.runtime.process.zygote_client import (
+    SECRETLESS_ZYGOTE_ENV,
+    SECRETLESS_ZYGOTE_LOG,
+    ZYGOTE_LOG,
+    ZygoteChild,
+    ZygoteClient,
+    ZygoteUnavailable,
+)
 from tether.runtime.rpc.liveness import LivenessMonitor
 from tether.runtime.rpc.secret import SECRET_ENV, secret_to_env
 
@@ -109,8 +119,8 @@ class NodeAgent:
     Use as `async with NodeAgent(...) as agent:`; leaving the block stops every process
     (SIGTERM, `grace` seconds, SIGKILL to the process group). Public async methods are the
     agent's RPC interface. With `zygote`, the first start of a spec that sets `zygote` launches
-    the zygote (a run that starts no such process pays nothing for it); leaving stops it after
-    the processes, within `grace` + 5 s.
+    the zygote it needs (a run that starts no such process pays nothing for it); leaving stops
+    the zygotes after the processes, within `grace` + 5 s.
     """
 
     def __init__(
@@ -135,7 +145,8 @@ class NodeAgent:
         self._children: dict[str, _Child] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._use_zygote = zygote
-        self.zygote: ZygoteClient | None = None
+        self.zygote: ZygoteClient | None = None  # forks the processes that get the run secret
+        self.secretless_zygote: ZygoteClient | None = None  # and those that do not
         self.shutdown_requested = asyncio.Event()
 
     async def __aenter__(self) -> NodeAgent:
@@ -147,8 +158,11 @@ class NodeAgent:
     async def __aexit__(self, *exc_info: Any) -> None:
         try:
             await self.stop_all(self.grace)
-            if self.zygote is not None:
-                await self.zygote.close(self.grace + 5.0)
+            zygotes = [z for z in (self.zygote, self.secretless_zygote) if z is not None]
+            if zygotes:
+                async with asyncio.TaskGroup() as closing:
+                    for zygote in zygotes:
+                        closing.create_task(zygote.close(self.grace + 5.0))
         finally:
             tg, self._tg = self._tg, None
             if tg is not None:
@@ -164,16 +178,15 @@ class NodeAgent:
         return {name: child.proc.pid for name, child in self._children.items()}
 
     async def start_process(self, spec: ProcessSpec) -> int:
-        """Start `spec` under the shim, or forked from the zygote (`spec.zygote`); return the
+        """Start `spec` under the shim, or forked from a zygote (`spec.zygote`); return the
         pid that leads its process group (the shim's, or the forked command's)."""
         spec.validate()
         if self._tg is None:
             raise RuntimeError(f"agent {self.node!r} is not running")
         if spec.name in self._children:
             raise ValueError(f"process name {spec.name!r} is already running on node {self.node!r}")
-        if spec.zygote and self._use_zygote and self.zygote is None:
-            self.zygote = ZygoteClient(log=self.run_dir / "logs" / ZYGOTE_LOG, grace=self.grace)
-            self.zygote.launch()  # its imports overlap the rest of this start
+        if spec.zygote and self._use_zygote:
+            self._launch_zygote(spec.run_secret)  # its imports overlap the rest of this start
         env = {**os.environ, **spec.env}
         # Collectives on the node's planned address (a host name there resolves: off the loop).
         env.update(await asyncio.to_thread(socket_ifname_env, spec.address, env))
@@ -211,13 +224,28 @@ class NodeAgent:
         self._tg.create_task(self._reap(child), name=f"reap:{spec.name}")
         return proc.pid
 
+    def _launch_zygote(self, run_secret: bool) -> None:
+        """The zygote for processes with (or without) the run secret, launched at its first use."""
+        if run_secret and self.zygote is None:
+            self.zygote = ZygoteClient(log=self.run_dir / "logs" / ZYGOTE_LOG, grace=self.grace)
+            self.zygote.launch()
+        elif not run_secret and self.secretless_zygote is None:
+            self.secretless_zygote = ZygoteClient(
+                log=self.run_dir / "logs" / SECRETLESS_ZYGOTE_LOG,
+                grace=self.grace,
+                environ={**os.environ, **SECRETLESS_ZYGOTE_ENV},
+                runtime_preload=False,
+            )
+            self.secretless_zygote.launch()
+
     async def _fork(self, spec: ProcessSpec, env: dict[str, str], path: Path) -> ZygoteChild | None:
-        """`spec` forked from the zygote; None (logged) when it must be spawned instead."""
-        if self.zygote is None:
+        """`spec` forked from its zygote; None (logged) when it must be spawned instead."""
+        zygote = self.zygote if spec.run_secret else self.secretless_zygote
+        if zygote is None:
             log.info("process %r: agent %r runs no zygote; spawning it", spec.name, self.node)
             return None
         try:
-            return await self.zygote.spawn(
+            return await zygote.spawn(
                 name=spec.name,
                 argv=spec.argv,
                 env=env,

@@ -453,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True, help="The agent; exit when it is gone.")
     parser.add_argument("--grace", type=float, default=10.0, help="Seconds between SIGTERM and SIGKILL.")
     parser.add_argument("--room", default="", help="Blank: room for a child's command line (see show_as).")
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="Import nothing up front (not RUNTIME_PRELOAD): only the requests' preloads.",
+    )
     args = parser.parse_args(argv)
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -460,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tether zygote: agent {args.parent_pid} is gone", file=sys.stderr)
         return 1
     sock = socket.socket(fileno=args.fd)
-    return Zygote(sock, args.grace).run(RUNTIME_PRELOAD)
+    return Zygote(sock, args.grace).run(() if args.bare else RUNTIME_PRELOAD)
 
 
 if __name__ == "__main__":

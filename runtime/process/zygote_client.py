@@ -35,14 +35,32 @@ from tether.runtime.rpc.secret import SECRET_ENV
 log = logging.getLogger(__name__)
 
 ZYGOTE_LOG = "_zygote.log"  # in the run's logs/; no process name can start with "_"
+SECRETLESS_ZYGOTE_LOG = "_zygote-secretless.log"
+# The secret-less zygote's environment on top of the agent's, which every process it forks must
+# also carry: numpy's OpenBLAS starts its thread pool when it loads (a preload importing torch
+# loads it), and a zygote with a second thread forks nothing more.
+SECRETLESS_ZYGOTE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 READY_TIMEOUT = 60.0  # for the zygote to import the runtime
 START_TIMEOUT = 60.0  # for it to fork a child (after the spec's preloads)
 MAX_LAUNCHES = 3  # a zygote lost is replaced at the next start, this many launches in all
 CMDLINE_ROOM = 384  # blanks on the zygote's command line: a child's is shown in their place
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-# Read when an interpreter (or libc) starts: a child cannot take a value other than the zygote's.
+# Read when an interpreter (or libc) starts, or when a native library a preload imports loads
+# (OpenMP, OpenBLAS, MKL, torch): a child cannot take a value other than the zygote's.
 # PYTHONPATH is the exception, rebuilt in the child; PYTHONUNBUFFERED only matters set or not.
-_STARTUP_PREFIXES = ("PYTHON", "LD_", "LC_", "MALLOC_")
+_STARTUP_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "LC_",
+    "MALLOC_",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH",
+    "PYTORCH_",
+)
 _STARTUP_NAMES = ("LANG", "LANGUAGE", "GLIBC_TUNABLES", "TZ")
 
 
@@ -120,10 +138,20 @@ class ZygoteChild:
 class ZygoteClient:
     """One zygote process and its children, for a node agent."""
 
-    def __init__(self, *, log: Path, grace: float, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        log: Path,
+        grace: float,
+        environ: Mapping[str, str] | None = None,
+        runtime_preload: bool = True,
+    ) -> None:
+        """`runtime_preload` False: the zygote imports nothing up front (`--bare`), only what
+        each request's `preload` names."""
         self.log_path = log
         self.grace = grace
         self.env = zygote_environment(os.environ if environ is None else environ)
+        self.runtime_preload = runtime_preload
         self.pid = 0
         self.failure = ""
         """Why the zygote cannot serve (not started, exited, refused to start); '' while it can."""
@@ -167,6 +195,8 @@ class ZygoteClient:
                 "--parent-pid", str(os.getpid()), "--grace", repr(self.grace),
                 "--room", " " * CMDLINE_ROOM,
             ]  # fmt: skip
+            if not self.runtime_preload:
+                argv.append("--bare")
             with open(self.log_path, "ab") as logf:  # noqa: ASYNC230  # a local log file opens at once
                 self._proc = await asyncio.create_subprocess_exec(
                     *argv,

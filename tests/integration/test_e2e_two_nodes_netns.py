@@ -367,10 +367,13 @@ def test_disk_sync_and_engine_replaced_on_node_b(nodes: TwoNodes, ws: Workspace,
     with TwoNodeRun(nodes, ws, tmp_path, steps, *flags) as run:
         assert run.agent is not None
         run.wait_for("the first step", lambda: run.steps_done() >= 1)
-        (engine,) = descendants(run.agent.pid, CPU_ENGINE)  # on B: a child of B's agent
-        environ = engine.environ()
-        assert (environ.get(GLOO_IFNAME_ENV), environ.get(NCCL_IFNAME_ENV)) == (nodes.if_b, f"={nodes.if_b}")
-        shim = engine.ppid()  # the process the agent started, which it reports
+        (engine,) = descendants(run.agent.pid, CPU_ENGINE)  # on B: below B's agent
+        # Forked from B's secret-less zygote, with B's interface for its collectives (which its
+        # log names: a fork's environment does not show in /proc/PID/environ).
+        assert "tether.runtime.process.zygote" in psutil.Process(engine.ppid()).cmdline()
+        serving = f"collectives: {GLOO_IFNAME_ENV}={nodes.if_b} {NCCL_IFNAME_ENV}=={nodes.if_b}"
+        assert serving in (run.run / "logs" / "engine0.log").read_text()
+        started = engine.pid  # the process the agent started, which it reports
         engine.kill()
         run.wait_for("the restart", lambda: any(e["event"] == "engine_restarted" for e in run.events()))
         run.finish()
@@ -381,7 +384,7 @@ def test_disk_sync_and_engine_replaced_on_node_b(nodes: TwoNodes, ws: Workspace,
     evs = run.events()
     # B's agent reported both exits: the killed engine's, and its replacement's at the end.
     exits = [e for e in evs if e["event"] == "process_exit" and e["name"] == "engine0"]
-    assert [(e["node"], e["pid"] == shim, e["expected"]) for e in exits] == [
+    assert [(e["node"], e["pid"] == started, e["expected"]) for e in exits] == [
         ("node-b", True, False),
         ("node-b", False, True),
     ], exits

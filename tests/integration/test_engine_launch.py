@@ -4,6 +4,7 @@ sglang-router command line, which start nothing, are tests/unit/test_engine_laun
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from support.engines import find_sglang_python, local_plan_engine, start_supervised
+from support.e2e import tether
+from support.engines import ENGINE_KEY, Engine, find_sglang_python, local_plan_engine
 from support.plans import gpu_plan, sglang_cfg
 
 from tether.placement.plan import EnginePart
@@ -21,18 +23,62 @@ from tether.rollout.routing.sglang_router import RouterLaunchConfig, router_argv
 from tether.runtime.errors import ActorDied
 from tether.runtime.loop import run
 from tether.runtime.process.supervisor import Supervisor
-from tether.runtime.rpc.secret import new_secret
+from tether.runtime.rpc.secret import SECRET_ENV, new_secret, secret_to_env
 
 
-def test_cpu_engine_starts_through_the_launcher(tiny_model: Path, run_dir: Path) -> None:
-    engine, stop = start_supervised("cpu", str(tiny_model), run_dir, ready_timeout=120)
-    try:
-        out = engine.post("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
-        assert len(out["output_ids"]) == 4
-        assert engine.request("/health_generate", method="GET")[0] == 200
-    finally:
-        stop()
-    assert engine.log is not None and "tether cpu engine serving" in engine.log.read_text()
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with (a fork's changes to its own do not show here)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().partition("=")[::2] for item in raw if item)
+
+
+def test_cpu_engine_starts_through_the_launcher_forked_from_the_secretless_zygote(
+    tiny_model: Path, run_dir: Path
+) -> None:
+    cfg = EngineLaunchConfig(
+        model_path=str(tiny_model), backend="cpu", device_kind="cpu", ready_timeout=120, api_key=ENGINE_KEY
+    )
+    launch = build_launch(local_plan_engine(), cfg)
+    engine = Engine(url=launch.url, model_path=str(tiny_model))
+    generate = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+
+    async def main() -> tuple[float, float]:
+        secret = new_secret()
+        async with Supervisor(run_dir, secret, grace=10.0) as sup:
+            agent = sup._local
+            assert agent is not None
+            took = []
+            pids = []
+            for _ in range(2):  # the first start, then a restart (as the engine pool restarts one)
+                started = time.monotonic()
+                await start_engine(sup, launch)
+                took.append(time.monotonic() - started)
+                pid = sup.process("engine0").pid
+                out = await asyncio.to_thread(engine.post, "/generate", generate)
+                assert len(out["output_ids"]) == 4
+                zygote = agent.secretless_zygote
+                assert zygote is not None and agent.zygote is None  # the runtime zygote never started
+                # Forked (no shim, no fresh interpreter); it answered with the engine key, which
+                # reached it in the start request as the rest of its environment did.
+                assert _ppid(pid) == zygote.pid
+                zygote_env = _environ(zygote.pid)
+                assert SECRET_ENV not in zygote_env and secret_to_env(secret) not in str(zygote_env)
+                assert zygote_env["OPENBLAS_NUM_THREADS"] == "1"
+                pids.append(pid)
+                assert (await sup.stop("engine0")).returncode == 0
+            assert pids[0] != pids[1]
+            return took[0], took[1]
+
+    first, restart = run(main())
+    log = run_dir / "logs" / "engine0.log"
+    assert log.read_text().count("tether cpu engine serving") == 2
+    # The restart skips the imports; the first start paid them in the zygote (timing only shown).
+    print(f"engine start {first:.2f} s, restart {restart:.2f} s")
 
 
 def test_dies_first_fails_at_once_with_log_tail(tmp_path: Path) -> None:
@@ -133,3 +179,14 @@ print(json.dumps({"servers": out, "router": vars(r)}, default=str))
     rt = parsed["router"]
     assert rt["policy"] == "cache_aware" and rt["port"] == 9001 and rt["pd_disaggregation"] is True
     assert [u for u, _ in rt["prefill_urls"]] == [f"http://{engine.address}"] and len(rt["decode_urls"]) == 1
+
+
+def test_bench_engine_prints_its_figures_with_the_starts() -> None:
+    # The smallest run of `tether bench engine`: one level, one reload, one round of starts.
+    argv = ["--json", "--levels", "2", "--new-tokens", "2", "--reloads", "1", "--starts", "1"]
+    result = json.loads(tether("bench", "engine", *argv, timeout=300).stdout)
+    assert [lv["concurrency"] for lv in result["levels"]] == [2] and result["levels"][0]["tokens"] == 4
+    starts = result["starts"]
+    assert len(starts["spawned_s"]) == len(starts["forked_s"]) == 1 and starts["first_forked_s"] > 0
+    ratio = starts["spawned_s"][0] / starts["forked_s"][0]  # of the rounded figures: within rounding
+    assert starts["spawned_over_forked_median"] == pytest.approx(ratio, rel=0.02)

@@ -4,6 +4,8 @@ reload time from disk, on the default `tether init-model` model. Prints JSON.
 Each level sends `concurrency` requests of `--new-tokens` tokens at once (ignore_eos, so every
 request generates exactly that many) and reports generated tokens per wall-clock second; the
 ratio of the 64-request level to the single request is the batching gain (target: >= 5x).
+`starts`: launch to serving, spawned as a fresh interpreter against forked from the node's
+secret-less zygote (tether.bench.engines.start), `--starts` rounds.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reloads", type=int, default=5, help="update_weights_from_disk calls to time.")
     parser.add_argument("--threads", type=int, default=1, help="Engine torch threads.")
     parser.add_argument("--model-path", default=None, help="Model to serve (default: a fresh init-model).")
+    parser.add_argument(
+        "--starts", type=int, default=3, help="Rounds of engine starts, spawned and forked (0: none)."
+    )
 
 
 async def _level(
@@ -86,6 +91,10 @@ async def _bench(args: argparse.Namespace, model_path: str, log_dir: Path) -> di
         "levels": levels,
         "disk_reload_s": {"mean": sum(reloads) / len(reloads), "min": min(reloads), "max": max(reloads)},
     }
+    if args.starts > 0:
+        from tether.bench.engines.start import engine_starts
+
+        result["starts"] = await engine_starts(model_path, args.starts, log_dir / "starts")
     if 1 in by_c and 64 in by_c:
         result["ratio_64_vs_1"] = by_c[64] / by_c[1]
         result["target_ratio"] = 5.0
