@@ -60,6 +60,7 @@ SGLANG_VENV_ENV = "TETHER_SGLANG_VENV"
 DEFAULT_SGLANG_VENV = Path.home() / ".cache" / "tether" / "sglang-venv"
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 CPU_ENGINE_PRELOAD = "tether.rollout.cpu_engine.preload"
+FORK_ENGINES_ENV = "TETHER_FORK_ENGINES"
 
 # Flags the placement plan sets; a user value would break port and device bookkeeping.
 PLAN_FLAGS: dict[str, str] = {
@@ -358,11 +359,12 @@ def server_env(part: EnginePart, cfg: EngineLaunchConfig) -> dict[str, str]:
     return env
 
 
-def forked_from_zygote(cfg: EngineLaunchConfig) -> bool:
-    """The embedded engine on the CPU is forked from its node's secret-less zygote. Not on a
-    GPU (CUDA, once initialised, does not survive a fork: each engine starts afresh), nor SGLang
-    (its own interpreter, another venv)."""
-    return cfg.backend == "cpu" and cfg.device_kind == "cpu"
+def forked_from_zygote(cfg: EngineLaunchConfig, environ: Mapping[str, str] = os.environ) -> bool:
+    """The embedded engine on the CPU is forked from its node's secret-less zygote, unless the
+    head's TETHER_FORK_ENGINES=0 asks for each to start as its own interpreter. Not on a GPU
+    (CUDA, once initialised, does not survive a fork), nor SGLang (its own interpreter, another
+    venv)."""
+    return cfg.backend == "cpu" and cfg.device_kind == "cpu" and environ.get(FORK_ENGINES_ENV) != "0"
 
 
 def engine_name(engine: Engine, part: EnginePart) -> str:

@@ -134,7 +134,9 @@ def test_cpu_backend_argv_keeps_shared_flags_only() -> None:
     assert "device" not in parse_flags(on_cpu[3:], "argv")  # the engine's own default: the CPU
 
 
-def test_only_the_cpu_engine_on_a_cpu_plan_is_forked_from_the_secretless_zygote() -> None:
+def test_only_the_cpu_engine_on_a_cpu_plan_is_forked_from_the_secretless_zygote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     engine = local_plan_engine()
     (forked,) = build_launch(engine, sglang_cfg(backend="cpu", device_kind="cpu")).specs
     assert forked.zygote and not forked.run_secret and forked.preload == ["tether.rollout.cpu_engine.preload"]
@@ -144,6 +146,9 @@ def test_only_the_cpu_engine_on_a_cpu_plan_is_forked_from_the_secretless_zygote(
     for cfg in (sglang_cfg(backend="cpu"), sglang_cfg(device_kind="cpu"), sglang_cfg()):
         (spawned,) = build_launch(engine, cfg).specs  # CUDA does not survive a fork; SGLang has its venv
         assert not spawned.zygote and not spawned.preload and "OPENBLAS_NUM_THREADS" not in spawned.env
+    monkeypatch.setenv("TETHER_FORK_ENGINES", "0")  # the head's switch: every engine its own interpreter
+    (spawned,) = build_launch(engine, sglang_cfg(backend="cpu", device_kind="cpu")).specs
+    assert not spawned.zygote and not spawned.preload and "OPENBLAS_NUM_THREADS" not in spawned.env
 
 
 def test_sglang_python_resolution(tmp_path: Path) -> None:
