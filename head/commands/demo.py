@@ -62,6 +62,16 @@ SFT_EVAL_INTERVAL = 2  # warm-up steps between evaluations (the reward rises fas
 DEV_PROMPTS = 200  # training prompts outside the warm-up's pool, evaluated beside the held-out ones
 
 
+def add_weight_sync_arguments(parser: argparse.ArgumentParser, transport_help: str) -> None:
+    """The weight-sync flags the demo and `tether bench e2e` pass on to `tether run`."""
+    parser.add_argument(
+        "--update-weight-transport", choices=["disk", "nccl"], default="disk", help=transport_help
+    )
+    parser.add_argument(
+        "--update-weight-mode", choices=["full", "delta"], default="full", help="Full or delta sync."
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = Recipe()
     parser.add_argument(
@@ -70,15 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--loop", choices=["sync", "async", "fully-async"], default="sync", help="Training loop."
     )
-    parser.add_argument(
-        "--update-weight-transport",
-        choices=["disk", "nccl"],
-        default="disk",
-        help="How weights reach the engine (nccl means gloo on CPU).",
-    )
-    parser.add_argument(
-        "--update-weight-mode", choices=["full", "delta"], default="full", help="Full or delta sync."
-    )
+    add_weight_sync_arguments(parser, "How weights reach the engine (nccl means gloo on CPU).")
     parser.add_argument(
         "--parallel", choices=["dp2", "tp2"], default="dp2", help="Trainer layout on 2 ranks."
     )

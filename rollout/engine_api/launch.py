@@ -398,6 +398,7 @@ def build_launch(
         raise ValueError(f"engine {engine.index} at {engine.address} is external; tether does not start it")
     if not engine.parts:
         raise ValueError(f"engine {engine.index} has no processes in the plan")
+    fork = forked_from_zygote(cfg)
     specs = [
         ProcessSpec(
             name=engine_name(engine, part),
@@ -406,8 +407,8 @@ def build_launch(
             node=node_name(part),
             address=address(part),
             run_secret=False,  # an engine speaks HTTP with the engine key, never tether's RPC
-            zygote=forked_from_zygote(cfg),
-            preload=[CPU_ENGINE_PRELOAD] if forked_from_zygote(cfg) else [],
+            zygote=fork,
+            preload=[CPU_ENGINE_PRELOAD] if fork else [],
         )
         for part in sorted(engine.parts, key=lambda p: -p.node_rank)
     ]

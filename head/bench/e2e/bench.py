@@ -61,14 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="Prompts per step.")
     parser.add_argument("--samples", type=int, default=8, help="Samples per prompt.")
     parser.add_argument("--seed", type=int, default=1, help="Seed for the model, data order and sampling.")
-    parser.add_argument(
-        "--update-weight-transport",
-        choices=["disk", "nccl"],
-        default="disk",
-        help="How weights reach the engine in every mode (nccl means gloo on CPU).",
-    )
-    parser.add_argument(
-        "--update-weight-mode", choices=["full", "delta"], default="full", help="Full or delta sync."
+    demo.add_weight_sync_arguments(
+        parser, "How weights reach the engine in every mode (nccl means gloo on CPU)."
     )
     parser.add_argument(
         "--out",
