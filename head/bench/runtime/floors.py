@@ -1,9 +1,11 @@
 """The floors `tether bench runtime` compares tether's round trips with, each an echo process and
-a blocking client: raw blocking pyzmq (REQ/REP over TCP), which no RPC over ZeroMQ can beat; a raw
-blocking Unix stream socket, which no local transport can beat; and raw event-loop pyzmq (uvloop
-loops on both ends watching their sockets with `add_reader`, a future per call), which no RPC
-served and awaited on asyncio event loops can beat. Round trips are taken in blocks alternating
-with the system measured (`interleaved_round_trips`)."""
+a client: raw blocking pyzmq (REQ/REP over TCP), which no RPC over ZeroMQ can beat; a raw blocking
+Unix stream socket, which no local transport can beat; raw event-loop pyzmq (uvloop loops on both
+ends watching their sockets with `add_reader`, a future per call), which no RPC served and awaited
+on asyncio event loops can beat; and between the two, the same event-loop caller against the
+blocking REP echo (`raw_loop_caller_pyzmq`), which no RPC awaited on an asyncio event loop can beat,
+however it is served. Round trips are taken in blocks alternating with the system measured
+(`interleaved_round_trips`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-FLOORS = ("raw_pyzmq", "raw_unix_socket", "raw_loop_pyzmq")
+FLOORS = ("raw_pyzmq", "raw_unix_socket", "raw_loop_caller_pyzmq", "raw_loop_pyzmq")
 RTT_BLOCKS = 20  # round-trip figures are taken in this many alternating blocks (see interleaved_round_trips)
 
 
@@ -170,17 +172,24 @@ def raw_unix_echo(sock_dir: Path) -> EchoClient:
 
 
 class LoopEchoClient:
-    """The event-loop floor's client: a DEALER watched by `add_reader` on a uvloop loop of its
+    """The event-loop floors' client: a DEALER watched by `add_reader` on a uvloop loop of its
     own thread (the caller's loop is blocked while a floor's block runs, as for the others), one
-    future per round trip, resolved by the reader; each round trip timed inside that loop."""
+    future per round trip, resolved by the reader; each round trip timed inside that loop.
 
-    def __init__(self) -> None:
+    `served_by_loop`: the echo is a ROUTER on an event loop of its own (`raw_loop_pyzmq`); else
+    the blocking REP echo of `raw_pyzmq` (`raw_loop_caller_pyzmq`), the DEALER then adding the
+    empty delimiter frame that a REQ socket adds."""
+
+    def __init__(self, served_by_loop: bool = True) -> None:
         import threading
 
         import uvloop
         import zmq
 
-        self.proc = subprocess.Popen([sys.executable, "-c", _LOOP_ECHO], stdout=subprocess.PIPE, text=True)
+        script = _LOOP_ECHO if served_by_loop else _RAW_ECHO
+        self.what = "raw event-loop pyzmq" if served_by_loop else "raw event-loop caller pyzmq"
+        self._head: tuple[bytes, ...] = () if served_by_loop else (b"",)
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loop-floor", daemon=True)
         self._ctx = zmq.Context()
@@ -209,6 +218,8 @@ class LoopEchoClient:
         def drain() -> None:
             while cast(int, sock.get(events)) & pollin:
                 frame = sock.recv(copy=False)
+                while frame.more:  # a REP echo's reply: the delimiter, then the payload
+                    frame = sock.recv(copy=False)
                 if self._waiting is not None and not self._waiting.done():
                     self._waiting.set_result(frame)
 
@@ -218,12 +229,14 @@ class LoopEchoClient:
     async def _trips(self, n: int) -> list[float]:
         import zmq
 
-        sock, loop, drain = self._sock, self._loop, self._drain
-        events, pollin = zmq.EVENTS, int(zmq.POLLIN)
+        sock, loop, drain, head = self._sock, self._loop, self._drain, self._head
+        events, pollin, more = zmq.EVENTS, int(zmq.POLLIN), zmq.SNDMORE
         times = []
         for _ in range(n):
             t = time.perf_counter()
             self._waiting = fut = loop.create_future()
+            for frame in head:
+                sock.send(frame, more)
             sock.send(_PAYLOAD)
             if cast(int, sock.get(events)) & pollin:  # the send may have taken the edge that announced input
                 drain()
@@ -238,13 +251,13 @@ class LoopEchoClient:
             return list(self._on_loop(self._trips(n)))
         except TimeoutError:
             raise RuntimeError(
-                f"the raw event-loop pyzmq echo process stopped answering (exit code {self.proc.poll()})"
+                f"the {self.what} echo process stopped answering (exit code {self.proc.poll()})"
             ) from None
 
     def close(self) -> None:
         try:
             with contextlib.suppress(Exception):
-                self._sock.send(b"stop")
+                self._sock.send_multipart([*self._head, b"stop"])
             if self._thread.is_alive():
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(10)
@@ -270,6 +283,7 @@ def floors(sock_dir: Path) -> Iterator[dict[str, Floor]]:
         starts: tuple[tuple[str, Callable[[], Floor]], ...] = (
             ("raw_pyzmq", raw_pyzmq_echo),
             ("raw_unix_socket", lambda: raw_unix_echo(sock_dir)),
+            ("raw_loop_caller_pyzmq", lambda: LoopEchoClient(served_by_loop=False)),
             ("raw_loop_pyzmq", LoopEchoClient),
         )
         for name, start in starts:
