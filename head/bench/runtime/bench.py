@@ -269,16 +269,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     t = result["tether"]
     ratios = result["ratios"]
-    ratios["rtt_p50_vs_raw_pyzmq"] = t["rtt_p50_s"]["median"] / result["raw_pyzmq"]["rtt_p50_s"]["median"]
+    own = t["rtt_p50_s"]["median"]
+    floor = {name: result[name]["rtt_p50_s"]["median"] for name in FLOORS}
+    ratios["rtt_p50_vs_raw_pyzmq"] = own / floor["raw_pyzmq"]
     result["targets_met"]["rtt_p50_vs_raw_pyzmq"] = ratios["rtt_p50_vs_raw_pyzmq"] <= RTT_VS_RAW_PYZMQ_TARGET
     # What the event loops alone cost (the caller's, then both ends'), and what tether adds on top.
-    loop_floor = result["raw_loop_pyzmq"]["rtt_p50_s"]["median"]
-    raw = result["raw_pyzmq"]["rtt_p50_s"]["median"]
-    ratios["raw_loop_caller_pyzmq_vs_raw_pyzmq"] = (
-        result["raw_loop_caller_pyzmq"]["rtt_p50_s"]["median"] / raw
-    )
-    ratios["raw_loop_pyzmq_vs_raw_pyzmq"] = loop_floor / raw
-    ratios["rtt_p50_vs_raw_loop_pyzmq"] = t["rtt_p50_s"]["median"] / loop_floor
+    for name in ("raw_loop_caller_pyzmq", "raw_loop_pyzmq"):
+        ratios[f"{name}_vs_raw_pyzmq"] = floor[name] / floor["raw_pyzmq"]
+    ratios["rtt_p50_vs_raw_loop_pyzmq"] = own / floor["raw_loop_pyzmq"]
     if not args.skip_ray and importlib.util.find_spec("ray") is not None:
         ray_runs = []
         ray_floors: dict[str, list[float]] = {name: [] for name in FLOORS}
