@@ -8,7 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from tether.bench.e2e.bench import RATIO_KEYS, from_launch, ratios, summarise, table, targets
+from tether.bench.e2e.bench import (
+    RATIO_KEYS,
+    add_arguments,
+    from_launch,
+    main,
+    pair_order,
+    paired_startup,
+    ratios,
+    summarise,
+    table,
+    targets,
+)
+from tether.runtime.errors import ConfigError
+
+SETUP = {  # what `table` reads of a result's setup
+    "steps": 3,
+    "prompts": 16,
+    "samples_per_prompt": 8,
+    "update_weight_mode": "full",
+    "update_weight_transport": "disk",
+    "machine": "load 1.0/1.0 on 2 cores",
+    "baseline": "one process",
+}
 
 
 def _write_run(run: Path, *, lag: float) -> None:
@@ -117,17 +139,8 @@ def test_table_prints_the_baseline_and_the_targets(tmp_path: Path) -> None:
         "first_step_done_s": 5.25,
         "cpu_s": 9.0,
     }
-    setup = {
-        "steps": 3,
-        "prompts": 16,
-        "samples_per_prompt": 8,
-        "update_weight_mode": "full",
-        "update_weight_transport": "disk",
-        "machine": "load 1.0/1.0 on 2 cores",
-        "baseline": "one process",
-    }
     result = {
-        "setup": setup,
+        "setup": SETUP,
         "modes": modes,
         "ratio_vs_sync": ratios(modes),
         "single_process": single,
@@ -156,3 +169,51 @@ def test_the_baseline_is_timed_from_its_launch_as_a_run_is() -> None:
     figures = from_launch(own, launched=998.0)
     assert figures["first_step_s"] == 2.5 and figures["first_step_done_s"] == 2.75
     assert figures["first_step_from_module_s"] == 2.0 and "first_step_at" not in figures
+
+
+def test_startup_pairs_alternate_and_take_the_median_of_each_pairs_ratio() -> None:
+    """Which side of a pair starts first alternates; the paired figure is the median of the
+    pairs' own ratios, which a ratio of the two sides' medians is not."""
+    assert [pair_order(i)[0] for i in range(4)] == ["tether", "single_process"] * 2
+    assert all(sorted(pair_order(i)) == ["single_process", "tether"] for i in range(4))
+    # a slow minute (pair 1) slows both sides: the pair's ratio stays what the others say
+    pairs = [
+        {"tether_s": 3.0, "single_process_s": 3.2},
+        {"tether_s": 6.6, "single_process_s": 6.0},
+        {"tether_s": 2.7, "single_process_s": 3.0},
+    ]
+    got = paired_startup(pairs)
+    assert got == {"value": 0.938, "pairs": 3, "ratios": [0.938, 1.1, 0.9], "target": 1.0, "met": True}
+    missed = paired_startup(pairs[1:2])
+    assert missed["value"] == 1.1 and missed["met"] is False
+
+
+def test_the_paired_target_is_printed_when_measured(tmp_path: Path) -> None:
+    _write_run(tmp_path / "sync", lag=0.0)
+    modes = {"sync": summarise(tmp_path / "sync", launched=100.0, cpu_s=30.0)}
+    single = {
+        "step_time_median_s": 0.25,
+        "rollout_time_mean_s": 0.1,
+        "train_time_mean_s": 0.15,
+        "first_step_s": 5.0,
+        "cpu_s": 9.0,
+    }
+    goals = targets(modes["sync"], single)
+    goals["first_step_vs_single_process_paired"] = paired_startup(
+        [{"tether_s": 2.0, "single_process_s": 2.5}, {"tether_s": 3.0, "single_process_s": 2.5}]
+    )
+    result = {"setup": SETUP, "modes": modes, "ratio_vs_sync": {}, "single_process": single, "targets": goals}
+    assert (
+        table(result)
+        .splitlines()[-1]
+        .endswith("median of 2 alternating pairs 1.0 (pairs [0.8, 1.2]) <= 1.0: met")
+    )
+
+
+def test_a_negative_pair_count_is_refused_by_name() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match="--startup-pairs"):
+        main(parser.parse_args(["--startup-pairs", "-1"]))

@@ -26,6 +26,12 @@ same invocation, and the demo's GRPO step in one plain-torch process on the same
 seed and recipe (`tether.bench.e2e.single_process_grpo`), its first step too timed from the moment
 this command launched it, with the targets (issue #37): launch to the first step no later than
 the single process's, and the sync loop's median step no slower than the single process's.
+
+One run of each says little about start-up on a machine whose speed drifts from one minute to
+the next, so `--startup-pairs N` adds N alternating pairs after them, each a sync run of one
+step and the baseline of one step (which goes first alternates from pair to pair), both timed
+from launch to their first step; `first_step_vs_single_process_paired` is the median of the
+pairs' ratios, each taken from two runs of the same minute.
 """
 
 from __future__ import annotations
@@ -80,12 +86,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads of the single-process baseline (1: as the issue's TRL comparison; on "
         "2 shared cores 2 threads measured ~10x slower per step under load).",
     )
+    parser.add_argument(
+        "--startup-pairs",
+        type=int,
+        default=0,
+        help="Then this many alternating pairs of a one-step sync run and a one-step baseline, "
+        "for a paired launch-to-first-step ratio (0: none).",
+    )
 
 
 def _positive(args: argparse.Namespace) -> None:
     for name in ("steps", "prompts", "samples", "baseline_threads"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be at least 1")
+    if args.startup_pairs < 0:
+        raise ConfigError("--startup-pairs", args.startup_pairs, "must be 0 or more")
 
 
 def prepare(out: Path, seed: int) -> tuple[Path, Path]:
@@ -97,12 +112,15 @@ def prepare(out: Path, seed: int) -> tuple[Path, Path]:
     return model, prompts
 
 
-def run_argv(args: argparse.Namespace, mode: str, out: Path, model: Path) -> list[str]:
-    """`tether run` flags for one mode; everything but --loop (and the paths) is the same in all."""
+def run_argv(
+    args: argparse.Namespace, mode: str, out: Path, model: Path, mode_dir: Path | None = None
+) -> list[str]:
+    """`tether run` flags for one mode; everything but --loop (and the paths) is the same in all.
+    The run's own files go under `mode_dir` (default `out/mode`)."""
     common = argparse.Namespace(seed=args.seed, temperature=demo.Recipe().temperature, parallel="dp2")
     flags = demo.common_flags(common, out)
     flags[flags.index("--progress") + 1] = "plain"
-    mode_dir = out / mode
+    mode_dir = mode_dir or out / mode
     return [
         "--hf-checkpoint",
         str(model),
@@ -146,13 +164,16 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_mode(args: argparse.Namespace, mode: str, out: Path, model: Path) -> tuple[Path, float, float]:
+def run_mode(
+    args: argparse.Namespace, mode: str, out: Path, model: Path, mode_dir: Path | None = None
+) -> tuple[Path, float, float]:
     """One `tether run` as its own process; returns its run directory, the launch time and the CPU
     seconds of all its processes (engines, trainer ranks, head: a figure the machine's other load
-    changes far less than wall time)."""
-    argv = run_argv(args, mode, out, model)
-    run_dir = out / mode / "run"
-    log_path = out / mode / "tether-run.log"
+    changes far less than wall time). Its files go under `mode_dir` (default `out/mode`)."""
+    mode_dir = mode_dir or out / mode
+    argv = run_argv(args, mode, out, model, mode_dir)
+    run_dir = mode_dir / "run"
+    log_path = mode_dir / "tether-run.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
@@ -175,7 +196,8 @@ def run_mode(args: argparse.Namespace, mode: str, out: Path, model: Path) -> tup
 
 
 def run_baseline(args: argparse.Namespace, out: Path, model: Path, prompts: Path) -> dict[str, Any]:
-    """The single-process GRPO loop as its own process (its start-up counted like a run's)."""
+    """The single-process GRPO loop as its own process (its start-up counted like a run's); its
+    log goes to `out/single_process.log`."""
     argv = [
         sys.executable,
         "-m",
@@ -324,6 +346,51 @@ def targets(sync: dict[str, Any], baseline: dict[str, Any]) -> dict[str, dict[st
     }
 
 
+def pair_order(index: int) -> tuple[str, str]:
+    """Which of a start-up pair runs first: tether in even pairs, the baseline in odd ones, so
+    that neither always starts on the machine the other has just warmed (or loaded)."""
+    return ("tether", "single_process") if index % 2 == 0 else ("single_process", "tether")
+
+
+def paired_startup(pairs: list[dict[str, float]]) -> dict[str, Any]:
+    """The paired launch-to-first-step target from pairs of {"tether_s", "single_process_s"}:
+    the median of each pair's ratio (two runs of the same minute), not a ratio of medians."""
+    ratios = [p["tether_s"] / p["single_process_s"] for p in pairs]
+    value = round(statistics.median(ratios), 3)
+    return {
+        "value": value,
+        "pairs": len(pairs),
+        "ratios": [round(r, 3) for r in ratios],
+        "target": FIRST_STEP_VS_SINGLE_PROCESS_TARGET,
+        "met": value <= FIRST_STEP_VS_SINGLE_PROCESS_TARGET,
+    }
+
+
+def startup_pairs(args: argparse.Namespace, out: Path, model: Path, prompts: Path) -> list[dict[str, Any]]:
+    """`args.startup_pairs` alternating pairs of a one-step sync run and a one-step baseline,
+    each in a directory of its own under `out/startup/`; their launch-to-first-step seconds."""
+    one = argparse.Namespace(**{**vars(args), "steps": 1})
+    pairs: list[dict[str, Any]] = []
+    for index in range(args.startup_pairs):
+        where = out / "startup" / f"pair{index}"
+        where.mkdir(parents=True, exist_ok=True)
+        pair: dict[str, Any] = {"first": pair_order(index)[0]}
+        for side in pair_order(index):
+            if side == "tether":
+                run = run_mode(one, "sync", out, model, where / "sync")
+                pair["tether_s"] = summarise(*run)["first_step_s"]
+            else:
+                pair["single_process_s"] = run_baseline(one, where, model, prompts)["first_step_s"]
+        print(
+            f"[bench e2e] start-up pair {index + 1}/{args.startup_pairs}: tether {pair['tether_s']} s, "
+            f"single process {pair['single_process_s']} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        pairs.append(pair)
+    return pairs
+
+
 def _load() -> str:
     one, five, _ = os.getloadavg()
     return f"load {one:.1f}/{five:.1f} on {os.cpu_count()} cores"
@@ -352,6 +419,10 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     load = os.getloadavg()[0]
     baseline = run_baseline(args, out, model, prompts)
     baseline["load_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+    goals = targets(modes["sync"], baseline)
+    pairs = startup_pairs(args, out, model, prompts)
+    if pairs:
+        goals["first_step_vs_single_process_paired"] = paired_startup(pairs)
     return note_uncompiled(
         {
             "benchmark": "e2e",
@@ -372,7 +443,8 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "modes": modes,
             "ratio_vs_sync": ratios(modes),
             "single_process": baseline,
-            "targets": targets(modes["sync"], baseline),
+            "startup_pairs": pairs,
+            "targets": goals,
             "seconds": round(time.monotonic() - started, 1),
         },
         "e2e",
@@ -429,6 +501,13 @@ def table(result: dict[str, Any]) -> str:
         f"target: sync loop median step / single process {step['value']} <= {step['target']}: "
         f"{'met' if step['met'] else 'NOT met'}",
     ]
+    paired = goals.get("first_step_vs_single_process_paired")
+    if paired is not None:
+        lines.append(
+            f"target: launch to first step / single process, median of {paired['pairs']} alternating "
+            f"pairs {paired['value']} (pairs {paired['ratios']}) <= {paired['target']}: "
+            f"{'met' if paired['met'] else 'NOT met'}"
+        )
     return "\n".join(lines)
 
 
