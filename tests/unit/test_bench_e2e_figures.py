@@ -217,3 +217,49 @@ def test_a_negative_pair_count_is_refused_by_name() -> None:
     add_arguments(parser)
     with pytest.raises(ConfigError, match="--startup-pairs"):
         main(parser.parse_args(["--startup-pairs", "-1"]))
+
+
+def test_startup_pairs_run_one_step_each_in_their_own_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pairs' wiring (the runs themselves are `run_mode` and `run_baseline`, which the
+    three loops and the baseline of tests/integration/test_bench_e2e.py run for real)."""
+    import argparse
+
+    import tether.bench.e2e.bench as e2e
+
+    calls: list[tuple[str, int, Path]] = []
+    clock = iter([4.0, 5.0, 6.0, 5.0])  # pair 0: tether 4 s, baseline 5 s; pair 1: baseline 6, tether 5
+
+    def run_mode(
+        args: argparse.Namespace, mode: str, out: Path, model: Path, mode_dir: Path
+    ) -> tuple[Path, float, float]:
+        calls.append((mode, args.steps, mode_dir))
+        return mode_dir / "run", 0.0, 1.0
+
+    def run_baseline(args: argparse.Namespace, out: Path, model: Path, prompts: Path) -> dict[str, float]:
+        calls.append(("baseline", args.steps, out))
+        return {"first_step_s": next(clock)}
+
+    monkeypatch.setattr(e2e, "run_mode", run_mode)
+    monkeypatch.setattr(e2e, "run_baseline", run_baseline)
+    monkeypatch.setattr(e2e, "summarise", lambda run_dir, launched, cpu_s: {"first_step_s": next(clock)})
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--steps", "20", "--startup-pairs", "2"])
+    pairs = e2e.startup_pairs(args, tmp_path, tmp_path / "model", tmp_path / "train.jsonl")
+    assert calls == [
+        ("sync", 1, tmp_path / "startup" / "pair0" / "sync"),
+        ("baseline", 1, tmp_path / "startup" / "pair0"),
+        ("baseline", 1, tmp_path / "startup" / "pair1"),
+        ("sync", 1, tmp_path / "startup" / "pair1" / "sync"),
+    ]
+    assert pairs == [
+        {"first": "tether", "tether_s": 4.0, "single_process_s": 5.0},
+        {"first": "single_process", "single_process_s": 6.0, "tether_s": 5.0},
+    ]
+    assert args.steps == 20  # the loops' own runs keep theirs
+    # a pair's run keeps its files in its own directory, and reads the bench's prompts
+    argv = e2e.run_argv(args, "sync", tmp_path, tmp_path / "model", tmp_path / "startup" / "pair0" / "sync")
+    assert argv[argv.index("--run-dir") + 1] == str(tmp_path / "startup" / "pair0" / "sync" / "run")
+    assert argv[argv.index("--prompt-data") + 1] == str(tmp_path / "train.jsonl")
