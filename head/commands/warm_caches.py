@@ -23,20 +23,27 @@ from tether.runtime.files.cache_dir import cache_dir
 
 
 def warm() -> list[str]:
-    """Fill both caches; returns what was filled (nothing where the cache is off)."""
-    from tether.runtime.process.transformers_table import remember_transformers_table
+    """Fill both caches; returns those that now hold this environment's entry, as read back
+    (nothing where the cache is off; an editable transformers is never cached)."""
+    from tether.runtime.process import transformers_table
 
     if cache_dir() is None:
         return []
-    filled = []
-    if remember_transformers_table():  # before anything below imports transformers
-        filled.append("transformers' name table")
-    from tether.commands.demo import make_model
-    from tether.rollout.data.tokenizer_choice import load_tokenizer
+    transformers_table.remember_transformers_table()  # before anything below imports transformers
+    import transformers
 
+    from tether.commands.demo import make_model
+    from tether.rollout.data.tokenizer_choice import load_tokenizer, remembered
+
+    filled = []
     with tempfile.TemporaryDirectory(prefix="tether-warm-") as tmp:
-        load_tokenizer(str(make_model(Path(tmp), seed=1)))
-    filled.append("the demo model's tokenizer class")
+        model = str(make_model(Path(tmp), seed=1))
+        load_tokenizer(model)
+        key = transformers_table.install_key(Path(transformers.__file__).parent)
+        if key is not None and transformers_table.remembered(key) is not None:
+            filled.append("transformers' name table")
+        if remembered(model, str(transformers.__version__)) is not None:
+            filled.append("the demo model's tokenizer class")
     return filled
 
 
@@ -46,7 +53,10 @@ def main() -> int:
     if where is None:
         print("start-up caches off (TETHER_CACHE_DIR is empty): nothing warmed", flush=True)
     else:
-        print(f"start-up caches warmed in {where}: {', '.join(filled)}", flush=True)
+        print(
+            f"start-up caches warmed in {where}: {', '.join(filled) or 'nothing this environment can keep'}",
+            flush=True,
+        )
     return 0
 
 

@@ -68,3 +68,12 @@ def test_bench_e2e_json_all_three_loops(tmp_path: Path) -> None:
     # async: rollout N+1 is made on the weights before step N's sync, so every later step lags one version
     assert modes["async"]["version_lag_mean_after_first_step"] == 1.0
     assert modes["fully-async"]["version_lag_mean_after_first_step"] > 0.0
+    # one start-up pair: a one-step sync run (first, as pair 0 goes) and a one-step baseline
+    (pair,) = result["startup_pairs"]
+    assert pair["first"] == "tether" and pair["tether_s"] > 0 and pair["single_process_s"] > 0
+    pair_dir = tmp_path / "startup" / "pair0"
+    records = (pair_dir / "sync" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum(1 for line in records if json.loads(line).get("step", -1) >= 0) == 1
+    assert (pair_dir / "single_process.log").exists()
+    paired = goals["first_step_vs_single_process_paired"]
+    assert paired["pairs"] == 1 and paired["value"] == round(pair["tether_s"] / pair["single_process_s"], 3)
